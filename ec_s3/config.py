@@ -1,0 +1,340 @@
+"""Typed, validated configuration of ec-s3.
+
+vLLM hands a connector an untyped ``ec_connector_extra_config`` dict, whose values may
+arrive as JSON numbers or as strings from a CLI flag. Every key is declared once here
+(type, default, bounds, one-line doc) so that parsing, validation, error messages and
+the README table cannot drift apart. A bad or unknown key fails at start-up with an
+error that names it; secrets never appear in a repr, a log line or an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+__all__ = ["ConfigError", "ECS3Config", "Secret", "config_keys"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+# S3 requires every multipart part but the last to be at least 5 MiB.
+_MIN_PART_SIZE = 5 * MiB
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+_PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+
+Backpressure = Literal["block", "drop"]
+LookupPolicy = Literal["always", "promised"]
+AddressingStyle = Literal["auto", "path", "virtual"]
+ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
+
+
+class ConfigError(ValueError):
+    """A configuration key is missing, unknown or has a bad value."""
+
+
+class Secret:
+    """A credential that never shows itself in a repr, str or f-string."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('**********')"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"doc": text, **extra}
+
+
+@dataclasses.dataclass(frozen=True)
+class ECS3Config:
+    """Everything ec-s3 reads from ``ec_connector_extra_config``."""
+
+    # --- where blobs live -------------------------------------------------------
+    bucket: str = dataclasses.field(
+        default="", metadata=_doc("S3 bucket holding the blobs (required).")
+    )
+    prefix: str = dataclasses.field(
+        default="ec-cache",
+        metadata=_doc("Key prefix; blobs go to `<prefix>/<namespace>/<digest>.safetensors`."),
+    )
+    namespace: str | None = dataclasses.field(
+        default=None,
+        metadata=_doc(
+            "Override the model namespace (default: derived from model, revision, dtype, "
+            "encoder width and blob format). Set the same value on every instance when "
+            "hosts load the same model from different paths."
+        ),
+    )
+    endpoint_url: str | None = dataclasses.field(
+        default=None,
+        metadata=_doc("S3 endpoint, e.g. `http://minio:9000` (default: AWS for the region)."),
+    )
+    region: str = dataclasses.field(
+        default="us-east-1", metadata=_doc("Region used for signing.")
+    )
+    addressing_style: AddressingStyle = dataclasses.field(
+        default="path",
+        metadata=_doc("`path` (MinIO, SeaweedFS), `virtual` or `auto` (AWS)."),
+    )
+    access_key_id: Secret | None = dataclasses.field(
+        default=None,
+        metadata=_doc("Explicit access key (default: the standard AWS credential chain).", secret=True),
+    )
+    secret_access_key: Secret | None = dataclasses.field(
+        default=None, metadata=_doc("Explicit secret key; never logged.", secret=True)
+    )
+    session_token: Secret | None = dataclasses.field(
+        default=None, metadata=_doc("Explicit session token; never logged.", secret=True)
+    )
+    verify_tls: bool = dataclasses.field(
+        default=True, metadata=_doc("Verify the endpoint's TLS certificate.")
+    )
+    # --- client tuning ----------------------------------------------------------
+    max_pool_connections: int = dataclasses.field(
+        default=32, metadata=_doc("HTTP connections kept to the endpoint.", min=1, max=1024)
+    )
+    max_concurrency: int = dataclasses.field(
+        default=16,
+        metadata=_doc("S3 requests in flight at once per process (parts count singly).", min=1, max=1024),
+    )
+    multipart_threshold_bytes: int = dataclasses.field(
+        default=16 * MiB,
+        metadata=_doc("Blobs at or above this size use multipart upload and parallel ranged GETs.", min=_MIN_PART_SIZE),
+    )
+    multipart_part_bytes: int = dataclasses.field(
+        default=8 * MiB,
+        metadata=_doc("Part size of multipart uploads and ranged GETs (>= 5 MiB).", min=_MIN_PART_SIZE, max=5 * GiB),
+    )
+    connect_timeout_s: float = dataclasses.field(
+        default=2.0, metadata=_doc("TCP connect timeout per attempt.", min=0.01, max=600.0)
+    )
+    read_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_doc("Timeout waiting for data on an open connection per attempt.", min=0.01, max=3600.0),
+    )
+    max_attempts: int = dataclasses.field(
+        default=4,
+        metadata=_doc("Attempts per S3 request (throttling, 5xx and connection errors retry; 4xx never).", min=1, max=20),
+    )
+    retry_base_delay_s: float = dataclasses.field(
+        default=0.05, metadata=_doc("First retry back-off; doubles per attempt, full jitter.", min=0.0, max=60.0)
+    )
+    retry_max_delay_s: float = dataclasses.field(
+        default=2.0, metadata=_doc("Cap of one retry back-off.", min=0.0, max=600.0)
+    )
+    checksum_algorithm: ChecksumAlgorithm = dataclasses.field(
+        default="none",
+        metadata=_doc("S3 end-to-end checksum sent on PUT and verified on GET (`none`, `CRC32`, `CRC32C`, `SHA256`)."),
+    )
+    max_blob_bytes: int = dataclasses.field(
+        default=1 * GiB,
+        metadata=_doc("Largest blob ec-s3 will write or accept; anything larger is rejected.", min=1024),
+    )
+    # --- producer -----------------------------------------------------------------
+    max_inflight_bytes: int = dataclasses.field(
+        default=1 * GiB,
+        metadata=_doc("Producer: bytes of encoder outputs waiting for upload (host copies included).", min=1 * MiB),
+    )
+    backpressure: Backpressure = dataclasses.field(
+        default="block",
+        metadata=_doc("Producer, when `max_inflight_bytes` is full: `block` the save until there is room, or `drop` the upload (counted)."),
+    )
+    shutdown_timeout_s: float = dataclasses.field(
+        default=30.0, metadata=_doc("How long `shutdown()` waits to flush pending uploads.", min=0.0, max=3600.0)
+    )
+    # --- consumer -----------------------------------------------------------------
+    lookup: LookupPolicy = dataclasses.field(
+        default="always",
+        metadata=_doc("Consumer: `always` look up every item in the bucket, or only items `promised` in `ec_transfer_params`."),
+    )
+    promised_wait_s: float = dataclasses.field(
+        default=30.0,
+        metadata=_doc("Consumer: how long to wait for an item promised in `ec_transfer_params` to appear.", min=0.0, max=3600.0),
+    )
+    lookup_wait_s: float = dataclasses.field(
+        default=2.0,
+        metadata=_doc("Consumer/producer: how long a request waits for the lookup of an item nobody promised before it is encoded locally.", min=0.0, max=600.0),
+    )
+    negative_cache_ttl_s: float = dataclasses.field(
+        default=5.0,
+        metadata=_doc("Consumer: a miss is remembered this long, so it costs at most one HEAD per TTL.", min=0.0, max=3600.0),
+    )
+    staging_bytes: int = dataclasses.field(
+        default=4 * GiB,
+        metadata=_doc("Consumer: host shared memory for fetched blobs waiting for the workers.", min=1 * MiB),
+    )
+    staging_dir: str = dataclasses.field(
+        default="/dev/shm",
+        metadata=_doc("Consumer: directory (tmpfs) for the staging area shared with workers on this host."),
+    )
+    encoder_output_width: int | None = dataclasses.field(
+        default=None,
+        metadata=_doc("Expected width of an encoder output row (default: vLLM's measured width, else the text hidden size).", min=1),
+    )
+
+    # ---------------------------------------------------------------------------
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, *, environ: Mapping[str, str] | None = None
+    ) -> ECS3Config:
+        """Parse and validate vLLM's ``ec_connector_extra_config``.
+
+        Keys vLLM's own EC connectors read from the same dict are not ours and are
+        ignored; anything else unknown is a typo and fails with the accepted keys.
+        ``bucket`` and ``endpoint_url`` fall back to ``EC_S3_BUCKET`` /
+        ``EC_S3_ENDPOINT_URL`` so one deployment can point every instance at one
+        store through the environment.
+        """
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = dict(extra or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(k for k in raw if k not in fields and k not in _FOREIGN_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown ec_connector_extra_config key(s) {unknown}; accepted keys: "
+                f"{', '.join(sorted(fields))}"
+            )
+        for env_key, name in (("EC_S3_BUCKET", "bucket"), ("EC_S3_ENDPOINT_URL", "endpoint_url")):
+            if name not in raw and environ.get(env_key):
+                raw[name] = environ[env_key]
+        values = {name: _coerce(fields[name], value) for name, value in raw.items() if name in fields}
+        config = cls(**values)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Check cross-field rules and bounds; raise :class:`ConfigError` naming the key."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            lo, hi = f.metadata.get("min"), f.metadata.get("max")
+            if value is None or isinstance(value, (str, Secret)):
+                continue
+            if lo is not None and value < lo:
+                raise ConfigError(f"{f.name}={value!r} is below the minimum {lo!r}")
+            if hi is not None and value > hi:
+                raise ConfigError(f"{f.name}={value!r} is above the maximum {hi!r}")
+        if not self.bucket:
+            raise ConfigError("bucket is required: set ec_connector_extra_config.bucket (or EC_S3_BUCKET)")
+        if not _BUCKET_RE.match(self.bucket) or ".." in self.bucket:
+            raise ConfigError(f"bucket={self.bucket!r} is not a valid S3 bucket name (3-63 of a-z 0-9 . -)")
+        _check_key_path("prefix", self.prefix)
+        if self.namespace is not None:
+            _check_key_path("namespace", self.namespace)
+        if self.endpoint_url is not None and not re.match(r"^https?://[^/\s]+/?$", self.endpoint_url):
+            raise ConfigError(
+                f"endpoint_url={self.endpoint_url!r} must be http(s)://host[:port] without a path"
+            )
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("access_key_id and secret_access_key must be given together (or neither)")
+        if self.retry_max_delay_s < self.retry_base_delay_s:
+            raise ConfigError("retry_max_delay_s must be >= retry_base_delay_s")
+        if self.max_inflight_bytes < self.multipart_part_bytes:
+            raise ConfigError("max_inflight_bytes must be >= multipart_part_bytes")
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+        )
+        return f"ECS3Config({shown})"
+
+
+# Keys of vLLM's built-in EC connectors that operators may leave in a shared extra config.
+_FOREIGN_KEYS = frozenset({"shared_storage_path", "ec_enable_nixl", "consumer_ack_timeout_s"})
+
+
+def _check_key_path(name: str, value: str) -> None:
+    segments = value.split("/")
+    if not value or not all(_PREFIX_SEGMENT_RE.match(s) and s not in (".", "..") for s in segments):
+        raise ConfigError(
+            f"{name}={value!r} must be '/'-separated segments of A-Z a-z 0-9 . _ - "
+            "(no empty, '.' or '..' segments, no leading or trailing '/')"
+        )
+
+
+def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
+    """Turn a JSON or CLI value into the field's type, or fail naming the key."""
+    name, annotation = f.name, f.type
+    if value is None:
+        if f.default is None:
+            return None
+        raise ConfigError(f"{name} may not be null")
+    try:
+        if f.metadata.get("secret"):
+            if isinstance(value, Secret):
+                return value
+            if not isinstance(value, str) or not value:
+                raise TypeError("a non-empty string")
+            return Secret(value)
+        if annotation in ("int", "int | None"):
+            if isinstance(value, bool):
+                raise TypeError("an integer")
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise TypeError("an integer")
+                return int(value)
+            return int(str(value).strip().replace("_", ""))
+        if annotation == "float":
+            if isinstance(value, bool):
+                raise TypeError("a number")
+            number = float(value)
+            if not math.isfinite(number):
+                raise TypeError("a finite number")
+            return number
+        if annotation == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise TypeError("a boolean (true/false)")
+        if annotation in ("str", "str | None"):
+            if not isinstance(value, str):
+                raise TypeError("a string")
+            return value
+        choices = _LITERALS.get(annotation)
+        if choices is not None:
+            if value not in choices:
+                raise TypeError("one of " + ", ".join(repr(c) for c in choices))
+            return value
+    except (TypeError, ValueError) as exc:
+        shown = "<hidden>" if f.metadata.get("secret") else repr(value)
+        expected = exc.args[0] if isinstance(exc, TypeError) and exc.args else annotation
+        raise ConfigError(f"{name}={shown} is invalid: expected {expected}") from None
+    raise AssertionError(f"unhandled config type {annotation} for {name}")  # pragma: no cover
+
+
+_LITERALS: dict[str, tuple[str, ...]] = {
+    "Backpressure": get_args(Backpressure),
+    "LookupPolicy": get_args(LookupPolicy),
+    "AddressingStyle": get_args(AddressingStyle),
+    "ChecksumAlgorithm": get_args(ChecksumAlgorithm),
+}
+
+
+def config_keys() -> list[tuple[str, str, str]]:
+    """(key, default, doc) for every config key: the source of the README table."""
+    rows = []
+    for f in dataclasses.fields(ECS3Config):
+        default = "required" if f.name == "bucket" else repr(f.default)
+        rows.append((f.name, default, f.metadata["doc"]))
+    return rows

@@ -1,0 +1,592 @@
+"""An async S3 blob store tuned for encoder-cache traffic.
+
+All requests run on the process-wide background loop (:mod:`ec_s3.aio`); the
+``*_async`` coroutines are for code already on that loop, and :meth:`S3Store.submit`
+hands one to it from any thread without blocking.
+
+Why not botocore's defaults: over plain HTTP botocore SHA-256-signs every body and
+computes CRC checksums on every PUT and GET, which triples client CPU on the 2-core
+hosts this runs on; retries are ours (exponential back-off with full jitter, only on
+throttling, 5xx and connection errors, never on 4xx) so that a budget bounds the
+time a caller can wait. Concurrency is bounded by ``max_concurrency`` requests;
+since single requests carry at most ``multipart_threshold_bytes`` and parts at most
+``multipart_part_bytes``, that also bounds the bytes in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import enum
+import io
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+import aioboto3
+import aiohttp
+from aiobotocore.config import AioConfig
+from botocore import exceptions as boto_exc
+
+from ec_s3.aio import BackgroundLoop, shared_loop
+from ec_s3.config import ECS3Config
+from ec_s3.log import logger
+
+__all__ = [
+    "AccessDenied",
+    "ObjectInfo",
+    "ObjectNotFound",
+    "PutOutcome",
+    "S3Store",
+    "StoreClosed",
+    "StoreError",
+    "StoreRequestError",
+    "StoreStats",
+    "StoreUnavailable",
+]
+
+T = TypeVar("T")
+Allocator = Callable[[int], memoryview]
+
+_RETRYABLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+     "ServiceUnavailable", "RequestLimitExceeded", "ConditionalRequestConflict"}
+)
+_TRANSIENT_EXC: tuple[type[BaseException], ...] = (
+    boto_exc.EndpointConnectionError,
+    boto_exc.ConnectionClosedError,
+    boto_exc.ReadTimeoutError,
+    boto_exc.ConnectTimeoutError,
+    boto_exc.ResponseStreamingError,
+    boto_exc.IncompleteReadError,
+    boto_exc.HTTPClientError,
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+
+
+class StoreError(Exception):
+    """An S3 operation failed; ``op`` and ``key`` say which, ``reason`` why."""
+
+    def __init__(self, op: str, key: str, reason: str) -> None:
+        super().__init__(f"S3 {op} {key!r} failed: {reason}")
+        self.op, self.key, self.reason = op, key, reason
+
+
+class ObjectNotFound(StoreError):
+    """The key does not exist (404). A normal answer, not a fault."""
+
+
+class AccessDenied(StoreError):
+    """401/403: credentials or bucket policy refuse this operation. Never retried."""
+
+
+class StoreRequestError(StoreError):
+    """Any other 4xx: the request itself is wrong. Never retried."""
+
+
+class StoreUnavailable(StoreError):
+    """Throttling, 5xx, timeouts or connection errors outlasted the retry budget."""
+
+
+class StoreClosed(StoreError):
+    """The store was closed."""
+
+
+class PutOutcome(enum.Enum):
+    CREATED = "created"
+    ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: someone stored it first
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str = ""
+    last_modified: float = 0.0  # epoch seconds
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StoreStats:
+    """Counters since start; updated on the loop thread only, read from anywhere."""
+
+    requests: int = 0
+    retries: int = 0
+    failures: int = 0
+    bytes_uploaded: int = 0
+    bytes_downloaded: int = 0
+
+
+class _BufferReader(io.RawIOBase):
+    """A seekable file over a memoryview, so botocore can send slices without a copy.
+
+    botocore accepts ``bytes``/``bytearray``/file objects as a body, not memoryviews;
+    copying each multipart part (or a pinned host buffer) into ``bytes`` would double
+    the memory traffic of an upload.
+    """
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), len(self._view) - self._pos)
+        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        chunk = self._view[self._pos : end].tobytes()
+        self._pos = end
+        return chunk
+
+
+class S3Store:
+    """Blob store for one bucket; thread-safe, non-blocking, shared loop.
+
+    Construction does no I/O: the client is created on first use on the loop.
+    """
+
+    def __init__(self, config: ECS3Config, *, loop: BackgroundLoop | None = None) -> None:
+        self.config = config
+        self.bucket = config.bucket
+        self._bg = loop or shared_loop()
+        self._client: Any = None
+        self._client_lock: asyncio.Lock | None = None
+        self._exit_stack: contextlib.AsyncExitStack | None = None
+        self._sem: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._closed = False
+        self.stats = StoreStats()
+
+    def __repr__(self) -> str:
+        return f"S3Store(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def background(self) -> BackgroundLoop:
+        return self._bg
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Any:
+        """Run ``coro`` on the store's loop; returns a ``concurrent.futures.Future``.
+
+        Tracked, so :meth:`close` can drain or cancel it.
+        """
+        if self._closed:
+            coro.close()
+            raise StoreClosed("submit", "", "store is closed")
+        return self._bg.submit(self._tracked(coro))
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Block until ``coro`` is done. For CLIs, tests and shutdown, never the engine."""
+        return self.submit(coro).result(timeout)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, T]) -> T:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._tasks.discard(task)
+            else:
+                task.add_done_callback(self._tasks.discard)
+
+    async def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if self._closed:
+            raise StoreClosed("connect", "", "store is closed")
+        if self._client_lock is None:
+            self._client_lock = asyncio.Lock()
+        async with self._client_lock:
+            if self._client is None:
+                cfg = self.config
+                session = aioboto3.Session(
+                    aws_access_key_id=cfg.access_key_id.reveal() if cfg.access_key_id else None,
+                    aws_secret_access_key=cfg.secret_access_key.reveal() if cfg.secret_access_key else None,
+                    aws_session_token=cfg.session_token.reveal() if cfg.session_token else None,
+                    region_name=cfg.region,
+                )
+                boto_config = AioConfig(
+                    region_name=cfg.region,
+                    signature_version="s3v4",
+                    s3={"addressing_style": cfg.addressing_style, "payload_signing_enabled": False},
+                    retries={"total_max_attempts": 1, "mode": "standard"},
+                    connect_timeout=cfg.connect_timeout_s,
+                    read_timeout=cfg.read_timeout_s,
+                    max_pool_connections=cfg.max_pool_connections,
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                    tcp_keepalive=True,
+                )
+                stack = contextlib.AsyncExitStack()
+                self._client = await stack.enter_async_context(
+                    session.client(
+                        "s3", endpoint_url=cfg.endpoint_url, config=boto_config, verify=cfg.verify_tls
+                    )
+                )
+                self._exit_stack = stack
+                self._sem = asyncio.Semaphore(cfg.max_concurrency)
+        return self._client
+
+    async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
+        """Run one S3 request with the retry budget and the concurrency bound."""
+        cfg = self.config
+        client = await self._get_client()
+        assert self._sem is not None
+        for attempt in range(1, cfg.max_attempts + 1):
+            self.stats.requests += 1
+            try:
+                async with self._sem:
+                    return await fn(client)
+            except boto_exc.ClientError as exc:
+                error = _classify(op, key, exc)
+            except _TRANSIENT_EXC as exc:
+                error = StoreUnavailable(op, key, f"{type(exc).__name__}: {exc}")
+            if not isinstance(error, StoreUnavailable) or attempt == cfg.max_attempts:
+                self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
+                raise error
+            self.stats.retries += 1
+            delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
+            logger.debug("ec-s3: retrying %s %s in %.3fs after %s", op, key, delay, error.reason)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ operations
+    async def head_async(self, key: str) -> ObjectInfo | None:
+        """Size and metadata of ``key``, or None if it does not exist."""
+
+        async def _head(client: Any) -> ObjectInfo:
+            resp = await client.head_object(Bucket=self.bucket, Key=key)
+            return _info(key, resp)
+
+        try:
+            return await self._call("HEAD", key, _head)
+        except ObjectNotFound:
+            return None
+
+    async def put_async(
+        self,
+        key: str,
+        body: bytes | bytearray | memoryview,
+        *,
+        metadata: dict[str, str] | None = None,
+    ) -> PutOutcome:
+        """Store an immutable blob; a 412 from the conditional put means it exists."""
+        view = memoryview(body).cast("B")
+        if len(view) > self.config.max_blob_bytes:
+            raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
+        if len(view) >= self.config.multipart_threshold_bytes:
+            # One HEAD is cheap next to uploading every part only to meet a 412.
+            if await self.head_async(key) is not None:
+                return PutOutcome.ALREADY_EXISTS
+            outcome = await self._put_multipart(key, view, metadata or {})
+        else:
+            outcome = await self._put_single(key, view, metadata or {})
+        if outcome is PutOutcome.CREATED:
+            self.stats.bytes_uploaded += len(view)
+        return outcome
+
+    async def _put_single(self, key: str, view: memoryview, metadata: dict[str, str]) -> PutOutcome:
+        extra = self._checksum_args()
+
+        async def _put(client: Any) -> PutOutcome:
+            await client.put_object(
+                Bucket=self.bucket, Key=key, Body=_BufferReader(view), ContentLength=len(view),
+                IfNoneMatch="*", Metadata=metadata, ContentType="application/octet-stream", **extra,
+            )
+            return PutOutcome.CREATED
+
+        return await self._conditional("PUT", key, _put)
+
+    async def _conditional(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, PutOutcome]]) -> PutOutcome:
+        try:
+            return await self._call(op, key, fn)
+        except StoreRequestError as exc:
+            if exc.reason.startswith("412"):
+                return PutOutcome.ALREADY_EXISTS
+            raise
+
+    async def _put_multipart(self, key: str, view: memoryview, metadata: dict[str, str]) -> PutOutcome:
+        part = self.config.multipart_part_bytes
+        extra = self._checksum_args()
+
+        async def _create(client: Any) -> str:
+            resp = await client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+            )
+            return resp["UploadId"]
+
+        upload_id = await self._call("CreateMultipartUpload", key, _create)
+        try:
+            async def _part(number: int, start: int) -> dict[str, Any]:
+                chunk = view[start : start + part]
+
+                async def _upload(client: Any) -> dict[str, Any]:
+                    resp = await client.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                        Body=_BufferReader(chunk), ContentLength=len(chunk), **extra,
+                    )
+                    done = {"PartNumber": number, "ETag": resp["ETag"]}
+                    for field in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA256"):
+                        if resp.get(field):
+                            done[field] = resp[field]
+                    return done
+
+                return await self._call("UploadPart", key, _upload)
+
+            parts = await asyncio.gather(
+                *(_part(i + 1, start) for i, start in enumerate(range(0, len(view), part)))
+            )
+
+            async def _complete(client: Any) -> PutOutcome:
+                await client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id,
+                    MultipartUpload={"Parts": list(parts)}, IfNoneMatch="*",
+                )
+                return PutOutcome.CREATED
+
+            outcome = await self._conditional("CompleteMultipartUpload", key, _complete)
+        except BaseException:
+            await self._abort_multipart(key, upload_id)
+            raise
+        if outcome is PutOutcome.ALREADY_EXISTS:
+            await self._abort_multipart(key, upload_id)
+        return outcome
+
+    async def _abort_multipart(self, key: str, upload_id: str) -> None:
+        with contextlib.suppress(Exception):
+            client = await self._get_client()
+            await asyncio.wait_for(
+                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
+                self.config.read_timeout_s,
+            )
+
+    async def get_async(self, key: str, *, allocate: Allocator | None = None) -> memoryview:
+        """Fetch a whole object into one writable buffer, without a HEAD.
+
+        The first request asks for the first part (``Range: bytes=0-<part-1>``); its
+        ``Content-Range`` gives the object's size, so a blob up to one part costs one
+        round trip and a larger one fetches its remaining parts in parallel.
+        ``allocate(size)`` says where the bytes go (e.g. a shared-memory staging slot),
+        so the body is copied once, from the socket to its final place.
+        """
+        alloc = allocate or (lambda n: memoryview(bytearray(n)))
+        part = self.config.multipart_part_bytes
+        holder: list[memoryview] = []
+
+        # With an end-to-end checksum the object is fetched whole: S3 verifies
+        # full-object checksums only on whole-object GETs.
+        ranged = {} if self.config.checksum_algorithm != "none" else {"Range": f"bytes=0-{part - 1}"}
+
+        async def _first(client: Any) -> int:
+            resp = await client.get_object(Bucket=self.bucket, Key=key, **ranged, **self._checksum_mode())
+            length = int(resp["ContentLength"])
+            total = _content_range_total(resp.get("ContentRange"))
+            if total is None:  # a 200 with the whole object (servers may ignore Range)
+                total = length
+            if total > self.config.max_blob_bytes:
+                resp["Body"].close()
+                raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
+            if not holder:
+                holder.append(alloc(total))
+            out = holder[0]
+            if len(out) != total:
+                resp["Body"].close()
+                raise StoreUnavailable("GET", key, "object size changed between attempts")
+            await _read_into(resp["Body"], out[:length], key)
+            return length
+
+        first = await self._call("GET", key, _first)
+        out = holder[0]
+        if first < len(out):
+            await asyncio.gather(
+                *(self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part))
+            )
+        self.stats.bytes_downloaded += len(out)
+        return out
+
+    async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
+        async def _get(client: Any) -> None:
+            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+            total = _content_range_total(resp.get("ContentRange"))
+            if total != len(out):
+                resp["Body"].close()
+                raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
+            await _read_into(resp["Body"], out[start:end], key)
+
+        await self._call("GET", key, _get)
+
+    async def delete_async(self, key: str) -> None:
+        async def _delete(client: Any) -> None:
+            await client.delete_object(Bucket=self.bucket, Key=key)
+
+        await self._call("DELETE", key, _delete)
+
+    async def delete_many_async(self, keys: Iterable[str]) -> int:
+        """Delete keys in batches of 1000 (the S3 limit); returns how many were deleted."""
+        pending, deleted = list(keys), 0
+        for i in range(0, len(pending), 1000):
+            batch = [{"Key": k} for k in pending[i : i + 1000]]
+
+            async def _delete(client: Any, batch: list[dict[str, str]] = batch) -> int:
+                resp = await client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+                errors = resp.get("Errors") or []
+                if errors:
+                    raise StoreRequestError("DeleteObjects", errors[0].get("Key", ""), errors[0].get("Message", ""))
+                return len(batch)
+
+            deleted += await self._call("DeleteObjects", batch[0]["Key"], _delete)
+        return deleted
+
+    async def list_async(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        """Every object under ``prefix``, page by page."""
+        token: str | None = None
+        while True:
+            async def _list(client: Any, token: str | None = token) -> dict[str, Any]:
+                kwargs = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
+                if token:
+                    kwargs["ContinuationToken"] = token
+                return await client.list_objects_v2(**kwargs)
+
+            page = await self._call("LIST", prefix, _list)
+            for item in page.get("Contents", []):
+                modified = item.get("LastModified")
+                yield ObjectInfo(
+                    key=item["Key"], size=int(item.get("Size", 0)), etag=item.get("ETag", "").strip('"'),
+                    last_modified=modified.timestamp() if modified else 0.0,
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def create_bucket_async(self) -> None:
+        """Create the bucket if it does not exist (tests, demo, CLI)."""
+
+        async def _create(client: Any) -> None:
+            await client.create_bucket(Bucket=self.bucket)
+
+        try:
+            await self._call("CreateBucket", self.bucket, _create)
+        except StoreRequestError as exc:
+            if "BucketAlreadyOwnedByYou" not in exc.reason and "BucketAlreadyExists" not in exc.reason:
+                raise
+
+    async def bucket_exists_async(self) -> bool:
+        async def _head(client: Any) -> bool:
+            await client.head_bucket(Bucket=self.bucket)
+            return True
+
+        try:
+            return await self._call("HeadBucket", self.bucket, _head)
+        except ObjectNotFound:
+            return False
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout: float = 10.0) -> None:
+        """Let pending requests finish for up to ``timeout`` seconds, cancel the rest,
+        and close the client. Idempotent; callable from any thread but the loop's."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._bg.is_running:
+            return
+        try:
+            self._bg.run(self._aclose(timeout), timeout + 5.0)
+        except Exception as exc:  # noqa: BLE001 - closing must not raise into vLLM's shutdown
+            logger.warning("ec-s3: closing the S3 client failed: %s", exc)
+
+    async def _aclose(self, timeout: float) -> None:
+        pending = [t for t in self._tasks if not t.done()]
+        if pending:
+            done, still = await asyncio.wait(pending, timeout=timeout)
+            for task in still:
+                task.cancel()
+            if still:
+                logger.warning("ec-s3: cancelled %d S3 operations still pending after %.1fs", len(still), timeout)
+                await asyncio.gather(*still, return_exceptions=True)
+        if self._exit_stack is not None:
+            await self._exit_stack.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------------ helpers
+    def _checksum_args(self) -> dict[str, str]:
+        algo = self.config.checksum_algorithm
+        return {} if algo == "none" else {"ChecksumAlgorithm": algo}
+
+    def _checksum_mode(self) -> dict[str, str]:
+        return {} if self.config.checksum_algorithm == "none" else {"ChecksumMode": "ENABLED"}
+
+
+async def _read_into(body: Any, out: memoryview, key: str) -> None:
+    """Copy a streaming body into ``out``; a short or long body is a transient error."""
+    pos = 0
+    try:
+        async for chunk in body.iter_chunks(1 << 20):
+            n = len(chunk)
+            if pos + n > len(out):
+                raise StoreUnavailable("GET", key, "body longer than Content-Length")
+            out[pos : pos + n] = chunk
+            pos += n
+    finally:
+        body.close()
+    if pos != len(out):
+        raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
+
+
+def _content_range_total(value: str | None) -> int | None:
+    if not value or "/" not in value:
+        return None
+    total = value.rsplit("/", 1)[1]
+    return int(total) if total.isdigit() else None
+
+
+def _info(key: str, resp: dict[str, Any]) -> ObjectInfo:
+    modified = resp.get("LastModified")
+    return ObjectInfo(
+        key=key,
+        size=int(resp.get("ContentLength", 0)),
+        etag=str(resp.get("ETag", "")).strip('"'),
+        last_modified=modified.timestamp() if modified else time.time(),
+        metadata=dict(resp.get("Metadata") or {}),
+    )
+
+
+def _classify(op: str, key: str, exc: boto_exc.ClientError) -> StoreError:
+    error = exc.response.get("Error", {}) or {}
+    code = str(error.get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    reason = f"{status} {code}".strip()
+    if status == 404 or code in ("NoSuchKey", "NotFound", "404", "NoSuchBucket"):
+        if code == "NoSuchBucket":
+            return StoreRequestError(op, key, f"{reason}: bucket does not exist")
+        return ObjectNotFound(op, key, reason)
+    if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+        return AccessDenied(op, key, f"{reason}: check the credentials and the bucket policy")
+    if status >= 500 or status == 429 or code in _RETRYABLE_CODES:
+        return StoreUnavailable(op, key, reason)
+    return StoreRequestError(op, key, reason)

