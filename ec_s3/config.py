@@ -246,8 +246,6 @@ class ECS3Config:
             raise ConfigError("access_key_id and secret_access_key must be given together (or neither)")
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ConfigError("retry_max_delay_s must be >= retry_base_delay_s")
-        if self.max_inflight_bytes < self.multipart_part_bytes:
-            raise ConfigError("max_inflight_bytes must be >= multipart_part_bytes")
 
     def __repr__(self) -> str:
         shown = ", ".join(

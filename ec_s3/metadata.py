@@ -1,0 +1,50 @@
+"""Messages between the scheduler-role and worker-role parts (one engine step each).
+
+vLLM pickles connector metadata from the scheduler to every worker each step, and
+worker metadata back, so these are small plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorMetadata,
+    ECConnectorWorkerMetadata,
+)
+
+__all__ = ["ECS3ConnectorMetadata", "ECS3WorkerMetadata", "LoadSpec"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadSpec:
+    """A staged, validated blob a worker must put into its encoder cache this step."""
+
+    identifier: str
+    key: str  # for workers on another host, which fetch from S3 themselves
+    path: str  # staging file on the scheduler's host
+    data_offset: int
+    nbytes: int  # whole blob
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    shape: tuple[int, ...]
+    host: str  # host_id() of the scheduler that staged it
+
+
+@dataclasses.dataclass
+class ECS3ConnectorMetadata(ECConnectorMetadata):
+    # Consumer: items to load into the encoder cache before the embeddings are gathered.
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    # Producer: key to publish each encoder output of this step's requests under.
+    save_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class ECS3WorkerMetadata(ECConnectorWorkerMetadata):
+    # Identifiers whose staged blob a worker could not use; the scheduler stops
+    # trusting those slots.
+    failed_loads: set[str] = dataclasses.field(default_factory=set)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        if isinstance(other, ECS3WorkerMetadata):
+            return ECS3WorkerMetadata(failed_loads=self.failed_loads | other.failed_loads)
+        return self

@@ -1,0 +1,92 @@
+"""What ec-s3 needs to know about the served model, read from vLLM's config.
+
+Both sides must agree on where a model's blobs live (the namespace) and on what an
+encoder output looks like (dtype, row width), without exchanging anything: the
+producer and every consumer derive the same answers from the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import socket
+from typing import TYPE_CHECKING
+
+import torch
+
+from ec_s3.config import ECS3Config
+from ec_s3.keys import KeySpace, model_namespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["ModelInfo", "host_id"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """Model facts the connector checks blobs against."""
+
+    model: str
+    dtype: torch.dtype
+    # Width per modality when vLLM measured it; ``default_width`` otherwise.
+    widths: dict[str, int]
+    default_width: int | None
+    keyspace: KeySpace
+    engine_id: str
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, config: ECS3Config) -> ModelInfo:
+        model_config = vllm_config.model_config
+        ec_config = vllm_config.ec_transfer_config
+        dtype = model_config.dtype
+        if not isinstance(dtype, torch.dtype):  # pragma: no cover - vLLM resolves it
+            dtype = getattr(torch, str(dtype))
+        widths = dict(getattr(ec_config, "mm_encoder_output_widths", None) or {})
+        default_width = config.encoder_output_width
+        if default_width is None:
+            try:
+                default_width = int(model_config.hf_text_config.hidden_size)
+            except (AttributeError, TypeError, ValueError):
+                default_width = None
+        namespace = config.namespace or model_namespace(
+            str(model_config.model),
+            revision=model_config.revision,
+            dtype=str(dtype).removeprefix("torch."),
+            encoder_width=config.encoder_output_width or default_width,
+        )
+        return cls(
+            model=str(model_config.model),
+            dtype=dtype,
+            widths=widths,
+            default_width=default_width,
+            keyspace=KeySpace(config.prefix, namespace),
+            engine_id=str(getattr(ec_config, "engine_id", "") or ""),
+        )
+
+    def width_for(self, modality: str) -> int | None:
+        """The row width an encoder output of ``modality`` must have, if known.
+
+        An explicit ``encoder_output_width`` wins; vLLM's measured width is next
+        (it knows DeepStack-style wide outputs); the text hidden size is the fallback.
+        """
+        return self.widths.get(modality, self.default_width)
+
+
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """Identifies this host (and boot), so a worker can tell whether the scheduler's
+    staging directory is the one it can see."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:
+            boot = ""
+        raw = f"{socket.gethostname()}\0{boot}\0{os.environ.get('EC_S3_HOST_ID', '')}"
+        _HOST_ID = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return _HOST_ID

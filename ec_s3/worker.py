@@ -1,0 +1,213 @@
+"""Worker-role part of ECS3Connector.
+
+Loading: the scheduler side has already fetched and validated each blob into host
+shared memory, so ``start_load_caches`` only maps the staging file and copies the
+tensor to the device (on CUDA through a pinned buffer and a side stream that the
+current stream waits on; the host never blocks on the copy). It never touches the
+network — except on a worker whose host cannot see the scheduler's staging (multi-node
+TP/PP), which fetches from S3 itself, synchronously, and says so once in the log.
+
+Saving: ``save_caches`` hands the encoder output to :class:`BlobPublisher` and
+returns; only the first tensor-parallel rank publishes, since every rank holds the
+same encoder output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ec_s3.codec import BlobError, BlobExpectation, decode_blob
+from ec_s3.config import ECS3Config
+from ec_s3.log import logger
+from ec_s3.metadata import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
+from ec_s3.model_info import ModelInfo, host_id
+from ec_s3.publisher import BlobPublisher
+from ec_s3.staging import open_slot_view
+from ec_s3.stats import Counters
+from ec_s3.store import S3Store, StoreError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["ECS3Worker"]
+
+# How long a worker that cannot see the staging area waits for S3 itself.
+_REMOTE_FETCH_TIMEOUT_S = 60.0
+
+
+class ECS3Worker:
+    def __init__(self, vllm_config: VllmConfig, config: ECS3Config, model: ModelInfo, counters: Counters) -> None:
+        ec_config = vllm_config.ec_transfer_config
+        assert ec_config is not None
+        self._config = config
+        self._model = model
+        self._counters = counters
+        self._is_producer = bool(ec_config.is_ec_producer)
+        self._is_consumer = bool(ec_config.is_ec_consumer)
+        self._store: S3Store | None = None
+        self._publisher: BlobPublisher | None = None
+        self._failed_loads: set[str] = set()
+        self._host = host_id()
+        self._warned_remote = False
+        self._device: torch.device | None = None
+        self._load_stream: Any = None
+        if self._is_producer:
+            self._publisher = BlobPublisher(
+                self._get_store(), config, namespace=model.keyspace.namespace,
+                producer=model.engine_id, counters=counters,
+            )
+
+    def _get_store(self) -> S3Store:
+        if self._store is None:
+            self._store = S3Store(self._config)
+        return self._store
+
+    # ------------------------------------------------------------------ saving
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECS3ConnectorMetadata | None) -> None:
+        if self._publisher is None or not _is_publishing_rank():
+            return
+        tensor = encoder_cache.get(mm_hash)
+        if tensor is None:
+            return
+        key = (metadata.save_keys.get(mm_hash) if metadata else None) or self._model.keyspace.key_for(mm_hash)
+        self._publisher.publish(mm_hash, tensor, key)
+
+    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+        """Publish items of this step that vLLM already had cached (it will not call
+        ``save_caches`` for them); the publisher skips what it already sent."""
+        for ident in metadata.save_keys:
+            if ident in encoder_cache:
+                self.save_caches(encoder_cache, ident, metadata)
+
+    # ------------------------------------------------------------------ loading
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+        for spec in metadata.loads:
+            if spec.identifier in encoder_cache:
+                continue
+            tensor = self._load(spec)
+            if tensor is None:
+                continue
+            encoder_cache[spec.identifier] = tensor
+            self._counters.inc("blobs_loaded")
+            if self._publisher is not None:
+                self._publisher.mark_present(spec.key)
+
+    def _load(self, spec: LoadSpec) -> torch.Tensor | None:
+        device = self._target_device()
+        if spec.host == self._host:
+            try:
+                return self._load_staged(spec, device)
+            except (OSError, ValueError, RuntimeError) as exc:
+                self._failed_loads.add(spec.identifier)
+                self._counters.inc("staging_read_failures")
+                logger.error(
+                    "ec-s3: cannot read staged item %s from %s (%s); fetching it from S3 instead. "
+                    "This should not happen: check that staging_dir is not cleaned by another process.",
+                    spec.identifier[:64], spec.path, exc,
+                )
+        elif not self._warned_remote:
+            self._warned_remote = True
+            logger.warning(
+                "ec-s3: this worker is on another host than its scheduler, so it fetches encoder "
+                "outputs from S3 itself, blocking the model step for each (one GET per item per host)"
+            )
+        return self._load_remote(spec, device)
+
+    def _load_staged(self, spec: LoadSpec, device: torch.device) -> torch.Tensor:
+        dtype = getattr(torch, spec.dtype)
+        mm = open_slot_view(spec.path)
+        try:
+            if len(mm) != spec.nbytes:
+                raise ValueError(f"staging file is {len(mm)} bytes, expected {spec.nbytes}")
+            count = spec.nbytes - spec.data_offset
+            host = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=spec.data_offset)
+            host = host.view(dtype).reshape(spec.shape)
+            return self._to_device(host, device)
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def _load_remote(self, spec: LoadSpec, device: torch.device) -> torch.Tensor | None:
+        store = self._get_store()
+        try:
+            buf = store.run(store.get_async(spec.key), timeout=_REMOTE_FETCH_TIMEOUT_S)
+            decoded = decode_blob(
+                buf,
+                BlobExpectation(
+                    identifier=spec.identifier, namespace=self._model.keyspace.namespace,
+                    dtype=getattr(torch, spec.dtype), rows=spec.shape[0], width=spec.shape[-1],
+                    max_bytes=self._config.max_blob_bytes,
+                ),
+            )
+        except (StoreError, BlobError, TimeoutError) as exc:
+            self._failed_loads.add(spec.identifier)
+            logger.error("ec-s3: could not fetch %s for this worker: %s", spec.key, exc)
+            return None
+        self._counters.inc("remote_loads")
+        return self._to_device(decoded.tensor, device)
+
+    def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return host.clone() if device.type == "cpu" else host.to(device)
+        # Pageable → pinned (a host memcpy), then an async H2D copy on a side stream;
+        # the compute stream waits on an event, not the host. The caching host
+        # allocator keeps the pinned block alive until the copy has run.
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        pinned.copy_(host)
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(device=device)
+        current = torch.cuda.current_stream(device)
+        self._load_stream.wait_stream(current)
+        with torch.cuda.stream(self._load_stream):
+            out = pinned.to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._load_stream)
+        current.wait_event(done)
+        out.record_stream(current)
+        return out
+
+    def _target_device(self) -> torch.device:
+        if self._device is None:
+            from vllm.platforms import current_platform
+
+            kind = current_platform.device_type
+            if current_platform.is_cuda_alike():
+                self._device = torch.device(f"{kind}:{current_platform.current_device()}")
+            else:
+                self._device = torch.device(kind)
+        return self._device
+
+    def build_connector_worker_meta(self) -> ECS3WorkerMetadata | None:
+        if not self._failed_loads:
+            return None
+        failed, self._failed_loads = self._failed_loads, set()
+        return ECS3WorkerMetadata(failed_loads=failed)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        if self._publisher is not None:
+            pending = self._publisher.pending
+            left = self._publisher.flush(self._config.shutdown_timeout_s)
+            if pending:
+                logger.info("ec-s3: flushed %d of %d pending uploads at shutdown", pending - left, pending)
+            if left:
+                logger.warning(
+                    "ec-s3: abandoning %d uploads still pending after shutdown_timeout_s=%g",
+                    left, self._config.shutdown_timeout_s,
+                )
+        if self._store is not None:
+            self._store.close(timeout=1.0)
+
+
+def _is_publishing_rank() -> bool:
+    """Only the first tensor-parallel rank uploads (every rank holds the same output)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except Exception:  # noqa: BLE001 - parallel state not initialised (tests, single process)
+        return os.environ.get("RANK", "0") in ("0", "")

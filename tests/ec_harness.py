@@ -1,0 +1,86 @@
+"""One vLLM instance's worth of ECS3Connector, driven like EngineCore, for tests.
+
+``Node`` pairs vLLM's real Scheduler (which creates the scheduler-role connector
+through vLLM's factory, from ``ec_connector_module_path="ec_s3"``) with a
+worker-role connector run by ``ECWorkerSim`` between ``schedule()`` and
+``update_from_output()``. ``drive`` steps it by wall-clock time, since lookups take
+milliseconds while a step takes microseconds (EngineCore spins the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+from ec_s3.connector import ECS3Connector
+from vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+
+
+@dataclasses.dataclass
+class Node:
+    driver: SchedulerDriver
+    worker: ECS3Connector
+    sim: ECWorkerSim
+
+    @property
+    def scheduler_connector(self) -> ECS3Connector:
+        conn = self.driver.ec_connector
+        assert isinstance(conn, ECS3Connector)
+        return conn
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for the worker's pending uploads (test-side; vLLM never waits)."""
+        publisher = self.worker._worker._publisher  # type: ignore[union-attr]
+        assert publisher is not None and publisher.flush(timeout) == 0
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.scheduler_connector.shutdown()
+
+
+def make_node(
+    model_dir: Path,
+    role: str,
+    extra: dict[str, Any],
+    *,
+    encode_fn: Callable[[str, int], torch.Tensor] | None = None,
+    **engine_kwargs: Any,
+) -> Node:
+    ec = {
+        "ec_connector": "ECS3Connector",
+        "ec_connector_module_path": "ec_s3",
+        "ec_role": role,
+        "ec_connector_extra_config": extra,
+    }
+    vllm_config = make_vllm_config(model_dir, ec, **engine_kwargs)
+    scheduler = make_scheduler(vllm_config)
+    worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
+    sim = ECWorkerSim(worker, encode_fn=encode_fn)
+    return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
+
+
+def drive(
+    driver: SchedulerDriver,
+    *,
+    timeout_s: float = 30.0,
+    until: Callable[[SchedulerDriver], bool] | None = None,
+    idle_sleep_s: float = 0.001,
+) -> dict[str, FinishedRequest]:
+    """Step until no requests remain (or ``until``); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if until is not None and until(driver):
+            return driver.finished
+        so = driver.step()
+        if so is None:
+            return driver.finished
+        if not so.total_num_scheduled_tokens and not driver.last.finished:  # type: ignore[union-attr]
+            time.sleep(idle_sleep_s)
+    waiting = [r.request_id for r in driver.scheduler.waiting]
+    raise AssertionError(f"requests still pending after {timeout_s}s: waiting={waiting}")

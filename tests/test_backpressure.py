@@ -1,0 +1,80 @@
+"""Producer memory stays bounded by max_inflight_bytes while the store stalls:
+`block` makes save wait, `drop` skips and counts; everything flows again after."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ec_s3.config import ECS3Config
+from ec_s3.publisher import BlobPublisher
+from ec_s3.stats import Counters
+from ec_s3.store import S3Store
+from faultproxy import FaultProxy
+
+MiB = 1 << 20
+ROWS, WIDTH = 128, 1024  # 256 KiB of bf16 per encoder output
+
+
+def _publisher(store: S3Store, config: ECS3Config) -> tuple[BlobPublisher, Counters]:
+    counters = Counters()
+    return BlobPublisher(store, config, namespace="ns", producer="p", counters=counters), counters
+
+
+def _tensor(i: int) -> torch.Tensor:
+    return torch.full((ROWS, WIDTH), float(i)).to(torch.bfloat16)
+
+
+def test_block_waits_then_flows(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=MiB, backpressure="block", read_timeout_s=30)
+    store = make_store(fault_proxy.endpoint_url, read_timeout_s=30)
+    publisher, counters = _publisher(store, config)
+    fault_proxy.set_stall(True, methods=["PUT"])
+    done = threading.Event()
+
+    def save_all() -> None:
+        for i in range(10):
+            publisher.publish(f"id{i}", _tensor(i), f"k/{i}")
+        done.set()
+
+    thread = threading.Thread(target=save_all, daemon=True)
+    thread.start()
+    fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=10)
+    time.sleep(0.5)
+    assert not done.is_set(), "save should block while the budget is full"
+    assert publisher.budget.used <= MiB and publisher.budget.peak <= MiB
+    fault_proxy.set_stall(False)
+    assert done.wait(30)
+    assert publisher.flush(30) == 0
+    assert publisher.budget.peak <= MiB and publisher.budget.used == 0
+    assert counters.get("blobs_uploaded") == 10 and counters.get("upload_dropped") == 0
+    assert all(store.run(store.head_async(f"k/{i}")) is not None for i in range(10))
+
+
+def test_drop_skips_and_counts_then_flows(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=MiB, backpressure="drop", read_timeout_s=30)
+    store = make_store(fault_proxy.endpoint_url, read_timeout_s=30)
+    publisher, counters = _publisher(store, config)
+    fault_proxy.set_stall(True, methods=["PUT"])
+    started = time.monotonic()
+    accepted = [publisher.publish(f"id{i}", _tensor(i), f"k/{i}") for i in range(10)]
+    assert time.monotonic() - started < 1.0, "drop must never wait"
+    fits = MiB // (ROWS * WIDTH * 2 + 256)
+    assert sum(accepted) == fits == 3
+    assert counters.get("upload_dropped") == 10 - fits
+    assert publisher.budget.peak <= MiB
+    fault_proxy.set_stall(False)
+    assert publisher.flush(30) == 0
+    # After the stall, new saves (and the dropped ones, saved again) go through.
+    for i in range(10):
+        if not accepted[i]:
+            assert publisher.publish(f"id{i}", _tensor(i), f"k/{i}")
+            assert publisher.flush(30) == 0
+    assert counters.get("blobs_uploaded") == 10

@@ -1,0 +1,134 @@
+"""Producer role: vLLM's real Scheduler + worker-role ECS3Connector against the real
+S3 server. Blobs appear under <prefix>/<namespace>/, load with stock safetensors,
+equal the encoder output, and finished requests carry ec_transfer_params."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+
+from ec_s3.codec import BlobMeta, encode_blob
+from ec_s3.store import S3Store
+from ec_harness import drive, make_node
+from faultproxy import FaultProxy
+from vllm_rig import fake_encoder_output
+
+
+def _blob(store: S3Store, key: str) -> bytes:
+    return bytes(store.run(store.get_async(key), timeout=30))
+
+
+def test_producer_publishes_blobs_and_params(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    node = make_node(tiny_model_dir, "ec_producer", extra_config())
+    try:
+        node.driver.add("r1", ["img-a", "img-b"])
+        finished = drive(node.driver)
+        node.flush()
+        assert sorted(node.sim.encoded) == ["img-a", "img-b"]
+        params = finished["r1"].ec_transfer_params
+        assert params is not None and set(params) == {"img-a", "img-b"}
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        for ident in ("img-a", "img-b"):
+            entry = params[ident]
+            assert entry["key"] == keyspace.key_for(ident) and entry["key"].startswith(keyspace.root)
+            assert entry["shape"] == [16, 128] and entry["dtype"] == "bfloat16"
+            assert entry["modality"] == "image" and entry["item_indices"] in ([0], [1])
+            blob = _blob(store, entry["key"])
+            assert len(blob) == entry["size_bytes"]
+            loaded = safetensors.torch.load(blob)["ec_cache"]
+            assert torch.equal(loaded, fake_encoder_output(ident, 16))
+        counters = node.worker.counters
+        assert counters.get("blobs_uploaded") == 2 and counters.get("upload_failed") == 0
+    finally:
+        node.close()
+
+
+def test_same_item_uploaded_once(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(fault_proxy.endpoint_url, lookup="promised"))
+    try:
+        node.driver.add("r1", ["img-a"])
+        drive(node.driver)
+        node.driver.add("r2", ["img-a"])  # vLLM evicted it after r1: encodes again
+        drive(node.driver)
+        node.flush()
+        assert node.sim.encoded.count("img-a") >= 1
+        assert node.worker.counters.get("upload_started") == 1
+        assert fault_proxy.counters.requests == 1  # one PUT, nothing else
+    finally:
+        node.close()
+
+
+def test_producer_skips_items_already_in_bucket(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """vLLM asks a producer's has_cache_item too: an image already in the bucket is
+    not encoded again, and is still reported to the consumer."""
+    node = make_node(tiny_model_dir, "ec_producer", extra_config())
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        x = fake_encoder_output("img-old", 16)
+        blob = encode_blob(x, BlobMeta("img-old", torch.bfloat16, (16, 128), keyspace.namespace, "earlier"))
+        store = make_store()
+        store.run(store.put_async(keyspace.key_for("img-old"), blob))
+        node.driver.add("r1", ["img-old", "img-new"])
+        finished = drive(node.driver)
+        node.flush()
+        assert node.sim.encoded == ["img-new"]
+        assert set(finished["r1"].ec_transfer_params) == {"img-old", "img-new"}
+        assert node.worker.counters.get("upload_started") == 1
+    finally:
+        node.close()
+
+
+def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
+    """One instance that is producer and consumer: encodes, publishes, and a second
+    instance of the same role later loads instead of encoding."""
+    first = make_node(tiny_model_dir, "ec_both", extra_config())
+    try:
+        first.driver.add("r1", ["img-a"])
+        drive(first.driver)
+        first.flush()
+        assert first.sim.encoded == ["img-a"]
+    finally:
+        first.close()
+    second = make_node(tiny_model_dir, "ec_both", extra_config())
+    try:
+        second.driver.add("r1", ["img-a"])
+        drive(second.driver)
+        assert second.sim.encoded == []
+        assert torch.equal(second.sim.encoder_cache.get("img-a", fake_encoder_output("img-a", 16)), fake_encoder_output("img-a", 16))
+        assert ("r1", "img-a") in second.sim.gathered
+        assert second.worker.counters.get("upload_started") == 0
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize("pending", [20])
+def test_shutdown_flushes_pending_uploads(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy,
+    make_store: Callable[..., S3Store], pending: int,
+) -> None:
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(fault_proxy.endpoint_url, lookup="promised"))
+    fault_proxy.set_latency(0.2, methods=["PUT"])
+    idents = [f"img-{i}" for i in range(pending)]
+    for i, ident in enumerate(idents):
+        node.driver.add(f"r{i}", [ident])
+    drive(node.driver)
+    assert node.worker._worker._publisher.pending > 0  # type: ignore[union-attr]
+    started = time.monotonic()
+    node.close()
+    assert time.monotonic() - started < 30
+    store = make_store()
+    keyspace = node.scheduler_connector.model.keyspace
+    assert all(store.run(store.head_async(keyspace.key_for(i))) is not None for i in idents)
