@@ -80,3 +80,68 @@ def test_producer_engine_uploads_what_the_encoder_produced(
         blobs[ident] = ours
     assert len(blobs) == 3 and not torch.equal(*list(blobs.values())[:2])
     print(f"\nproducer + reference engines: {time.monotonic() - started:.1f}s")
+
+
+def _swap_vision_weights(model_dir: Path, seed: int) -> None:
+    """Re-randomise the vision tower and projector in place (same model path, so the
+    same mm identifiers): an engine that encodes locally now produces other outputs."""
+    path = model_dir / "model.safetensors"
+    weights = safetensors.torch.load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in weights.items():
+        if name.startswith(("vision_tower.", "multi_modal_projector.")) and tensor.dim() >= 2:
+            weights[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(tensor.dtype)
+    safetensors.torch.save_file(weights, str(path))
+
+
+def _logprobs(outputs: list[Any]) -> list[list[tuple[int, float]]]:
+    result = []
+    for out in outputs:
+        completion = out.outputs[0]
+        result.append([(tok, step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs)])
+    return result
+
+
+def test_consumer_engine_matches_baseline_without_encoding(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], tmp_path: Path
+) -> None:
+    """Baseline (no EPD) vs producer → consumer through S3, temperature 0.
+
+    The consumer runs with different vision weights at the same model path: had it
+    encoded a stored image itself, its logprobs would differ from the baseline. A
+    second consumer with the original weights shows that an image missing from the
+    bucket falls back to local encoding with the baseline's output.
+    """
+    import shutil
+
+    from vllm import SamplingParams
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    original = (model_dir / "model.safetensors").read_bytes()
+    greedy = dict(temperature=0.0, max_tokens=4, logprobs=3)
+    stored, missing = [11, 12], 13
+    started = time.monotonic()
+    with engine(model_dir, None) as llm:
+        baseline = _logprobs(llm.generate(_requests(stored + [missing]), SamplingParams(**greedy)))
+    with engine(model_dir, _s3_config("ec_producer", extra_config())) as llm:
+        produced = llm.generate(_requests(stored), SamplingParams(temperature=0.0, max_tokens=1))
+    params = [o.ec_transfer_params for o in produced]
+    assert all(params)
+
+    def consumer_params(i: int) -> SamplingParams:
+        return SamplingParams(**greedy, extra_args={"ec_transfer_params": params[i]} if i < len(params) else None)
+
+    _swap_vision_weights(model_dir, seed=99)
+    with engine(model_dir, _s3_config("ec_consumer", extra_config())) as llm:
+        swapped_local = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
+        from_store = _logprobs(llm.generate(_requests(stored), [consumer_params(i) for i in range(2)]))
+    assert swapped_local != baseline[2:], "the weight swap must change a locally encoded output"
+    assert from_store == baseline[:2]
+
+    (model_dir / "model.safetensors").write_bytes(original)
+    with engine(model_dir, _s3_config("ec_consumer", extra_config())) as llm:
+        # Not in the bucket: the lookup misses and the consumer encodes it itself.
+        fallback = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
+    assert fallback == baseline[2:]
+    print(f"\nbaseline + producer + 2 consumers: {time.monotonic() - started:.1f}s")

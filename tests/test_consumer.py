@@ -1,0 +1,250 @@
+"""Consumer role: vLLM's real Scheduler + worker-role ECS3Connector against the real
+S3 server, stepped like EngineCore (idle steps skip the worker connector)."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.engine import FinishReason
+
+from ec_s3.codec import BlobMeta, encode_blob
+from ec_s3.keys import KeySpace
+from ec_s3.store import S3Store
+from ec_harness import Node, drive, make_node
+from faultproxy import FaultProxy
+from vllm_rig import fake_encoder_output
+
+ROWS, WIDTH = 16, 128
+
+
+def produce(model_dir: Path, extra: dict[str, Any], idents: list[str], req_id: str = "p1") -> dict[str, Any]:
+    """Run a producer instance and return the finished request's ec_transfer_params."""
+    node = make_node(model_dir, "ec_producer", {**extra, "lookup": "promised"})
+    try:
+        node.driver.add(req_id, idents)
+        finished = drive(node.driver)
+        node.flush()
+        params = finished[req_id].ec_transfer_params
+        assert params is not None
+        return params
+    finally:
+        node.close()
+
+
+def put_blob(store: S3Store, keyspace: KeySpace, ident: str, tensor: torch.Tensor | None = None, raw: bytes | None = None) -> None:
+    if raw is None:
+        assert tensor is not None
+        raw = bytes(encode_blob(tensor, BlobMeta(ident, tensor.dtype, tuple(tensor.shape), keyspace.namespace, "test")))
+    store.run(store.put_async(keyspace.key_for(ident), bytearray(raw)), timeout=30)
+
+
+def _deferred_steps(node: Node, req_id: str) -> int:
+    return sum(1 for st in node.driver.steps if req_id not in st.scheduler_output.num_scheduled_tokens)
+
+
+def test_a_promised_item_is_loaded_not_encoded(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
+    params = produce(tiny_model_dir, extra_config(), ["img-a", "img-b"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config())
+    try:
+        node.driver.add("r1", ["img-a", "img-b"], ec_transfer_params=params)
+        finished = drive(node.driver)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []  # the consumer's encoder never ran
+        assert node.driver.encoder_inputs_scheduled("r1") == []
+        assert {("r1", "img-a"), ("r1", "img-b")} <= set(node.sim.gathered)
+        assert _deferred_steps(node, "r1") >= 1  # deferred while the fetch ran
+        for ident in ("img-a", "img-b"):
+            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        assert node.worker.counters.get("blobs_loaded") == 2
+    finally:
+        node.close()
+
+
+def test_b_late_upload_is_waited_for(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=15))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        params = {"img-late": {"key": keyspace.key_for("img-late"), "shape": [ROWS, WIDTH], "dtype": "bfloat16",
+                               "modality": "image", "item_indices": [0], "metadata": {}}}
+        store = make_store()
+        timer = threading.Timer(2.0, put_blob, (store, keyspace, "img-late", fake_encoder_output("img-late", ROWS)))
+        timer.start()
+        started = time.monotonic()
+        node.driver.add("r1", ["img-late"], ec_transfer_params=params)
+        finished = drive(node.driver, timeout_s=30)
+        timer.join()
+        assert time.monotonic() - started >= 2.0
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        assert torch.equal(node.sim.encoder_cache["img-late"], fake_encoder_output("img-late", ROWS))
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("with_media", [True, False])
+def test_c_promised_item_never_appears(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], with_media: bool
+) -> None:
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=1.0))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        params = {"img-gone": {"key": keyspace.key_for("img-gone"), "shape": [ROWS, WIDTH], "dtype": "bfloat16"}}
+        started = time.monotonic()
+        node.driver.add("r1", ["img-gone"], ec_transfer_params=params, with_media=with_media)
+        finished = drive(node.driver, timeout_s=20)
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 10
+        counters = node.scheduler_connector.counters
+        if with_media:
+            assert finished["r1"].finish_reason == FinishReason.LENGTH
+            assert node.sim.encoded == ["img-gone"]
+            assert counters.get("fallbacks_local") == 1
+        else:
+            assert finished["r1"].finish_reason == FinishReason.ERROR
+            assert node.sim.encoded == [] and node.sim.gathered == []
+            assert counters.get("requests_unavailable") == 1
+    finally:
+        node.close()
+
+
+def _bad_blobs(keyspace: KeySpace) -> dict[str, bytes]:
+    good = fake_encoder_output("x", ROWS)
+    wrong_shape = fake_encoder_output("img-shape", ROWS - 1)
+    wrong_dtype = fake_encoder_output("img-dtype", ROWS).float()
+    ok = bytes(encode_blob(good, BlobMeta("img-trunc", torch.bfloat16, (ROWS, WIDTH), keyspace.namespace)))
+    other_ident = bytes(encode_blob(good, BlobMeta("someone-else", torch.bfloat16, (ROWS, WIDTH), keyspace.namespace)))
+    return {
+        "img-shape": bytes(encode_blob(wrong_shape, BlobMeta("img-shape", torch.bfloat16, (ROWS - 1, WIDTH), keyspace.namespace))),
+        "img-dtype": bytes(encode_blob(wrong_dtype, BlobMeta("img-dtype", torch.float32, (ROWS, WIDTH), keyspace.namespace))),
+        "img-garbage": b"\x00garbage" * 100,
+        "img-trunc": ok[:-7],
+        "img-swapped": other_ident,
+    }
+
+
+@pytest.mark.parametrize("promised", [True, False])
+def test_d_invalid_blobs_are_never_loaded(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store], promised: bool
+) -> None:
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=5))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        bad = _bad_blobs(keyspace)
+        for ident, raw in bad.items():
+            put_blob(store, keyspace, ident, raw=raw)
+        idents = list(bad)
+        params = {i: {"key": keyspace.key_for(i), "shape": [ROWS, WIDTH], "dtype": "bfloat16"} for i in idents}
+        node.driver.add("r1", idents, ec_transfer_params=params if promised else None)
+        finished = drive(node.driver, timeout_s=30)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert sorted(node.sim.encoded) == sorted(idents)  # every item encoded locally
+        assert node.worker.counters.get("blobs_loaded") == 0
+        for ident in idents:
+            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        assert node.scheduler_connector.counters.get("invalid_blobs") == len(idents)
+    finally:
+        node.close()
+
+
+def test_e_lookup_always_reuses_blob_from_earlier_run(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
+) -> None:
+    produce(tiny_model_dir, extra_config(), ["img-old"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(lookup="always"))
+    try:
+        node.driver.add("r1", ["img-old", "img-new"])  # no ec_transfer_params at all
+        finished = drive(node.driver)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == ["img-new"]
+        assert torch.equal(node.sim.encoder_cache["img-old"], fake_encoder_output("img-old", ROWS))
+        counters = node.scheduler_connector.counters
+        assert counters.get("lookups_hit") == 1 and counters.get("lookups_miss") >= 1
+    finally:
+        node.close()
+
+
+def test_lookup_promised_ignores_unpromised_items(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    produce(tiny_model_dir, extra_config(), ["img-old"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, lookup="promised"))
+    try:
+        node.driver.add("r1", ["img-old"])
+        drive(node.driver)
+        assert node.sim.encoded == ["img-old"] and fault_proxy.counters.requests == 0
+    finally:
+        node.close()
+
+
+def test_negative_cache_costs_one_lookup_per_ttl(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, negative_cache_ttl_s=60))
+    try:
+        for i in range(5):
+            node.driver.add(f"r{i}", ["img-missing"])
+            drive(node.driver)
+        assert fault_proxy.counters.requests == 1  # one GET (404), then the remembered miss
+    finally:
+        node.close()
+
+
+class _CallTimer:
+    """Wraps a connector instance's scheduler-side methods to time every call."""
+
+    METHODS = ("ensure_cache_available", "has_cache_item", "update_state_after_alloc", "build_connector_meta",
+               "update_connector_output", "take_unavailable_requests", "update_state_after_free", "request_finished")
+
+    def __init__(self, connector: Any) -> None:
+        self.times: dict[str, list[float]] = {m: [] for m in self.METHODS}
+        for name in self.METHODS:
+            setattr(connector, name, self._wrap(name, getattr(connector, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.times[name].append(time.perf_counter() - started)
+
+        return timed
+
+    def all(self) -> list[float]:
+        return [t for ts in self.times.values() for t in ts]
+
+
+def test_scheduler_calls_never_wait_on_a_slow_store(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    params = produce(tiny_model_dir, extra_config(), [f"img-{i}" for i in range(4)])
+    fault_proxy.set_latency(0.2)
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url))
+    try:
+        timer = _CallTimer(node.scheduler_connector)
+        for i in range(4):
+            node.driver.add(f"r{i}", [f"img-{i}", f"new-{i}"], ec_transfer_params={f"img-{i}": params[f"img-{i}"]})
+        drive(node.driver, timeout_s=60)
+        assert sorted(node.sim.encoded) == sorted(f"new-{i}" for i in range(4))
+        calls = sorted(timer.all())
+        p99 = calls[int(0.99 * (len(calls) - 1))]
+        print(f"\nscheduler-side calls with 200 ms store latency: n={len(calls)} "
+              f"p50={statistics.median(calls) * 1e6:.0f}us p99={p99 * 1e6:.0f}us max={calls[-1] * 1e6:.0f}us")
+        for name, ts in timer.times.items():
+            if ts:
+                print(f"  {name}: n={len(ts)} max={max(ts) * 1e6:.0f}us")
+        assert p99 < 1e-3
+    finally:
+        node.close()
