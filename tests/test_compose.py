@@ -1,0 +1,202 @@
+"""compose.yaml: valid for Compose, and wired the way ec-s3 needs.
+
+No Docker engine runs here, but ``docker-compose config -q`` validates a file against the
+Compose schema (plus interpolation and references) without one. The test runs every
+Compose CLI it finds: ``$EC_S3_COMPOSE_BIN``, a ``docker-compose`` on PATH (Debian's
+package is Compose 1.29), and the ``docker compose`` plugin. The structural tests need
+only PyYAML and always run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ec_s3.proxy import build_parser, config_from_args
+
+COMPOSE_FILE = Path(__file__).resolve().parent.parent / "compose.yaml"
+VLLM_SERVICES = ("encoder", "pd")
+LONG_RUNNING = ("minio", "seaweedfs", "encoder", "pd", "proxy")
+PROFILE_SETS: list[list[str]] = [[], ["epd"], ["seaweedfs"], ["seaweedfs", "epd"]]
+
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
+
+
+def resolve(value: str) -> str:
+    """A compose string with every ``${VAR:-default}`` at its default (no environment),
+    ``$$`` unescaped: what a fresh checkout runs with."""
+    def sub(m: re.Match[str]) -> str:
+        return m.group("default") if m.group("op") in (":-", "-") else ""
+
+    return _VAR.sub(sub, value).replace("$$", "$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE_FILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: resolve(str(v)) for k, v in env.items()}
+
+
+def command_of(service: dict[str, Any]) -> list[str]:
+    cmd = service.get("command") or []
+    return [resolve(str(c)) for c in ([cmd] if isinstance(cmd, str) else cmd)]
+
+
+# --------------------------------------------------------------------------- Compose CLIs
+def _compose_clis() -> list[list[str]]:
+    clis: list[list[str]] = []
+    if os.environ.get("EC_S3_COMPOSE_BIN"):
+        clis.append([os.environ["EC_S3_COMPOSE_BIN"]])
+    if shutil.which("docker-compose"):
+        clis.append(["docker-compose"])
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, timeout=30).returncode == 0:
+        clis.append([docker, "compose"])
+    return clis
+
+
+@pytest.mark.parametrize("profiles", PROFILE_SETS, ids=lambda p: "+".join(p) or "default")
+def test_compose_cli_validates_the_file(profiles: list[str], tmp_path: Path) -> None:
+    clis = _compose_clis()
+    if not clis:
+        pytest.skip("no Compose CLI here (apt-get install --no-install-recommends docker-compose)")
+    # Only what the CLI needs: no variable of this shell may change the file's meaning.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "DOCKER_CONFIG": str(tmp_path)}
+    for cli in clis:
+        args = [*cli, "-f", str(COMPOSE_FILE), "--project-directory", str(COMPOSE_FILE.parent)]
+        for profile in profiles:
+            args += ["--profile", profile]
+        proc = subprocess.run([*args, "config", "-q"], capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0, f"{' '.join(cli)} rejects compose.yaml:\n{proc.stdout}\n{proc.stderr}"
+
+
+# --------------------------------------------------------------------------- structure
+def test_services_and_profiles(services: dict[str, dict[str, Any]]) -> None:
+    assert {"minio", "minio-create-bucket", "seaweedfs", "encoder", "pd", "proxy"} <= set(services)
+    # MinIO is the default S3 server; the EPD stack and the SeaweedFS alternative are opt-in.
+    assert "profiles" not in services["minio"] and "profiles" not in services["minio-create-bucket"]
+    assert services["seaweedfs"]["profiles"] == ["seaweedfs"]
+    for name in ("encoder", "pd", "proxy"):
+        assert services[name]["profiles"] == ["epd"], name
+
+
+def test_every_image_is_pinned(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        image = resolve(service["image"])
+        repo, _, tag = image.rpartition(":")
+        assert "@sha256:" in image or ("/" not in tag and repo and tag), f"{name}: {image!r} has no tag"
+        assert tag not in ("latest", "main", "nightly", "edge"), f"{name}: {image!r} is a moving tag"
+    assert resolve(services["minio"]["image"]).startswith("quay.io/minio/minio:RELEASE.")
+    assert resolve(services["minio-create-bucket"]["image"]).startswith("quay.io/minio/mc:RELEASE.")
+    assert resolve(services["seaweedfs"]["image"]).startswith("chrislusf/seaweedfs:")
+
+
+def test_long_running_services_have_healthchecks(services: dict[str, dict[str, Any]]) -> None:
+    for name in LONG_RUNNING:
+        check = services[name].get("healthcheck")
+        assert check and check.get("test"), f"{name} has no healthcheck"
+        assert not check.get("disable"), name
+    assert services["minio"]["healthcheck"]["test"] == ["CMD", "mc", "ready", "local"]
+
+
+def test_bucket_is_created_once_minio_is_healthy(services: dict[str, dict[str, Any]]) -> None:
+    init = services["minio-create-bucket"]
+    assert init["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    assert init.get("restart") == "no"  # one-shot
+    script = " ".join(command_of(init))
+    bucket = env_of(init)["EC_S3_BUCKET"]
+    assert "mc mb --ignore-existing" in script and '"local/$EC_S3_BUCKET"' in script
+    assert "http://minio:9000" in script
+    # Same bucket as the vLLM instances, created with MinIO's own credentials.
+    assert bucket == env_of(services["encoder"])["EC_S3_BUCKET"]
+    assert env_of(init)["MINIO_ROOT_USER"] == env_of(services["minio"])["MINIO_ROOT_USER"]
+
+
+def test_vllm_instances_share_one_bucket_and_use_ec_s3(services: dict[str, dict[str, Any]]) -> None:
+    roles = {}
+    shared = {}
+    for name in VLLM_SERVICES:
+        service = services[name]
+        env = env_of(service)
+        config = json.loads(env["EC_TRANSFER_CONFIG"])
+        assert config["ec_connector"] == "ECS3Connector", name
+        assert config.get("ec_connector_module_path", "ec_s3") == "ec_s3", name
+        roles[name] = config["ec_role"]
+        # Bucket and endpoint come from the environment (the connector's fallbacks), never
+        # from per-instance extra config that could drift.
+        assert "bucket" not in config.get("ec_connector_extra_config", {}), name
+        assert "endpoint_url" not in config.get("ec_connector_extra_config", {}), name
+        shared[name] = {k: env[k] for k in
+                        ("EC_S3_BUCKET", "EC_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MODEL")}
+        script = " ".join(command_of(service))
+        assert '--ec-transfer-config "$EC_TRANSFER_CONFIG"' in script, name
+        assert "pip install" in script and "vllm serve" in script and '"$MODEL"' in script, name
+        assert resolve(service["image"]).startswith("vllm/vllm-openai:v"), name
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"], name
+    assert roles == {"encoder": "ec_producer", "pd": "ec_consumer"}
+    assert shared["encoder"] == shared["pd"]
+    assert shared["encoder"]["EC_S3_BUCKET"]
+    # The default endpoint is the MinIO service of this file, and its credentials are MinIO's.
+    assert shared["encoder"]["EC_S3_ENDPOINT_URL"] == "http://minio:9000"
+    minio_env = env_of(services["minio"])
+    assert shared["encoder"]["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+    assert shared["encoder"]["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+
+
+def test_seaweedfs_alternative_serves_the_same_bucket(services: dict[str, dict[str, Any]]) -> None:
+    weed = services["seaweedfs"]
+    cmd = command_of(weed)
+    assert cmd[0] == "mini"
+    assert f"-bucket={env_of(services['encoder'])['EC_S3_BUCKET']}" in cmd
+    assert "-master.telemetry=false" in cmd and "-s3.port=8333" in cmd
+    env = env_of(weed)
+    pd_env = env_of(services["pd"])
+    assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) == (
+        pd_env["AWS_ACCESS_KEY_ID"], pd_env["AWS_SECRET_ACCESS_KEY"])
+
+
+def test_proxy_command_parses_and_points_at_the_instances(services: dict[str, dict[str, Any]]) -> None:
+    proxy = services["proxy"]
+    assert proxy["entrypoint"] == ["python3", "-m", "ec_s3.proxy"]
+    config = config_from_args(build_parser().parse_args(command_of(proxy)))
+    assert config.host == "0.0.0.0" and config.port == 8000
+    assert config.encoder_urls == ("http://encoder:8000",)
+    assert config.pd_urls == ("http://pd:8000",)
+    # Keep-alive below vLLM's, so a reused upstream connection is never one being closed.
+    keepalive = float(env_of(services["pd"])["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+    assert config.keepalive_timeout_s < keepalive
+
+
+def test_published_ports_default_to_loopback(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        for port in service.get("ports", []):
+            assert resolve(str(port)).startswith("127.0.0.1:"), f"{name}: {port!r} is published on every interface"
+
+
+def test_named_volumes_are_declared(compose: dict[str, Any], services: dict[str, dict[str, Any]]) -> None:
+    declared = set(compose.get("volumes") or {})
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = str(volume).split(":", 1)[0]
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name}: volume {source!r} is not declared"
