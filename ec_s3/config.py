@@ -30,6 +30,7 @@ Backpressure = Literal["block", "drop"]
 LookupPolicy = Literal["always", "promised"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
+StartupCheck = Literal["fatal", "warn", "off"]
 
 
 class ConfigError(ValueError):
@@ -142,11 +143,30 @@ class ECS3Config:
     )
     checksum_algorithm: ChecksumAlgorithm = dataclasses.field(
         default="none",
-        metadata=_doc("S3 end-to-end checksum sent on PUT and verified on GET (`none`, `CRC32`, `CRC32C`, `SHA256`)."),
+        metadata=_doc(
+            "End-to-end integrity (`none`, `CRC32`, `CRC32C`, `SHA256`): S3 verifies this checksum on every "
+            "upload, and ec-s3 stores a CRC32 of the blob in its metadata and verifies it after every GET "
+            "(multipart and ranged too); a mismatch is a miss, never a tensor. `CRC32C` needs `awscrt`."
+        ),
+    )
+    breaker_threshold: int = dataclasses.field(
+        default=5,
+        metadata=_doc("Consecutive failed requests (after retries) that open the circuit breaker.", min=1, max=10_000),
+    )
+    breaker_cooldown_s: float = dataclasses.field(
+        default=5.0,
+        metadata=_doc("How long the open breaker fails requests at once before one probe (doubles per failed probe, max 60 s).", min=0.0, max=600.0),
     )
     max_blob_bytes: int = dataclasses.field(
         default=1 * GiB,
         metadata=_doc("Largest blob ec-s3 will write or accept; anything larger is rejected.", min=1024),
+    )
+    startup_check: StartupCheck = dataclasses.field(
+        default="fatal",
+        metadata=_doc(
+            "At start-up, check bucket, credentials and permissions: `fatal` (misconfiguration stops the "
+            "engine; an unreachable store only warns), `warn` or `off`."
+        ),
     )
     # --- producer -----------------------------------------------------------------
     max_inflight_bytes: int = dataclasses.field(
@@ -158,7 +178,22 @@ class ECS3Config:
         metadata=_doc("Producer, when `max_inflight_bytes` is full: `block` the save until there is room, or `drop` the upload (counted)."),
     )
     shutdown_timeout_s: float = dataclasses.field(
-        default=30.0, metadata=_doc("How long `shutdown()` waits to flush pending uploads.", min=0.0, max=3600.0)
+        default=4.0,
+        metadata=_doc(
+            "How long `shutdown()` waits for pending uploads before spooling (or abandoning) the rest. "
+            "vLLM's multiprocess executor kills workers after `VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS` (5 s).",
+            min=0.0, max=3600.0,
+        ),
+    )
+    spool_dir: str | None = dataclasses.field(
+        default=None,
+        metadata=_doc("Producer: directory where blobs whose upload failed wait for the store (one per producer instance); unset = drop and count."),
+    )
+    spool_max_bytes: int = dataclasses.field(
+        default=10 * GiB, metadata=_doc("Producer: size bound of `spool_dir`; beyond it blobs are dropped and counted.", min=1 * MiB)
+    )
+    spool_retry_s: float = dataclasses.field(
+        default=2.0, metadata=_doc("Producer: how often spooled blobs are retried while the store is down.", min=0.05, max=3600.0)
     )
     # --- consumer -----------------------------------------------------------------
     lookup: LookupPolicy = dataclasses.field(
@@ -244,6 +279,14 @@ class ECS3Config:
             )
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("access_key_id and secret_access_key must be given together (or neither)")
+        if self.checksum_algorithm == "CRC32C":
+            try:
+                import awscrt  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "checksum_algorithm='CRC32C' needs the awscrt package (pip install 'botocore[crt]'); "
+                    "or use CRC32 or SHA256"
+                ) from None
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ConfigError("retry_max_delay_s must be >= retry_base_delay_s")
 
@@ -326,6 +369,7 @@ _LITERALS: dict[str, tuple[str, ...]] = {
     "LookupPolicy": get_args(LookupPolicy),
     "AddressingStyle": get_args(AddressingStyle),
     "ChecksumAlgorithm": get_args(ChecksumAlgorithm),
+    "StartupCheck": get_args(StartupCheck),
 }
 
 

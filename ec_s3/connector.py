@@ -25,6 +25,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.metadata import ECS3ConnectorMetadata
 from ec_s3.model_info import ModelInfo
+from ec_s3.preflight import run_startup_checks
 from ec_s3.scheduler import ECS3Scheduler
 from ec_s3.stats import Counters
 from ec_s3.worker import ECS3Worker
@@ -53,6 +54,9 @@ class ECS3Connector(ECConnectorBase):
         self._worker: ECS3Worker | None = None
         self._closed = False
         if role == ECConnectorRole.SCHEDULER:
+            # Once per engine, before any traffic: a bad bucket or credentials fail
+            # here with a message that says what to fix.
+            run_startup_checks(self.config, producer=self.is_producer, consumer=self.is_consumer)
             self._scheduler = ECS3Scheduler(vllm_config, self.config, self.model, self.counters)
         elif role == ECConnectorRole.WORKER:
             self._worker = ECS3Worker(vllm_config, self.config, self.model, self.counters)

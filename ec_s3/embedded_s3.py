@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
+import json
 import os
 import secrets
 import shutil
@@ -195,9 +196,13 @@ class EmbeddedS3Server:
         credentials: S3Credentials | None = None,
         startup_timeout_s: float = 60.0,
         log_path: Path | None = None,
+        read_only_credentials: S3Credentials | None = None,
     ) -> None:
         self._requested_data_dir = Path(data_dir) if data_dir is not None else None
         self._credentials = credentials or S3Credentials.generate()
+        # A second identity allowed only to read and list: what consumers get in a
+        # least-privilege deployment.
+        self._read_only = read_only_credentials
         self._startup_timeout_s = startup_timeout_s
         self._requested_log_path = Path(log_path) if log_path is not None else None
         self._lock = threading.RLock()
@@ -355,6 +360,8 @@ class EmbeddedS3Server:
             f"-filer.localSocket={d / 'filer.sock'}",
             f"-s3.localSocket={d / 's3.sock'}",
         ]
+        if self._read_only is not None:
+            args.append(f"-s3.config={self._write_identities(d)}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(_STRIPPED_ENV_PREFIXES)}
         env["AWS_ACCESS_KEY_ID"] = self._credentials.access_key_id
         env["AWS_SECRET_ACCESS_KEY"] = self._credentials.secret_access_key
@@ -387,6 +394,28 @@ class EmbeddedS3Server:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+    def _write_identities(self, d: Path) -> Path:
+        """SeaweedFS identities: the admin credentials plus the read-only ones."""
+        assert self._read_only is not None
+
+        def identity(name: str, creds: S3Credentials, actions: list[str]) -> dict[str, object]:
+            return {
+                "name": name,
+                "credentials": [{"accessKey": creds.access_key_id, "secretKey": creds.secret_access_key}],
+                "actions": actions,
+            }
+
+        config = {
+            "identities": [
+                identity("admin", self._credentials, ["Admin", "Read", "Write", "List", "Tagging"]),
+                identity("reader", self._read_only, ["Read", "List"]),
+            ]
+        }
+        path = d / "s3-identities.json"
+        path.write_text(json.dumps(config))
+        path.chmod(0o600)
+        return path
 
     def _wait_ready(self) -> str | None:
         """Return None once S3 answers HTTP, else why it never will."""

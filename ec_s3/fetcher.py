@@ -20,7 +20,7 @@ from ec_s3.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
 from ec_s3.staging import StagingArea, StagingSlot, open_slot_view
 from ec_s3.stats import Counters
-from ec_s3.store import ObjectNotFound, S3Store, StoreError
+from ec_s3.store import IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["Failed", "FetchResult", "Invalid", "ItemFetcher", "Missing", "NoSpace", "Present", "Staged"]
 
@@ -51,6 +51,8 @@ class Invalid:
 @dataclasses.dataclass(frozen=True)
 class Failed:
     reason: str
+    transient: bool = False  # throttling, 5xx, timeouts, connection errors
+    outage: bool = False  # the store is down (circuit open), not just this request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +98,12 @@ class ItemFetcher:
             info = await self._store.head_async(key)
             result: FetchResult = Missing() if info is None else Present(info.size)
         except StoreError as exc:
-            result = Failed(exc.reason)
+            result = self._failed(exc)
         self._done.append((key, result))
+
+    def _failed(self, exc: StoreError) -> Failed:
+        transient = isinstance(exc, StoreUnavailable)
+        return Failed(exc.reason, transient=transient, outage=transient and self._store.breaker.is_open)
 
     async def _fetch(self, key: str, expect: BlobExpectation) -> None:
         assert self._staging is not None
@@ -133,12 +139,12 @@ class ItemFetcher:
             result = Missing()
         except _StagingFull:
             result = NoSpace()
-        except BlobError as exc:
-            result = Invalid(exc.reason)
+        except (BlobError, IntegrityError) as exc:
+            result = Invalid(exc.reason if isinstance(exc, BlobError) else "checksum")
             self._counters.inc("invalid_blobs")
             logger.warning("ec-s3: blob %s is invalid (%s); it will not be used", key, exc)
         except StoreError as exc:
-            result = Failed(exc.reason)
+            result = self._failed(exc)
         except Exception as exc:  # noqa: BLE001 - a lookup must never take the engine down
             result = Failed(f"{type(exc).__name__}: {exc}")
             logger.exception("ec-s3: unexpected error fetching %s", key)

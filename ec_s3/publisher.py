@@ -25,8 +25,9 @@ import torch
 from ec_s3.codec import BlobError, BlobLayout, BlobMeta
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
+from ec_s3.spool import Spool
 from ec_s3.stats import Counters
-from ec_s3.store import PutOutcome, S3Store, StoreError
+from ec_s3.store import PutOutcome, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["BlobPublisher", "InflightBudget"]
 
@@ -87,8 +88,13 @@ class _Job:
 class BlobPublisher:
     """Uploads encoder outputs in the background, bounded in bytes in flight."""
 
-    def __init__(self, store: S3Store, config: ECS3Config, *, namespace: str, producer: str, counters: Counters) -> None:
+    def __init__(
+        self, store: S3Store, config: ECS3Config, *, namespace: str, producer: str, counters: Counters,
+        spool: Spool | None = None,
+    ) -> None:
         self._store = store
+        self._spool = spool
+        self._tasks: set[asyncio.Task[None]] = set()
         self._config = config
         self._namespace = namespace
         self._producer = producer
@@ -198,10 +204,13 @@ class BlobPublisher:
 
     # ------------------------------------------------------------ loop side
     def _spawn(self, job: _Job) -> None:
-        self._store.submit(self._upload(job))
+        task = asyncio.ensure_future(self._upload(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _upload(self, job: _Job) -> None:
         nbytes = job.layout.total_nbytes
+        body: memoryview | bytearray | None = None
         try:
             body = await self._body(job)
             started = time.monotonic()
@@ -212,13 +221,15 @@ class BlobPublisher:
                 self._counters.inc("bytes_uploaded", nbytes)
             else:
                 self._counters.inc("upload_already_present")
+        except StoreUnavailable as exc:
+            await self._spool_or_drop(job, body, exc.reason)
         except (StoreError, OSError, RuntimeError, ValueError) as exc:
             self._forget(job.key)
             self._counters.inc("upload_failed")
             logger.warning("ec-s3: upload of %s to %s failed: %s", job.identifier[:64], job.key, exc)
         except asyncio.CancelledError:
-            self._forget(job.key)
-            self._counters.inc("upload_abandoned")
+            # Shutting down with the upload unfinished: keep it in the spool if any.
+            await self._spool_or_drop(job, body, "shutdown", cancelled=True)
             raise
         finally:
             job.host = job.source = job.event = None
@@ -227,6 +238,18 @@ class BlobPublisher:
             with self._idle:
                 self._pending -= 1
                 self._idle.notify_all()
+
+    async def _spool_or_drop(
+        self, job: _Job, body: memoryview | bytearray | None, reason: str, *, cancelled: bool = False
+    ) -> None:
+        """Retries are spent (or we are shutting down): spool the blob, else drop it."""
+        if self._spool is not None and body is not None and await self._spool.save(job.key, body):
+            return  # still in _seen: the spool will deliver it
+        self._forget(job.key)
+        self._counters.inc("upload_abandoned" if cancelled else "upload_failed")
+        # During an outage the breaker logs once; per-item lines would flood the log.
+        log = logger.debug if self._store.breaker.is_open else logger.warning
+        log("ec-s3: upload of %s to %s dropped: %s", job.identifier[:64], job.key, reason)
 
     async def _body(self, job: _Job) -> memoryview | bytearray:
         if job.event is not None:
@@ -248,6 +271,20 @@ class BlobPublisher:
     @property
     def pending(self) -> int:
         return self._pending
+
+    def shutdown(self, timeout: float) -> tuple[int, int]:
+        """Wait up to ``timeout`` s for pending uploads, then spool (or abandon) what is
+        left. Returns (pending at start, abandoned)."""
+        pending = self._pending
+        left = self.flush(timeout)
+        if left:
+            for task in list(self._tasks):
+                self._store.background.call_soon(task.cancel)
+            self.flush(10.0 if self._spool is not None else 1.0)  # spooling writes to disk
+        abandoned = int(self._counters.get("upload_abandoned"))
+        if self._spool is not None:
+            self._spool.stop()
+        return pending, abandoned
 
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for pending uploads; returns how many remain."""

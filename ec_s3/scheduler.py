@@ -72,6 +72,7 @@ class _Item:
     attempts: int = 0
     reason: str = ""
     staged: Staged | None = None
+    outage: bool = False  # last lookup failed because the store is down
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +96,7 @@ class ECS3Scheduler:
         self._counters = counters
         self._is_producer = bool(ec_config.is_ec_producer)
         self._is_consumer = bool(ec_config.is_ec_consumer)
-        self._store = S3Store(config)
+        self._store = S3Store.shared(config)
         self._staging = StagingArea(config.staging_dir, config.staging_bytes) if self._is_consumer else None
         self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
@@ -164,6 +165,8 @@ class ECS3Scheduler:
             return True  # a miss: the encoder runs locally
         if item.state is ItemState.INVALID:
             raise _Unavailable(f"the stored blob is invalid ({item.reason})")
+        if item.state is ItemState.ERROR and item.outage:
+            raise _Unavailable(f"the store is unavailable ({item.reason})")
         if now < deadline:
             return False
         raise _Unavailable(f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s")
@@ -223,7 +226,8 @@ class ECS3Scheduler:
         if feature.data is not None:
             self._local.setdefault(req_id, set()).add(ident)
             self._counters.inc("fallbacks_local")
-            logger.warning("ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why)
+            log = logger.debug if self._store.breaker.is_open else logger.warning
+            log("ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why)
             return True
         self._unavailable.add(req_id)
         self._counters.inc("requests_unavailable")
@@ -302,9 +306,12 @@ class ECS3Scheduler:
             item.checked_at, item.attempts = now, item.attempts + 1
             item.state, item.reason = _state_of(result)
             item.staged = result if isinstance(result, Staged) else None
+            item.outage = isinstance(result, Failed) and result.outage
             if isinstance(result, Failed):
                 self._counters.inc("store_errors")
-                if item.attempts == 1 or item.attempts % 50 == 0:
+                # Outages are logged once by the store's circuit breaker; other
+                # failures (403, bad requests) once per item, then every 50 attempts.
+                if not result.transient and (item.attempts == 1 or item.attempts % 50 == 0):
                     logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, result.reason, item.attempts)
             elif isinstance(result, (Staged, Present)):
                 self._counters.inc("lookups_hit")

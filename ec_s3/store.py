@@ -21,7 +21,9 @@ import dataclasses
 import enum
 import io
 import random
+import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -40,6 +42,9 @@ __all__ = [
     "ObjectNotFound",
     "PutOutcome",
     "S3Store",
+    "CRC_METADATA_KEY",
+    "CircuitBreaker",
+    "IntegrityError",
     "StoreClosed",
     "StoreError",
     "StoreRequestError",
@@ -96,6 +101,13 @@ class StoreClosed(StoreError):
     """The store was closed."""
 
 
+class IntegrityError(StoreError):
+    """The object's bytes do not match the checksum its writer stored with it."""
+
+
+CRC_METADATA_KEY = "ec-s3-crc32"
+
+
 class PutOutcome(enum.Enum):
     CREATED = "created"
     ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: someone stored it first
@@ -117,6 +129,8 @@ class StoreStats:
     requests: int = 0
     retries: int = 0
     failures: int = 0
+    short_circuited: int = 0
+    integrity_failures: int = 0
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
 
@@ -164,6 +178,69 @@ class _BufferReader(io.RawIOBase):
         return chunk
 
 
+_SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
+_SHARED_LOCK = threading.Lock()
+
+
+class CircuitBreaker:
+    """Stops hammering a store that is down.
+
+    After ``threshold`` consecutive requests exhaust their retries, the breaker opens
+    for ``cooldown_s`` (doubling on each failed probe, up to ``max_cooldown_s``):
+    requests then fail at once, so producers spool or drop and consumers encode
+    locally instead of each waiting out timeouts. After the cooldown one probe
+    request goes through; its success closes the breaker. One log line per
+    transition, never one per request.
+    """
+
+    def __init__(self, threshold: int, cooldown_s: float, max_cooldown_s: float = 60.0) -> None:
+        self.threshold = threshold
+        self.base_cooldown_s = cooldown_s
+        self.max_cooldown_s = max(max_cooldown_s, cooldown_s)
+        self.cooldown_s = cooldown_s
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.probing = False
+        self.transitions = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.opened_at is not None
+
+    def allow(self) -> bool:
+        """May a request go to the network now? (Loop thread only.)"""
+        if self.opened_at is None:
+            return True
+        if self.probing or time.monotonic() - self.opened_at < self.cooldown_s:
+            return False
+        self.probing = True
+        return True
+
+    def success(self) -> None:
+        self.failures = 0
+        if self.opened_at is not None:
+            logger.warning("ec-s3: S3 store is answering again; circuit closed after %.1fs", time.monotonic() - self.opened_at)
+            self.transitions += 1
+        self.opened_at, self.probing, self.cooldown_s = None, False, self.base_cooldown_s
+
+    def failure(self, reason: str) -> None:
+        self.failures += 1
+        if self.opened_at is not None:
+            if self.probing:  # the probe failed: stay open, longer
+                self.probing = False
+                self.opened_at = time.monotonic()
+                self.cooldown_s = min(self.max_cooldown_s, self.cooldown_s * 2)
+            return
+        if self.failures >= self.threshold:
+            self.opened_at = time.monotonic()
+            self.transitions += 1
+            logger.warning(
+                "ec-s3: S3 store unavailable (%d requests failed in a row, last: %s); circuit open: "
+                "producers spool or drop, consumers encode locally; next probe in %.1fs",
+                self.failures, reason, self.cooldown_s,
+            )
+
+
 class S3Store:
     """Blob store for one bucket; thread-safe, non-blocking, shared loop.
 
@@ -180,10 +257,32 @@ class S3Store:
         self._sem: asyncio.Semaphore | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
+        self._client_gone = False
+        self._shared_key: str | None = None
         self.stats = StoreStats()
+        self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
 
     def __repr__(self) -> str:
         return f"S3Store(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
+
+    @classmethod
+    def shared(cls, config: ECS3Config) -> S3Store:
+        """The process-wide store for this configuration, reference-counted.
+
+        The scheduler-role and worker-role connectors of one process then share one
+        connection pool, one concurrency bound and one circuit breaker (so an outage
+        is logged once per process, not once per connector). Release with
+        :meth:`close`.
+        """
+        key = repr(dataclasses.astuple(config))
+        with _SHARED_LOCK:
+            entry = _SHARED.get(key)
+            if entry is None or entry[0]._closed or entry[0]._bg is not shared_loop():
+                entry = _SHARED[key] = [cls(config), 0]
+            entry[1] += 1
+            store = entry[0]
+            store._shared_key = key
+            return store
 
     # ------------------------------------------------------------------ plumbing
     @property
@@ -218,7 +317,9 @@ class S3Store:
     async def _get_client(self) -> Any:
         if self._client is not None:
             return self._client
-        if self._closed:
+        if self._client_gone:
+            # Work submitted before close() may still run while close() drains it;
+            # only after the drain is the client gone for good.
             raise StoreClosed("connect", "", "store is closed")
         if self._client_lock is None:
             self._client_lock = asyncio.Lock()
@@ -256,19 +357,28 @@ class S3Store:
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
         """Run one S3 request with the retry budget and the concurrency bound."""
         cfg = self.config
+        if not self.breaker.allow():
+            self.stats.short_circuited += 1
+            raise StoreUnavailable(op, key, "circuit open: the store failed repeatedly, not trying")
         client = await self._get_client()
         assert self._sem is not None
         for attempt in range(1, cfg.max_attempts + 1):
             self.stats.requests += 1
             try:
                 async with self._sem:
-                    return await fn(client)
+                    result = await fn(client)
+                self.breaker.success()
+                return result
             except boto_exc.ClientError as exc:
                 error = _classify(op, key, exc)
             except _TRANSIENT_EXC as exc:
                 error = StoreUnavailable(op, key, f"{type(exc).__name__}: {exc}")
             if not isinstance(error, StoreUnavailable) or attempt == cfg.max_attempts:
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
+                if isinstance(error, StoreUnavailable):
+                    self.breaker.failure(error.reason)
+                else:
+                    self.breaker.success()  # the store answered: it is up
                 raise error
             self.stats.retries += 1
             delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
@@ -300,6 +410,8 @@ class S3Store:
         view = memoryview(body).cast("B")
         if len(view) > self.config.max_blob_bytes:
             raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
+        if self.config.checksum_algorithm != "none":
+            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{await _crc32(view):08x}"}
         if len(view) >= self.config.multipart_threshold_bytes:
             # One HEAD is cheap next to uploading every part only to meet a 412.
             if await self.head_async(key) is not None:
@@ -399,12 +511,11 @@ class S3Store:
         part = self.config.multipart_part_bytes
         holder: list[memoryview] = []
 
-        # With an end-to-end checksum the object is fetched whole: S3 verifies
-        # full-object checksums only on whole-object GETs.
-        ranged = {} if self.config.checksum_algorithm != "none" else {"Range": f"bytes=0-{part - 1}"}
+        stored_crc: list[str] = []
 
         async def _first(client: Any) -> int:
-            resp = await client.get_object(Bucket=self.bucket, Key=key, **ranged, **self._checksum_mode())
+            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{part - 1}")
+            stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
             length = int(resp["ContentLength"])
             total = _content_range_total(resp.get("ContentRange"))
             if total is None:  # a 200 with the whole object (servers may ignore Range)
@@ -428,6 +539,11 @@ class S3Store:
                 *(self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part))
             )
         self.stats.bytes_downloaded += len(out)
+        if self.config.checksum_algorithm != "none" and stored_crc and stored_crc[0]:
+            actual = f"{await _crc32(out):08x}"
+            if actual != stored_crc[0]:
+                self.stats.integrity_failures += 1
+                raise IntegrityError("GET", key, f"CRC32 {actual} != stored {stored_crc[0]}")
         return out
 
     async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
@@ -512,6 +628,14 @@ class S3Store:
         and close the client. Idempotent; callable from any thread but the loop's."""
         if self._closed:
             return
+        if self._shared_key is not None:
+            with _SHARED_LOCK:
+                entry = _SHARED.get(self._shared_key)
+                if entry is not None and entry[0] is self:
+                    entry[1] -= 1
+                    if entry[1] > 0:
+                        return  # other users in this process still need it
+                    del _SHARED[self._shared_key]
         self._closed = True
         if not self._bg.is_running:
             return
@@ -529,6 +653,7 @@ class S3Store:
             if still:
                 logger.warning("ec-s3: cancelled %d S3 operations still pending after %.1fs", len(still), timeout)
                 await asyncio.gather(*still, return_exceptions=True)
+        self._client_gone = True
         if self._exit_stack is not None:
             await self._exit_stack.aclose()
             self._client = None
@@ -537,9 +662,6 @@ class S3Store:
     def _checksum_args(self) -> dict[str, str]:
         algo = self.config.checksum_algorithm
         return {} if algo == "none" else {"ChecksumAlgorithm": algo}
-
-    def _checksum_mode(self) -> dict[str, str]:
-        return {} if self.config.checksum_algorithm == "none" else {"ChecksumMode": "ENABLED"}
 
 
 async def _read_into(body: Any, out: memoryview, key: str) -> None:
@@ -556,6 +678,13 @@ async def _read_into(body: Any, out: memoryview, key: str) -> None:
         body.close()
     if pos != len(out):
         raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
+
+
+async def _crc32(view: memoryview) -> int:
+    """zlib CRC32 (~4 GB/s); large buffers off the loop thread."""
+    if len(view) < (1 << 20):
+        return zlib.crc32(view)
+    return await asyncio.to_thread(zlib.crc32, view)
 
 
 def _content_range_total(value: str | None) -> int | None:

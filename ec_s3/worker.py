@@ -26,6 +26,7 @@ from ec_s3.log import logger
 from ec_s3.metadata import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.model_info import ModelInfo, host_id
 from ec_s3.publisher import BlobPublisher
+from ec_s3.spool import Spool
 from ec_s3.staging import open_slot_view
 from ec_s3.stats import Counters
 from ec_s3.store import S3Store, StoreError
@@ -55,20 +56,24 @@ class ECS3Worker:
         self._warned_remote = False
         self._device: torch.device | None = None
         self._load_stream: Any = None
-        if self._is_producer:
+        if self._is_producer and _is_publishing_rank():
+            spool = None
+            if config.spool_dir:
+                spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_retry_s, self._get_store(), counters)
+                spool.start()
             self._publisher = BlobPublisher(
                 self._get_store(), config, namespace=model.keyspace.namespace,
-                producer=model.engine_id, counters=counters,
+                producer=model.engine_id, counters=counters, spool=spool,
             )
 
     def _get_store(self) -> S3Store:
         if self._store is None:
-            self._store = S3Store(self._config)
+            self._store = S3Store.shared(self._config)
         return self._store
 
     # ------------------------------------------------------------------ saving
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECS3ConnectorMetadata | None) -> None:
-        if self._publisher is None or not _is_publishing_rank():
+        if self._publisher is None:
             return
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
@@ -190,14 +195,11 @@ class ECS3Worker:
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         if self._publisher is not None:
-            pending = self._publisher.pending
-            left = self._publisher.flush(self._config.shutdown_timeout_s)
+            pending, abandoned = self._publisher.shutdown(self._config.shutdown_timeout_s)
             if pending:
-                logger.info("ec-s3: flushed %d of %d pending uploads at shutdown", pending - left, pending)
-            if left:
-                logger.warning(
-                    "ec-s3: abandoning %d uploads still pending after shutdown_timeout_s=%g",
-                    left, self._config.shutdown_timeout_s,
+                logger.info(
+                    "ec-s3: %d uploads were pending at shutdown: %d abandoned%s", pending, abandoned,
+                    f", the rest uploaded or spooled to {self._config.spool_dir}" if self._config.spool_dir else "",
                 )
         if self._store is not None:
             self._store.close(timeout=1.0)

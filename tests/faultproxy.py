@@ -97,6 +97,7 @@ class _Rule:
 @dataclass
 class _Request:
     method: str
+    target: str  # request target (path and query), for tests that check what was asked
     head: bytes  # as forwarded: Expect removed
     body: bytes
     close: bool
@@ -181,6 +182,15 @@ class FaultProxy:
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._port = 0
+        self.seen: list[tuple[str, str]] = []  # (method, target) of every request
+
+    def set_upstream(self, upstream_url: str) -> None:
+        """Point new connections at another server (e.g. one restarted on new ports)."""
+        parts = urlsplit(upstream_url)
+        if parts.scheme != "http" or not parts.hostname or not parts.port:
+            raise ValueError(f"need http://host:port, got {upstream_url!r}")
+        with self._lock:
+            self._upstream = (parts.hostname, parts.port)
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -380,6 +390,8 @@ class FaultProxy:
                 if request is None:
                     return
                 self._count("requests")
+                with self._lock:
+                    self.seen.append((request.method, request.target))
                 if self._is_down():
                     self._count("down_refused")
                     _abort(writer)
@@ -442,7 +454,8 @@ class FaultProxy:
         kept += [line for line in lines if not line.lower().startswith(b"expect:")]
         head = b"\r\n".join(kept) + b"\r\n\r\n"
         close = headers.get("connection", "").lower() == "close"
-        return _Request(method=method, head=head, body=body, close=close)
+        target = head.split(b" ", 2)[1].decode("latin-1") if head.count(b" ") >= 2 else ""
+        return _Request(method=method, target=target, head=head, body=body, close=close)
 
     async def _apply_delays(self, method: str, reader: asyncio.StreamReader) -> bool:
         """Stall, then add latency. False when the client left while held."""

@@ -267,6 +267,7 @@ def make_mm_request(
     text_token_ids: list[int] | None = None,
     sampling_kwargs: dict | None = None,
     arrival_time: float | None = None,
+    cache_salt: str | None = None,
 ) -> Request:
     """A multimodal ``Request`` as EngineCore would build it from the frontend.
 
@@ -330,6 +331,7 @@ def make_mm_request(
         mm_features=features,
         block_hasher=block_hasher,
         arrival_time=arrival_time,
+        cache_salt=cache_salt,
     )
 
 
@@ -340,7 +342,7 @@ def fake_encoder_output(
     mm_hash: str, num_embeds: int, hidden: int = 128, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Deterministic "encoder output" for an item: same hash -> same tensor."""
-    g = torch.Generator().manual_seed(zlib.crc32(mm_hash.encode()))
+    g = torch.Generator().manual_seed(zlib.crc32(mm_hash.encode("utf-8", "surrogatepass")))
     return torch.randn(num_embeds, hidden, generator=g).to(dtype)
 
 

@@ -1,0 +1,85 @@
+"""Start-up checks: fail fast on misconfiguration, degrade on an unreachable store.
+
+A wrong bucket name or credentials would otherwise show up as a stream of per-item
+failures long after the engine started. One attempt each, with the configured
+timeouts:
+
+* every role: a GET of a probe key. Unlike HEAD, a GET's error carries its code, so
+  one request tells a missing bucket (NoSuchBucket), wrong credentials
+  (InvalidAccessKeyId, SignatureDoesNotMatch) and missing read permission
+  (AccessDenied) apart; 200 and 404 are both fine;
+* producers: a conditional PUT of the tiny probe object (412 = already there = fine).
+
+Failures are worded by :func:`ec_s3.ops.diagnose`, as ``ec-s3 check`` words them.
+Misconfiguration raises :class:`StartupCheckError` (``startup_check="fatal"``, the
+default) or logs an error (``"warn"``); an unreachable or failing endpoint only warns:
+the circuit breaker keeps the engine serving (encoding locally) until it answers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ec_s3.aio import BackgroundLoop
+from ec_s3.config import ECS3Config
+from ec_s3.log import logger
+from ec_s3.ops import diagnose
+from ec_s3.store import ObjectNotFound, S3Store, StoreError
+
+__all__ = ["StartupCheckError", "probe_key", "run_startup_checks"]
+
+_PROBE_BODY = b"ec-s3 write probe\n"
+# Diagnoses that mean "the store is not answering", not "the configuration is wrong".
+_DEGRADED_KINDS = frozenset({"endpoint", "server"})
+
+
+class StartupCheckError(RuntimeError):
+    """ec-s3 cannot work with this store configuration; the message says how to fix it."""
+
+
+def probe_key(config: ECS3Config) -> str:
+    return f"{config.prefix}/_ec_s3_probe/write-check"
+
+
+def run_startup_checks(config: ECS3Config, *, producer: bool, consumer: bool, loop: BackgroundLoop | None = None) -> list[str]:
+    """Run the checks for these roles; returns the problems found (empty = healthy).
+
+    Raises :class:`StartupCheckError` for misconfiguration when
+    ``config.startup_check == "fatal"``.
+    """
+    if config.startup_check == "off":
+        return []
+    store = S3Store(dataclasses.replace(config, max_attempts=1), loop=loop)
+    where = f"s3://{config.bucket}/{config.prefix}/ at {config.endpoint_url or 'AWS ' + config.region}"
+    timeout = 3 * (config.connect_timeout_s + config.read_timeout_s)
+    role = "ec_producer" if producer else "ec_consumer"
+    fatal: list[str] = []
+    degraded: list[str] = []
+    steps = [("GET", store.get_async)] + ([("PUT", None)] if producer else [])
+    try:
+        for op, _ in steps:
+            try:
+                if op == "GET":
+                    store.run(store.get_async(probe_key(config)), timeout)
+                else:
+                    store.run(store.put_async(probe_key(config), bytearray(_PROBE_BODY)), timeout)
+            except ObjectNotFound:
+                continue
+            except (StoreError, TimeoutError) as exc:
+                diagnosis = diagnose(exc, config, op=op)
+                problem = f"{role} {op} check: {diagnosis.cause}; fix: {diagnosis.fix}"
+                (degraded if diagnosis.kind in _DEGRADED_KINDS else fatal).append(problem)
+                break
+    finally:
+        store.close(timeout=1.0)
+    for problem in degraded:
+        logger.warning("ec-s3: %s is not usable (%s); starting degraded: items are encoded locally until it answers",
+                       where, problem)
+    if fatal:
+        message = f"ec-s3 start-up check of {where} failed: " + "; ".join(fatal) + " (startup_check='warn' starts anyway)"
+        if config.startup_check == "fatal":
+            raise StartupCheckError(message)
+        logger.error("%s", message)
+    elif not degraded:
+        logger.info("ec-s3: start-up check of %s passed (%s)", where, role)
+    return fatal + degraded
