@@ -23,6 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
+from ec_s3.metrics import ECS3PromMetrics, ECS3Stats
 from ec_s3.metadata import ECS3ConnectorMetadata
 from ec_s3.model_info import ModelInfo
 from ec_s3.preflight import run_startup_checks
@@ -33,11 +34,17 @@ from ec_s3.worker import ECS3Worker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorStats
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["ECS3Connector"]
+
+# Worker-role counters of this process. vLLM's V1 model runner never collects worker
+# stats, so the scheduler-role connector in the same process (UniProc executor)
+# reports them until vLLM collects them itself (model runner V2 claims them).
+_WORKER_COUNTERS: list[Counters] = []
 
 
 class ECS3Connector(ECConnectorBase):
@@ -60,6 +67,7 @@ class ECS3Connector(ECConnectorBase):
             self._scheduler = ECS3Scheduler(vllm_config, self.config, self.model, self.counters)
         elif role == ECConnectorRole.WORKER:
             self._worker = ECS3Worker(vllm_config, self.config, self.model, self.counters)
+            _WORKER_COUNTERS.append(self.counters)
         else:  # pragma: no cover
             raise ValueError(f"unknown EC connector role: {role}")
         logger.info(
@@ -126,6 +134,36 @@ class ECS3Connector(ECConnectorBase):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
+    # ------------------------------------------------------------------ metrics
+    def get_ec_connector_stats(self) -> ECConnectorStats | None:
+        if self._worker is not None:
+            self.counters.claimed = True
+            stats = ECS3Stats(data=self.counters.take_delta())
+        else:
+            stats = ECS3Stats(data=self.counters.take_delta())
+            assert self._scheduler is not None
+            stats.data["counters"]["retries"] = self._scheduler.take_store_retries()
+            for counters in _WORKER_COUNTERS:
+                if not counters.claimed:
+                    stats.aggregate(ECS3Stats(data=counters.take_delta()))
+            if not stats.data["counters"]["retries"]:
+                del stats.data["counters"]["retries"]
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> ECConnectorStats | None:
+        return ECS3Stats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> ECS3PromMetrics:
+        return ECS3PromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         if self._closed:
@@ -133,5 +171,7 @@ class ECS3Connector(ECConnectorBase):
         self._closed = True
         if self._worker is not None:
             self._worker.close()
+            if self.counters in _WORKER_COUNTERS:
+                _WORKER_COUNTERS.remove(self.counters)
         if self._scheduler is not None:
             self._scheduler.close()

@@ -134,7 +134,7 @@ class ItemFetcher:
             staging.mark_ready(held[0][0])
             self._counters.inc("blobs_downloaded")
             self._counters.inc("bytes_downloaded", held[0][0].nbytes)
-            self._counters.inc("download_seconds", time.monotonic() - started)
+            self._counters.observe("download_seconds", time.monotonic() - started)
         except ObjectNotFound:
             result = Missing()
         except _StagingFull:

@@ -215,7 +215,7 @@ class BlobPublisher:
             body = await self._body(job)
             started = time.monotonic()
             outcome = await self._store.put_async(job.key, body)
-            self._counters.inc("upload_seconds", time.monotonic() - started)
+            self._counters.observe("upload_seconds", time.monotonic() - started)
             if outcome is PutOutcome.CREATED:
                 self._counters.inc("blobs_uploaded")
                 self._counters.inc("bytes_uploaded", nbytes)

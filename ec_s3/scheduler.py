@@ -113,6 +113,7 @@ class ECS3Scheduler:
         self._loads: list[LoadSpec] = []
         self._unavailable: set[str] = set()
         self._steps = 0
+        self._retries_reported = 0
 
     # ------------------------------------------------------------------ admission
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
@@ -160,9 +161,7 @@ class ECS3Scheduler:
             self._local.setdefault(req_id, set()).add(ident)
             return True
         if promise is None:
-            if item.state is ItemState.MISSING:
-                self._counters.inc("lookups_miss")
-            return True  # a miss: the encoder runs locally
+            return True  # a miss (or a failed lookup): the encoder runs locally
         if item.state is ItemState.INVALID:
             raise _Unavailable(f"the stored blob is invalid ({item.reason})")
         if item.state is ItemState.ERROR and item.outage:
@@ -315,6 +314,8 @@ class ECS3Scheduler:
                     logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, result.reason, item.attempts)
             elif isinstance(result, (Staged, Present)):
                 self._counters.inc("lookups_hit")
+            elif isinstance(result, Missing):
+                self._counters.inc("lookups_miss")  # one per 404, polls of a promise included
         if self._staging is not None:
             self._counters.set_gauge("staged_bytes", self._staging.used)
 
@@ -432,6 +433,12 @@ class ECS3Scheduler:
                 )
                 entry["size_bytes"] = layout.total_nbytes
         return items
+
+    def take_store_retries(self) -> int:
+        """Retries of this process's store since the last call (for metrics)."""
+        total = self._store.stats.retries
+        delta, self._retries_reported = total - self._retries_reported, total
+        return delta
 
     # ------------------------------------------------------------------ upkeep
     def _prune(self) -> None:

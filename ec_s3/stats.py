@@ -1,16 +1,22 @@
-"""Counters shared by the engine thread and the I/O loop.
+"""Counters, gauges and latency samples shared by the engine thread and the I/O loop.
 
 Increments come from two threads (the engine's and ec-s3's loop), so they take a
-lock; it is uncontended in practice and costs well under a microsecond. ``snapshot``
-is what metrics, logs and tests read.
+lock; it is uncontended in practice and costs well under a microsecond.
+``snapshot`` is what tests and logs read; ``take_delta`` is what vLLM's stats hooks
+ship to the metrics process (only what changed since the last call).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from typing import Any
 
 __all__ = ["Counters"]
+
+# Latency samples kept per interval; vLLM ships stats every step, so this only
+# bounds memory if nobody collects them.
+_MAX_SAMPLES = 4096
 
 
 class Counters:
@@ -18,6 +24,12 @@ class Counters:
         self._lock = threading.Lock()
         self._values: defaultdict[str, float] = defaultdict(float)
         self._gauges: dict[str, float] = {}
+        self._reported: dict[str, float] = {}
+        self._samples: defaultdict[str, list[float]] = defaultdict(list)
+        # Set once vLLM collects this instance's stats itself (worker side, model
+        # runner V2); until then the scheduler-side connector of the same process
+        # reports them, as vLLM's V1 runner never collects worker stats.
+        self.claimed = False
 
     def inc(self, name: str, value: float = 1.0) -> None:
         with self._lock:
@@ -27,6 +39,14 @@ class Counters:
         with self._lock:
             self._gauges[name] = value
 
+    def observe(self, name: str, seconds: float) -> None:
+        """Record a latency sample (for histograms) and count its sum."""
+        with self._lock:
+            self._values[name] += seconds
+            samples = self._samples[name]
+            if len(samples) < _MAX_SAMPLES:
+                samples.append(seconds)
+
     def get(self, name: str) -> float:
         with self._lock:
             return self._values.get(name, self._gauges.get(name, 0.0))
@@ -34,6 +54,19 @@ class Counters:
     def snapshot(self) -> dict[str, float]:
         with self._lock:
             return {**self._values, **self._gauges}
+
+    def take_delta(self) -> dict[str, Any]:
+        """Counter increments and samples since the last call, plus current gauges."""
+        with self._lock:
+            counters = {}
+            for name, value in self._values.items():
+                delta = value - self._reported.get(name, 0.0)
+                if delta:
+                    counters[name] = delta
+                    self._reported[name] = value
+            samples = {k: v for k, v in self._samples.items() if v}
+            self._samples = defaultdict(list)
+            return {"counters": counters, "gauges": dict(self._gauges), "samples": samples}
 
     def __repr__(self) -> str:
         return f"Counters({dict(sorted(self.snapshot().items()))})"

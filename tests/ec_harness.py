@@ -50,6 +50,7 @@ def make_node(
     extra: dict[str, Any],
     *,
     encode_fn: Callable[[str, int], torch.Tensor] | None = None,
+    log_stats: bool = False,
     **engine_kwargs: Any,
 ) -> Node:
     ec = {
@@ -59,7 +60,7 @@ def make_node(
         "ec_connector_extra_config": extra,
     }
     vllm_config = make_vllm_config(model_dir, ec, **engine_kwargs)
-    scheduler = make_scheduler(vllm_config)
+    scheduler = make_scheduler(vllm_config, log_stats=log_stats)
     worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
     sim = ECWorkerSim(worker, encode_fn=encode_fn)
     return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
@@ -84,3 +85,10 @@ def drive(
             time.sleep(idle_sleep_s)
     waiting = [r.request_id for r in driver.scheduler.waiting]
     raise AssertionError(f"requests still pending after {timeout_s}s: waiting={waiting}")
+
+
+def blob_requests(proxy: Any, node: Node) -> list[tuple[str, str]]:
+    """(method, target) of the proxy's requests for blobs of this node's namespace
+    (start-up probes and bucket-level calls left out)."""
+    root = node.scheduler_connector.model.keyspace.root
+    return [(m, t) for m, t in proxy.seen if f"/{root}" in t]

@@ -1,0 +1,117 @@
+"""Metrics: the stats hooks vLLM calls each step, aggregation across workers, the
+periodic log summary and the Prometheus families, fed by real producer/consumer runs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ec_s3.connector import ECS3Connector
+from ec_s3.metrics import ECS3Stats
+from ec_harness import Node, drive, make_node
+from test_consumer import produce
+
+
+def _collect(node: Node) -> ECS3Stats:
+    """What vLLM shipped to its stat loggers: ``scheduler_stats.ec_connector_stats`` of
+    every step (V1 runner: worker counters of the same process come with them), plus
+    one more collection as vLLM's next step would make (uploads finish after the last
+    step)."""
+    total = ECS3Stats()
+    for step in node.driver.steps:
+        for outputs in step.engine_core_outputs.values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.ec_connector_stats:
+                total.aggregate(ECS3Connector.build_ec_connector_stats(stats.ec_connector_stats))
+    last = node.scheduler_connector.get_ec_connector_stats()
+    if last is not None:
+        total.aggregate(last)
+    return total
+
+
+def _prometheus(vllm_config: Any, data: dict[str, Any]) -> str:
+    registry = CollectorRegistry()
+    types = {cls: functools.partial(cls, registry=registry) for cls in (Gauge, Counter, Histogram)}
+    prom = ECS3Connector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe(data, 0)
+    return generate_latest(registry).decode()
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not found")
+
+
+def test_producer_and_consumer_metrics(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
+    producer = make_node(tiny_model_dir, "ec_producer", extra_config(lookup="promised"), log_stats=True)
+    try:
+        producer.driver.add("p1", ["img-a", "img-b"])
+        params = drive(producer.driver)["p1"].ec_transfer_params
+        producer.flush()
+        stats = _collect(producer)
+        c = stats.data["counters"]
+        assert c["blobs_uploaded"] == 2 and c["bytes_uploaded"] > 0
+        assert len(stats.data["samples"]["upload_seconds"]) == 2
+        assert stats.reduce()["uploaded"] == 2
+        text = _prometheus(producer.driver.scheduler.vllm_config, stats.data)
+        assert _value(text, "vllm:ec_s3_blobs_uploaded_total", engine="0") == 2
+        assert _value(text, "vllm:ec_s3_upload_seconds_count", engine="0") == 2
+        # Deltas: a second collection reports nothing new.
+        assert producer.scheduler_connector.get_ec_connector_stats() is None
+    finally:
+        producer.close()
+
+    consumer = make_node(tiny_model_dir, "ec_consumer", extra_config(), log_stats=True)
+    try:
+        consumer.driver.add("c1", ["img-a", "img-b", "img-c"], ec_transfer_params=params)
+        drive(consumer.driver)
+        stats = _collect(consumer)
+        c = stats.data["counters"]
+        assert c["blobs_downloaded"] == 2 and c["blobs_loaded"] == 2
+        assert c["lookups_hit"] == 2 and c["lookups_miss"] == 1
+        summary = stats.reduce()
+        assert summary["downloaded"] == 2 and summary["loaded"] == 2 and summary["misses"] == 1
+        text = _prometheus(consumer.driver.scheduler.vllm_config, stats.data)
+        assert _value(text, "vllm:ec_s3_lookups_total", outcome="hit") == 2
+        assert _value(text, "vllm:ec_s3_lookups_total", outcome="miss") == 1
+        assert _value(text, "vllm:ec_s3_blobs_loaded_total") == 2
+        assert _value(text, "vllm:ec_s3_staged_bytes") > 0
+    finally:
+        consumer.close()
+
+
+def test_stats_aggregate_across_workers() -> None:
+    a = ECS3Stats(data={"counters": {"blobs_loaded": 2}, "gauges": {"staged_bytes": 10}, "samples": {"download_seconds": [0.1]}})
+    b = ECS3Stats(data={"counters": {"blobs_loaded": 3, "lookups_hit": 1}, "gauges": {}, "samples": {"download_seconds": [0.3]}})
+    merged = a.aggregate(b)
+    assert merged.data["counters"] == {"blobs_loaded": 5, "lookups_hit": 1}
+    assert merged.data["samples"]["download_seconds"] == [0.1, 0.3]
+    assert merged.reduce()["avg_download_ms"] == 200.0
+    rebuilt = ECS3Connector.build_ec_connector_stats(merged.data)
+    assert isinstance(rebuilt, ECS3Stats) and not rebuilt.is_empty()
+
+
+def test_worker_stats_reported_once_when_vllm_collects_them(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
+) -> None:
+    """Model runner V2 collects worker stats itself: then the scheduler side stops
+    reporting them, so nothing is counted twice."""
+    params = produce(tiny_model_dir, extra_config(), ["img-a"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(), log_stats=True)
+    try:
+        node.worker.get_ec_connector_stats()  # what the V2 runner does each step
+        node.driver.add("c1", ["img-a"], ec_transfer_params=params)
+        drive(node.driver)
+        sched = _collect(node)
+        worker = node.worker.get_ec_connector_stats()
+        assert sched.data["counters"]["blobs_downloaded"] == 1
+        assert "blobs_loaded" not in sched.data["counters"]
+        assert worker is not None and worker.data["counters"]["blobs_loaded"] == 1
+    finally:
+        node.close()
