@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ec_s3.codec import BlobError, BlobLayout, BlobMeta
+from ec_s3.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.spool import Spool
 from ec_s3.stats import Counters
-from ec_s3.store import PutOutcome, S3Store, StoreError, StoreUnavailable
+from ec_s3.store import BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["BlobPublisher", "InflightBudget"]
 
@@ -210,7 +210,7 @@ class BlobPublisher:
 
     async def _upload(self, job: _Job) -> None:
         nbytes = job.layout.total_nbytes
-        body: memoryview | bytearray | None = None
+        body: memoryview | BufferChain | None = None
         try:
             body = await self._body(job)
             started = time.monotonic()
@@ -240,7 +240,7 @@ class BlobPublisher:
                 self._idle.notify_all()
 
     async def _spool_or_drop(
-        self, job: _Job, body: memoryview | bytearray | None, reason: str, *, cancelled: bool = False
+        self, job: _Job, body: memoryview | BufferChain | None, reason: str, *, cancelled: bool = False
     ) -> None:
         """Retries are spent (or we are shutting down): spool the blob, else drop it."""
         if self._spool is not None and body is not None and await self._spool.save(job.key, body):
@@ -251,7 +251,7 @@ class BlobPublisher:
         log = logger.debug if self._store.breaker.is_open else logger.warning
         log("ec-s3: upload of %s to %s dropped: %s", job.identifier[:64], job.key, reason)
 
-    async def _body(self, job: _Job) -> memoryview | bytearray:
+    async def _body(self, job: _Job) -> memoryview | BufferChain:
         if job.event is not None:
             event = job.event
             while not event.query():
@@ -259,13 +259,9 @@ class BlobPublisher:
             assert job.host is not None
             return memoryview(job.host.numpy())
         assert job.source is not None
-        out = bytearray(job.layout.total_nbytes)
-        if job.layout.data_nbytes >= (1 << 20):
-            # Large copies leave the loop free for other requests meanwhile.
-            await asyncio.to_thread(job.layout.write, out, job.source)
-        else:
-            job.layout.write(out, job.source)
-        return out
+        # CPU: the header plus the tensor's own memory, sent without joining them.
+        data = tensor_bytes(job.source)
+        return BufferChain([job.layout.header, memoryview(data.numpy())])
 
     # ------------------------------------------------------------ shutdown
     @property

@@ -27,7 +27,7 @@ import aiofiles.os
 
 from ec_s3.log import logger
 from ec_s3.stats import Counters
-from ec_s3.store import AccessDenied, PutOutcome, S3Store, StoreError, StoreUnavailable
+from ec_s3.store import AccessDenied, Body, BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["Spool"]
 
@@ -82,7 +82,7 @@ class Spool:
                 logger.info("ec-s3: spool %s holds %d bytes from earlier; re-uploading", self.dir, self.used)
                 self._wake.set()
 
-    async def save(self, key: str, body: memoryview | bytearray) -> bool:
+    async def save(self, key: str, body: Body) -> bool:
         """Write ``body`` to the spool; False (and counted) if the spool is full."""
         size = len(body)
         async with self._lock:
@@ -93,8 +93,10 @@ class Spool:
         final = self.dir / _name_for(key)
         tmp = self.dir / f"{final.name}.{secrets.token_hex(4)}.tmp"
         try:
+            chain = body if isinstance(body, BufferChain) else BufferChain([body])
             async with aiofiles.open(tmp, "wb") as f:
-                await f.write(body)
+                for view in chain.views:
+                    await f.write(view)
                 await f.flush()
                 await asyncio.to_thread(os.fsync, f.fileno())
             await aiofiles.os.rename(tmp, final)

@@ -24,7 +24,7 @@ import random
 import threading
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import aioboto3
@@ -135,17 +135,43 @@ class StoreStats:
     bytes_downloaded: int = 0
 
 
-class _BufferReader(io.RawIOBase):
-    """A seekable file over a memoryview, so botocore can send slices without a copy.
+class BufferChain:
+    """Bytes held in several buffers, sent as one body without joining them.
 
-    botocore accepts ``bytes``/``bytearray``/file objects as a body, not memoryviews;
-    copying each multipart part (or a pinned host buffer) into ``bytes`` would double
-    the memory traffic of an upload.
+    A producer's blob is a small header plus the encoder output's own memory; joining
+    them would copy the whole tensor (and double the memory held while it uploads).
     """
 
-    def __init__(self, view: memoryview) -> None:
+    __slots__ = ("views", "nbytes")
+
+    def __init__(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        self.views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        self.nbytes = sum(len(v) for v in self.views)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def slice(self, start: int, end: int) -> BufferChain:
+        out, pos = [], 0
+        for view in self.views:
+            lo, hi = max(start - pos, 0), min(end - pos, len(view))
+            if lo < hi:
+                out.append(view[lo:hi])
+            pos += len(view)
+        return BufferChain(out)
+
+
+Body = bytes | bytearray | memoryview | BufferChain
+
+
+class _ChainReader(io.RawIOBase):
+    """A seekable file over a :class:`BufferChain`: what botocore needs as a body
+    (it accepts bytes or file objects, not memoryviews), without copying."""
+
+    def __init__(self, chain: BufferChain) -> None:
         super().__init__()
-        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._views = chain.views
+        self._len = chain.nbytes
         self._pos = 0
 
     def readable(self) -> bool:
@@ -155,27 +181,36 @@ class _BufferReader(io.RawIOBase):
         return True
 
     def __len__(self) -> int:
-        return len(self._view)
+        return self._len
 
     def tell(self) -> int:
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + offset))
         return self._pos
 
     def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), len(self._view) - self._pos)
-        memoryview(buffer).cast("B")[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
+        out = memoryview(buffer).cast("B")
+        written, pos, base = 0, self._pos, 0
+        for view in self._views:
+            if written == len(out):
+                break
+            if pos < base + len(view):
+                lo = pos - base
+                n = min(len(view) - lo, len(out) - written)
+                out[written : written + n] = view[lo : lo + n]
+                written += n
+                pos += n
+            base += len(view)
+        self._pos = pos
+        return written
 
     def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        chunk = self._view[self._pos : end].tobytes()
-        self._pos = end
-        return chunk
+        n = self._len - self._pos if size is None or size < 0 else min(size, self._len - self._pos)
+        buf = bytearray(n)
+        return bytes(buf[: self.readinto(buf)])
 
 
 _SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
@@ -402,12 +437,12 @@ class S3Store:
     async def put_async(
         self,
         key: str,
-        body: bytes | bytearray | memoryview,
+        body: Body,
         *,
         metadata: dict[str, str] | None = None,
     ) -> PutOutcome:
         """Store an immutable blob; a 412 from the conditional put means it exists."""
-        view = memoryview(body).cast("B")
+        view = body if isinstance(body, BufferChain) else BufferChain([body])
         if len(view) > self.config.max_blob_bytes:
             raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
         if self.config.checksum_algorithm != "none":
@@ -423,12 +458,12 @@ class S3Store:
             self.stats.bytes_uploaded += len(view)
         return outcome
 
-    async def _put_single(self, key: str, view: memoryview, metadata: dict[str, str]) -> PutOutcome:
+    async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str]) -> PutOutcome:
         extra = self._checksum_args()
 
         async def _put(client: Any) -> PutOutcome:
             await client.put_object(
-                Bucket=self.bucket, Key=key, Body=_BufferReader(view), ContentLength=len(view),
+                Bucket=self.bucket, Key=key, Body=_ChainReader(view), ContentLength=len(view),
                 IfNoneMatch="*", Metadata=metadata, ContentType="application/octet-stream", **extra,
             )
             return PutOutcome.CREATED
@@ -443,7 +478,7 @@ class S3Store:
                 return PutOutcome.ALREADY_EXISTS
             raise
 
-    async def _put_multipart(self, key: str, view: memoryview, metadata: dict[str, str]) -> PutOutcome:
+    async def _put_multipart(self, key: str, view: BufferChain, metadata: dict[str, str]) -> PutOutcome:
         part = self.config.multipart_part_bytes
         extra = self._checksum_args()
 
@@ -456,12 +491,12 @@ class S3Store:
         upload_id = await self._call("CreateMultipartUpload", key, _create)
         try:
             async def _part(number: int, start: int) -> dict[str, Any]:
-                chunk = view[start : start + part]
+                chunk = view.slice(start, start + part)
 
                 async def _upload(client: Any) -> dict[str, Any]:
                     resp = await client.upload_part(
                         Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                        Body=_BufferReader(chunk), ContentLength=len(chunk), **extra,
+                        Body=_ChainReader(chunk), ContentLength=len(chunk), **extra,
                     )
                     done = {"PartNumber": number, "ETag": resp["ETag"]}
                     for field in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA256"):
@@ -680,11 +715,17 @@ async def _read_into(body: Any, out: memoryview, key: str) -> None:
         raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
 
 
-async def _crc32(view: memoryview) -> int:
+async def _crc32(body: memoryview | BufferChain) -> int:
     """zlib CRC32 (~4 GB/s); large buffers off the loop thread."""
-    if len(view) < (1 << 20):
-        return zlib.crc32(view)
-    return await asyncio.to_thread(zlib.crc32, view)
+    chain = body if isinstance(body, BufferChain) else BufferChain([body])
+
+    def crc() -> int:
+        value = 0
+        for view in chain.views:
+            value = zlib.crc32(view, value)
+        return value
+
+    return crc() if len(chain) < (1 << 20) else await asyncio.to_thread(crc)
 
 
 def _content_range_total(value: str | None) -> int | None:
