@@ -64,6 +64,14 @@ class ECS3Connector(ECConnectorBase):
             # Once per engine, before any traffic: a bad bucket or credentials fail
             # here with a message that says what to fix.
             run_startup_checks(self.config, producer=self.is_producer, consumer=self.is_consumer)
+            if self.is_producer and not getattr(vllm_config, "shutdown_timeout", 0):
+                logger.warning(
+                    "ec-s3: vLLM runs with --shutdown-timeout 0, so on SIGTERM it kills the engine at "
+                    "once and uploads still pending are lost%s; start producers with "
+                    "--shutdown-timeout %d (and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS >= that)",
+                    " (spool_dir keeps only what already failed)" if self.config.spool_dir else "",
+                    int(self.config.shutdown_timeout_s) + 2,
+                )
             self._scheduler = ECS3Scheduler(vllm_config, self.config, self.model, self.counters)
         elif role == ECConnectorRole.WORKER:
             self._worker = ECS3Worker(vllm_config, self.config, self.model, self.counters)
