@@ -288,4 +288,4 @@ def _storable_identifier(identifier: str) -> bool:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

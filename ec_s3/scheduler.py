@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["ECS3Scheduler"]
 
 _PROMISE_POLL_MAX_S = 1.0
-_PROMISE_POLL_BASE_S = 0.05
+# A promise usually arrives before its upload is visible: re-poll soon, then back off.
+_PROMISE_POLL_BASE_S = 0.005
 _PRUNE_EVERY_STEPS = 256
 
 

@@ -83,30 +83,34 @@ class StagingArea:
     def allocate(self, name: str, nbytes: int) -> StagingSlot | None:
         """Reserve ``nbytes`` for a new slot, evicting unpinned slots if needed.
 
-        Returns None when pinned slots hold the space: the caller retries later.
+        Returns None when pinned slots hold the space: the caller retries later. The
+        bookkeeping happens under the lock, the file system calls after it, so the
+        scheduler thread never waits on a syscall the I/O thread is making.
         """
         with self._lock:
             if name in self._slots:
                 raise ValueError(f"slot {name} already exists")
             if nbytes > self.capacity:
                 return None
+            victims: list[tuple[StagingSlot, str | None]] = []
             if self.used + nbytes > self.capacity:
                 for victim in [s for s in self._slots.values() if self._evictable(s)]:
-                    self._evict(victim)
+                    victims.append(self._evict(victim))
                     if self.used + nbytes <= self.capacity:
                         break
             if self.used + nbytes > self.capacity:
+                self._finish_evictions(victims)
                 return None
-            path = self.dir / f"{name}.blob"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
-            slot = StagingSlot(name=name, path=str(path), nbytes=nbytes)
+            slot = StagingSlot(name=name, path=str(self.dir / f"{name}.blob"), nbytes=nbytes)
             self._slots[name] = slot
             self.used += nbytes
-            return slot
+        self._finish_evictions(victims)
+        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        return slot
 
     def _evictable(self, slot: StagingSlot) -> bool:
         return slot.ready and slot.pins == 0 and slot.touched_step < self.step
@@ -115,10 +119,11 @@ class StagingArea:
         """Drop a slot now (failed or invalid download: nobody was handed it)."""
         with self._lock:
             slot = self._slots.pop(name, None)
-            if slot is not None:
-                slot.evicted = True
-                self.used -= slot.nbytes
-                _unlink(slot.path)
+            if slot is None:
+                return
+            slot.evicted = True
+            self.used -= slot.nbytes
+        _unlink(slot.path)
 
     def mark_ready(self, slot: StagingSlot) -> None:
         with self._lock:
@@ -152,26 +157,34 @@ class StagingArea:
         """Called once per engine step: unlink evicted slots past their grace."""
         with self._lock:
             self.step += 1
-            keep = []
-            for slot in self._doomed:
-                if self.step - slot.last_dispatch_step > _UNLINK_GRACE_STEPS:
-                    _unlink(slot.path)
-                else:
-                    keep.append(slot)
-            self._doomed = keep
+            expired = [s for s in self._doomed if self.step - s.last_dispatch_step > _UNLINK_GRACE_STEPS]
+            if not expired:
+                return
+            self._doomed = [s for s in self._doomed if s not in expired]
+        for slot in expired:
+            _unlink(slot.path)
 
-    def _evict(self, slot: StagingSlot) -> None:
+    def _evict(self, slot: StagingSlot) -> tuple[StagingSlot, str | None]:
+        """Take ``slot`` out (lock held). Returns it with the path to rename it to if a
+        worker may still open it (dispatched recently), else None (unlink it)."""
         slot.evicted = True
         self._slots.pop(slot.name, None)
         self.used -= slot.nbytes
         if self.step - slot.last_dispatch_step > _UNLINK_GRACE_STEPS:
-            _unlink(slot.path)
-        else:
-            # Renamed out of the way so the name can be staged again at once.
-            doomed = f"{slot.path}.evicted-{self.step}"
-            with contextlib.suppress(OSError):
-                os.rename(slot.path, doomed)
-            self._doomed.append(dataclasses.replace(slot, path=doomed))
+            return slot, None
+        # Renamed out of the way so the name can be staged again at once.
+        doomed = dataclasses.replace(slot, path=f"{slot.path}.evicted-{self.step}")
+        self._doomed.append(doomed)
+        return slot, doomed.path
+
+    @staticmethod
+    def _finish_evictions(victims: list[tuple[StagingSlot, str | None]]) -> None:
+        for slot, rename_to in victims:
+            if rename_to is None:
+                _unlink(slot.path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.rename(slot.path, rename_to)
 
     def close(self) -> None:
         with self._lock:

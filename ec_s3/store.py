@@ -213,6 +213,7 @@ class _ChainReader(io.RawIOBase):
         return bytes(buf[: self.readinto(buf)])
 
 
+_HEADER_ALLOWANCE = 64 * 1024  # codec.MAX_HEADER_BYTES; the store does not import the codec
 _SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
 _SHARED_LOCK = threading.Lock()
 
@@ -547,9 +548,12 @@ class S3Store:
         holder: list[memoryview] = []
 
         stored_crc: list[str] = []
+        # A blob is a whole number of MiB of tensor plus a small header: asking for one
+        # part plus a header's worth keeps an N-part blob from needing one more request.
+        first_span = part + _HEADER_ALLOWANCE
 
         async def _first(client: Any) -> int:
-            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{part - 1}")
+            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
             stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
             length = int(resp["ContentLength"])
             total = _content_range_total(resp.get("ContentRange"))

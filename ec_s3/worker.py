@@ -15,6 +15,7 @@ same encoder output.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -205,8 +206,10 @@ class ECS3Worker:
             self._store.close(timeout=1.0)
 
 
+@functools.cache
 def _is_publishing_rank() -> bool:
-    """Only the first tensor-parallel rank uploads (every rank holds the same output)."""
+    """Only the first tensor-parallel rank uploads (every rank holds the same output).
+    Asked once per process: the rank of a worker never changes."""
     try:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
