@@ -1,17 +1,23 @@
 """Producer step cost: ``save_caches`` time per call vs the time for the same blob to
-become visible in the store (HEAD 200), through the real ECS3Connector (worker role).
+be uploaded and visible in the store (HEAD 200), through the real ECS3Connector
+(worker role, producer), for several blob sizes.
 
-Goal: median ``save_caches`` <= 1% of the upload time. Both are measured in one run,
-so the ratio holds on a noisy machine. Starts its own SeaweedFS.
+Per size, paired samples: time ``save_caches`` (what the model step pays), then wait
+for the publisher to finish the upload (``flush``: the PUT was acknowledged) and check
+with one HEAD that the blob is visible. Then a burst of back-to-back ``save_caches``
+calls (several images in one step, uploads competing with the step for the GIL).
+Baseline in the same run: vLLM's ``ECExampleConnector.save_caches`` (synchronous
+safetensors write to local disk) for the same tensor.
 
-    .venv/bin/python bench/producer_save.py --calls 200 --size-mib 8
+Goal: median ``save_caches`` <= 1% of the upload time. Starts its own SeaweedFS.
+
+    .venv/bin/python bench/producer_save.py [--quick] [--sizes-mib 1 8 32 64] [--samples 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -19,106 +25,175 @@ import time
 from pathlib import Path
 from typing import Any
 
-for _k, _v in {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}.items():
-    os.environ.setdefault(_k, _v)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib as bl  # noqa: E402
+
+bl.setup_env()
 
 import torch  # noqa: E402
 
-from ec_s3.config import ECS3Config  # noqa: E402
-from ec_s3.embedded_s3 import EmbeddedS3Server  # noqa: E402
-from ec_s3.store import S3Store  # noqa: E402
-from ec_s3.tiny_model import build_tiny_llava  # noqa: E402
+WIDTH = 4096
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def bench_size(conn: Any, example: Any, store: Any, size_mib: int, samples: int, burst: int) -> dict[str, Any]:
+    keyspace = conn.model.keyspace
+    publisher = conn._worker._publisher  # noqa: SLF001 - the bench waits for uploads; vLLM never does
+    rows = size_mib * bl.MiB // (WIDTH * 2)
+    save, ack, visible, example_save = [], [], [], []
+    for i in range(samples):
+        tensor = torch.randn(rows, WIDTH).to(torch.bfloat16)
+        ident = f"s{size_mib}-{i}-{time.time_ns()}"
+        cache = {ident: tensor}
+        t0 = time.perf_counter()
+        conn.save_caches(cache, ident)
+        t1 = time.perf_counter()
+        if publisher.flush(120) != 0:
+            raise RuntimeError("upload did not finish in 120 s")
+        t2 = time.perf_counter()
+        if store.run(store.head_async(keyspace.key_for(ident)), timeout=30) is None:
+            raise RuntimeError(f"blob {ident} not visible after its upload finished")
+        t3 = time.perf_counter()
+        save.append(t1 - t0)
+        ack.append(t2 - t0)
+        visible.append(t3 - t0)
+        # Baseline: the seed connector's synchronous save of the same tensor.
+        t0 = time.perf_counter()
+        example.save_caches({ident: tensor}, ident)
+        example_save.append(time.perf_counter() - t0)
+        shutil.rmtree(Path(example._storage_path) / ident, ignore_errors=True)  # noqa: SLF001
+    burst_costs: list[float] = []
+    tensors = [torch.randn(rows, WIDTH).to(torch.bfloat16) for _ in range(burst)]
+    for j, tensor in enumerate(tensors):
+        ident = f"b{size_mib}-{j}-{time.time_ns()}"
+        t0 = time.perf_counter()
+        conn.save_caches({ident: tensor}, ident)
+        burst_costs.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    publisher.flush(300)
+    burst_drain = time.perf_counter() - t0
+    del tensors
+    out = {
+        "size_mib": size_mib,
+        "samples": samples,
+        "save_caches_s": bl.summary(save),
+        "upload_ack_s": bl.summary(ack),
+        "upload_visible_s": bl.summary(visible),
+        "example_connector_save_s": bl.summary(example_save),
+        "burst": {"calls": burst, "save_caches_s": bl.summary(burst_costs), "drain_after_burst_s": burst_drain},
+        "ratio_save_to_upload": statistics.median(save) / statistics.median(ack),
+        "ratio_save_to_upload_per_sample_max": max(s / a for s, a in zip(save, ack)),
+        "ratio_burst_save_to_upload": statistics.median(burst_costs) / statistics.median(ack) if burst_costs else None,
+        "ratio_save_to_example_save": statistics.median(save) / statistics.median(example_save),
+    }
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--size-mib", type=int, default=8)
-    parser.add_argument("--visible-samples", type=int, default=20)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "producer_save.json")
+    bl.add_common_args(parser)
+    parser.add_argument("--sizes-mib", type=int, nargs="+", default=None)
+    parser.add_argument("--samples", type=int, default=None, help="paired save/upload samples per size")
+    parser.add_argument("--burst-mib", type=int, default=None, help="bytes saved back-to-back in the burst")
     args = parser.parse_args()
+    q = args.quick
+    sizes = args.sizes_mib or ([1, 8, 32] if q else [1, 8, 32, 64])
+    samples = args.samples or (5 if q else 10)
+    burst_mib = args.burst_mib or (64 if q else 256)
 
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-    from vllm.engine.arg_utils import EngineArgs
+    from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
     from ec_s3.connector import ECS3Connector
     from ec_s3.metadata import ECS3ConnectorMetadata
+    from ec_s3.store import S3Store
+    from ec_s3.tiny_model import build_tiny_llava
+    from vllm_rig import make_vllm_config
 
-    work = Path(tempfile.mkdtemp(prefix="ec-s3-bench-"))
-    server = EmbeddedS3Server(data_dir=work / "s3").start()
-    try:
-        model_dir = build_tiny_llava(work / "model")
-        extra: dict[str, Any] = {
-            "bucket": "bench", "endpoint_url": server.endpoint_url,
-            "access_key_id": server.credentials.access_key_id,
-            "secret_access_key": server.credentials.secret_access_key,
-            "max_inflight_bytes": (args.calls + 2) * (args.size_mib + 1) << 20, "lookup": "promised",
-        }
-        store = S3Store(ECS3Config.from_extra_config(extra, environ={}))
-        store.run(store.create_bucket_async())
-        vllm_config = EngineArgs(
-            model=str(model_dir), max_model_len=512, enforce_eager=True,
-            ec_transfer_config={"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
-                                "ec_role": "ec_producer", "ec_connector_extra_config": extra},
-        ).create_engine_config()
-        conn = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
+    model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
+    example_dir = Path(tempfile.mkdtemp(prefix="ecb-example-save-", dir="/tmp"))
+    results: dict[str, Any] = {}
+    started = time.monotonic()
+    with bl.s3_endpoint("save") as ep:
+        bucket = bl.create_bucket(ep)
+        burst_max = max(2, burst_mib // min(sizes))
+        extra = ep.extra(bucket, lookup="promised", max_inflight_bytes=(burst_mib + 2 * max(sizes) + 8) * bl.MiB)
+        conn = ECS3Connector(
+            make_vllm_config(model_dir, {"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
+                                         "ec_role": "ec_producer", "ec_connector_extra_config": extra}),
+            ECConnectorRole.WORKER,
+        )
         conn.bind_connector_metadata(ECS3ConnectorMetadata())
-        keyspace = conn.model.keyspace
-        width = 2048
-        rows = (args.size_mib << 20) // (width * 2)
-        tensor = torch.randn(rows, width).to(torch.bfloat16)
+        example = ECExampleConnector(
+            make_vllm_config(model_dir, {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
+                                         "ec_connector_extra_config": {"shared_storage_path": str(example_dir)}}),
+            ECConnectorRole.WORKER,
+        )
+        store = S3Store(ep.config(bucket))
+        try:
+            # warm-up: client, connections, code paths
+            bench_size(conn, example, store, 1, 2, 0)
+            for size in sizes:
+                burst = min(burst_max, max(2, burst_mib // size))
+                bl.log(f"producer_save: {size} MiB x{samples} samples, burst of {burst}")
+                results[str(size)] = r = bench_size(conn, example, store, size, samples, burst)
+                bl.log(f"  save_caches median {r['save_caches_s']['median'] * 1e6:.0f} us, upload "
+                       f"{r['upload_ack_s']['median'] * 1e3:.1f} ms -> {r['ratio_save_to_upload'] * 100:.3f}%")
+        finally:
+            conn.shutdown()
+            store.close()
+            shutil.rmtree(example_dir, ignore_errors=True)
 
-        # 1. Upload time: save one item, poll HEAD until the blob is visible.
-        visible: list[float] = []
-        for i in range(args.visible_samples):
-            ident = f"visible-{i}"
-            cache = {ident: tensor}
-            started = time.perf_counter()
-            conn.save_caches(cache, ident)
-            key = keyspace.key_for(ident)
-            while store.run(store.head_async(key)) is None:
-                time.sleep(0.001)
-            visible.append(time.perf_counter() - started)
-        print(f"upload-visible: median {statistics.median(visible) * 1e3:.1f} ms", file=sys.stderr)
+    ok = all(r["ratio_save_to_upload"] <= 0.01 for r in results.values())
+    bl.write_json("producer_save", {
+        "params": {"sizes_mib": sizes, "samples": samples, "burst_mib": burst_mib, "width": WIDTH, "quick": q},
+        "elapsed_s": time.monotonic() - started,
+        "goal": "median save_caches <= 1% of upload time (PUT acknowledged, then HEAD 200)",
+        "goal_met": ok,
+        "sizes": results,
+    }, args.out_dir)
+    rows = []
+    for size, r in results.items():
+        rows.append([
+            f"{size} MiB", r["save_caches_s"]["median"] * 1e6, r["save_caches_s"]["p90"] * 1e6,
+            r["burst"]["save_caches_s"].get("median", float("nan")) * 1e6,
+            r["upload_ack_s"]["median"] * 1e3, r["upload_visible_s"]["median"] * 1e3,
+            r["ratio_save_to_upload"] * 100, r["ratio_save_to_example_save"],
+        ])
+    print(bl.table(
+        ["blob", "save_caches med us", "p90 us", "burst med us", "upload ms", "visible ms",
+         "save/upload % (goal<=1)", "vs example save"],
+        rows, title="Producer step cost (ratio = ec-s3 save_caches / baseline, medians)",
+    ))
+    if not args.no_plot:
+        plot(results, args.out_dir)
+    return 0
 
-        # 2. save_caches cost: a burst of calls, as a model step would make them.
-        costs: list[float] = []
-        for i in range(args.calls):
-            ident = f"burst-{i}"
-            cache = {ident: tensor}
-            started = time.perf_counter()
-            conn.save_caches(cache, ident)
-            costs.append(time.perf_counter() - started)
-        conn.shutdown()
-        store.close()
-    finally:
-        server.stop()
 
-    save_med, vis_med = statistics.median(costs), statistics.median(visible)
-    result = {
-        "size_mib": args.size_mib,
-        "calls": args.calls,
-        "save_caches_median_us": save_med * 1e6,
-        "save_caches_p99_us": _pct(costs, 0.99) * 1e6,
-        "save_caches_max_us": max(costs) * 1e6,
-        "upload_visible_median_ms": vis_med * 1e3,
-        "upload_visible_min_ms": min(visible) * 1e3,
-        "ratio_save_to_upload": save_med / vis_med,
-        "goal_ratio": 0.01,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"save_caches ({args.size_mib} MiB, {args.calls} calls): median {result['save_caches_median_us']:.0f} us, "
-          f"p99 {result['save_caches_p99_us']:.0f} us")
-    print(f"blob visible after: median {result['upload_visible_median_ms']:.1f} ms")
-    print(f"ratio save/upload: {result['ratio_save_to_upload'] * 100:.3f}% (goal <= 1%)")
-    return 0 if result["ratio_save_to_upload"] <= 0.01 else 1
+def plot(results: dict[str, Any], out_dir: Path | None) -> None:
+    plt = bl.pyplot()
+    if plt is None:
+        return
+    sizes = [int(s) for s in results]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, label in (("save_caches_s", "ec-s3 save_caches"), ("upload_ack_s", "upload until acknowledged"),
+                       ("upload_visible_s", "until HEAD 200"), ("example_connector_save_s", "ECExampleConnector.save_caches")):
+        med = [results[str(s)][key]["median"] * 1e3 for s in sizes]
+        lo = [m - results[str(s)][key]["p10"] * 1e3 for s, m in zip(sizes, med)]
+        hi = [results[str(s)][key]["p90"] * 1e3 - m for s, m in zip(sizes, med)]
+        a1.errorbar(sizes, med, yerr=[lo, hi], marker="o", capsize=3, label=label)
+    a1.set_xscale("log", base=2)
+    a1.set_yscale("log")
+    a1.set_xlabel("blob size (MiB)")
+    a1.set_ylabel("ms per blob (median, bars p10-p90)")
+    a1.set_title("Producer: step cost vs upload time")
+    a1.legend(fontsize=7)
+    a2.bar([str(s) for s in sizes], [results[str(s)]["ratio_save_to_upload"] * 100 for s in sizes])
+    a2.axhline(1.0, color="red", ls="--", label="goal 1%")
+    a2.set_xlabel("blob size (MiB)")
+    a2.set_ylabel("save_caches / upload time (%)")
+    a2.set_title("save_caches as a share of the upload")
+    a2.legend(fontsize=7)
+    bl.save_fig(fig, "producer_save", out_dir)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,451 @@
+"""Shared helpers for the ec-s3 benchmarks (``bench/*.py``).
+
+Machines here are small (2 cores), shared and noisy, so every benchmark measures its
+subject and its baseline in the same run, interleaved, and reports ratios of medians
+with their spread. This module holds what they share: an S3 endpoint (a fresh
+SeaweedFS per use, or one named by the environment), CPU and RSS meters that include
+the server process, summary statistics, result files and plots.
+
+Environment (all optional):
+
+* ``EC_S3_BENCH_ENDPOINT_URL`` + ``EC_S3_BENCH_ACCESS_KEY_ID`` +
+  ``EC_S3_BENCH_SECRET_ACCESS_KEY``: run against that S3 endpoint instead of starting
+  SeaweedFS (server CPU/RSS are then not measured);
+* ``EC_S3_BENCH_RESULTS``: where JSON and PNG files go (default ``bench/results``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import resource
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+TESTS_DIR = REPO / "tests"
+RESULTS_DIR = Path(os.environ.get("EC_S3_BENCH_RESULTS", BENCH_DIR / "results"))
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def setup_env(extra: dict[str, str] | None = None) -> None:
+    """``setdefault`` the offline/CPU env vLLM needs here; put tests/ on sys.path."""
+    for k, v in {**VLLM_ENV, **(extra or {})}.items():
+        os.environ.setdefault(k, v)
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.insert(0, str(TESTS_DIR))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- S3 endpoint
+
+
+@dataclasses.dataclass
+class Endpoint:
+    url: str
+    access_key_id: str
+    secret_access_key: str
+    pid: int | None = None  # the server process, when we started it
+    data_dir: Path | None = None
+
+    def extra(self, bucket: str, **overrides: Any) -> dict[str, Any]:
+        """An ``ec_connector_extra_config`` for ``bucket`` on this endpoint."""
+        out: dict[str, Any] = {
+            "bucket": bucket,
+            "endpoint_url": self.url,
+            "access_key_id": self.access_key_id,
+            "secret_access_key": self.secret_access_key,
+        }
+        out.update(overrides)
+        return out
+
+    def config(self, bucket: str, **overrides: Any):
+        from ec_s3.config import ECS3Config
+
+        return ECS3Config.from_extra_config(self.extra(bucket, **overrides), environ={})
+
+    def server_cpu_s(self) -> float | None:
+        return proc_cpu_seconds(self.pid) if self.pid else None
+
+    def server_rss(self) -> int | None:
+        return proc_rss_bytes(self.pid) if self.pid else None
+
+
+@contextlib.contextmanager
+def s3_endpoint(label: str = "bench") -> Iterator[Endpoint]:
+    """A fresh SeaweedFS (new data dir, removed afterwards), or the env's endpoint."""
+    url = os.environ.get("EC_S3_BENCH_ENDPOINT_URL")
+    if url:
+        yield Endpoint(url, os.environ["EC_S3_BENCH_ACCESS_KEY_ID"], os.environ["EC_S3_BENCH_SECRET_ACCESS_KEY"])
+        return
+    from ec_s3.embedded_s3 import EmbeddedS3Server
+
+    data_dir = Path(tempfile.mkdtemp(prefix=f"ecb-{label[:8]}-"))
+    server = EmbeddedS3Server(data_dir=data_dir).start()
+    try:
+        yield Endpoint(
+            server.endpoint_url, server.credentials.access_key_id, server.credentials.secret_access_key,
+            pid=server.pid, data_dir=data_dir,
+        )
+    finally:
+        server.stop()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def create_bucket(ep: Endpoint, bucket: str | None = None) -> str:
+    from ec_s3.store import S3Store
+
+    bucket = bucket or f"b-{secrets.token_hex(4)}"
+    store = S3Store(ep.config(bucket))
+    try:
+        store.run(store.create_bucket_async(), timeout=60)
+    finally:
+        store.close()
+    return bucket
+
+
+# --------------------------------------------------------------------------- fault proxy
+
+
+class ProxyProcess:
+    """tests/faultproxy.FaultProxy in a child process, so that its event loop does not
+    compete with the measured process for the GIL and its buffered request bodies do
+    not count in our RSS. Commands: ``latency(s)``, ``stall_put()``, ``release()``,
+    ``counters()``."""
+
+    def __init__(self, upstream: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--proxy-child", upstream],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url.startswith("http"):
+            raise RuntimeError("fault proxy child did not start")
+
+    def cmd(self, c: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(c + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def latency(self, seconds: float) -> None:
+        self.cmd(f"latency {seconds}")
+
+    def stall_put(self) -> None:
+        self.cmd("stall-put")
+
+    def release(self) -> None:
+        self.cmd("release")
+
+    def counters(self) -> dict[str, Any]:
+        return self.cmd("counters")
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.close()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _proxy_child(upstream: str) -> int:
+    setup_env()
+    from faultproxy import FaultProxy
+
+    proxy = FaultProxy(upstream).start()
+    print(proxy.endpoint_url, flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "latency":
+            proxy.set_latency(float(arg))
+        elif cmd == "stall-put":
+            proxy.set_stall(True, methods=["PUT"])
+        elif cmd == "release":
+            proxy.clear()
+        elif cmd == "quit":
+            break
+        c = proxy.counters
+        print(json.dumps({"held": c.held_now, "requests": c.requests, "latency": c.latency}), flush=True)
+    proxy.stop()
+    return 0
+
+
+# --------------------------------------------------------------------------- meters
+
+_CLK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """utime+stime of a process (all its threads) and its reaped children."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    # fields[0] is state (field 3); utime=14, stime=15, cutime=16, cstime=17
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / _CLK
+
+
+def proc_rss_bytes(pid: int | None = None) -> int | None:
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def self_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class Meter:
+    """Wall time, this process's CPU (``process_time`` and ``getrusage``) and the S3
+    server's CPU over a ``with`` block."""
+
+    def __init__(self, ep: Endpoint | None = None) -> None:
+        self.ep = ep
+        self.wall = self.cpu = self.rusage_cpu = 0.0
+        self.server_cpu: float | None = None
+
+    def __enter__(self) -> Meter:
+        self._s0 = self.ep.server_cpu_s() if self.ep else None
+        self._r0 = self_cpu_seconds()
+        self._c0 = time.process_time()
+        self._w0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self._w0
+        self.cpu = time.process_time() - self._c0
+        self.rusage_cpu = self_cpu_seconds() - self._r0
+        if self._s0 is not None and self.ep is not None:
+            s1 = self.ep.server_cpu_s()
+            self.server_cpu = None if s1 is None else s1 - self._s0
+
+
+class RssSampler:
+    """Samples this process's RSS every ``interval_s`` in a thread; ``peak`` is the max."""
+
+    def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
+        self.interval_s = interval_s
+        self.pid = pid
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss = proc_rss_bytes(self.pid) or 0
+            self.peak = max(self.peak, rss)
+            self._stop.wait(self.interval_s)
+
+    def reset(self) -> None:
+        self.peak = proc_rss_bytes(self.pid) or 0
+
+    def __enter__(self) -> RssSampler:
+        self.reset()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, proc_rss_bytes(self.pid) or 0)
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]); exact for the sample, no interpolation."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(values: Sequence[float]) -> dict[str, float]:
+    """median, p10/p90 (spread), p99, min, max, n."""
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "median": statistics.median(values),
+        "p10": pct(values, 0.10),
+        "p90": pct(values, 0.90),
+        "p99": pct(values, 0.99),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Ratio of medians, plus the spread of per-repeat ratios when paired."""
+    out = {"ratio": statistics.median(num) / statistics.median(den) if num and den else float("nan")}
+    if len(num) == len(den) and num:
+        per = [a / b for a, b in zip(num, den) if b]
+        if per:
+            out["ratio_min"], out["ratio_max"] = min(per), max(per)
+    return out
+
+
+# --------------------------------------------------------------------------- results
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "ec_s3"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def ec_s3_fingerprint() -> str:
+    """sha256 of ec_s3/*.py as they are on disk (the package changes under the bench)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted((REPO / "ec_s3").glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def environment() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = (float("nan"),) * 3
+    return {
+        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host_cpus": os.cpu_count(),
+        "loadavg_at_start": [round(x, 2) for x in load],
+        "python": platform.python_version(),
+        "git": git_rev(),
+        "ec_s3_sources_sha256": ec_s3_fingerprint(),
+        "argv": sys.argv,
+        "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS",
+    }
+
+
+def write_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    payload = {"benchmark": name, "environment": environment(), **data}
+    path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    log(f"wrote {path}")
+    return path
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    raise TypeError(type(obj).__name__)
+
+
+def pyplot():
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not installed (pip install -e '.[bench]'): no plots")
+        return None
+    plt.rcParams.update({"figure.dpi": 110, "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
+    return plt
+
+
+def save_fig(fig: Any, name: str, out_dir: Path | None = None) -> Path:
+    out_dir = out_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    log(f"wrote {path}")
+    return path
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
+    """A plain-text table (also valid Markdown)."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = []
+    if title:
+        lines.append(f"\n## {title}")
+    lines.append("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |")
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths)) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:.0f}"
+        if abs(v) >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3g}"
+    return str(v)
+
+
+def add_common_args(parser: Any) -> None:
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (~a minute)")
+    parser.add_argument("--out-dir", type=Path, default=None, help=f"results directory (default {RESULTS_DIR})")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--proxy-child":
+        raise SystemExit(_proxy_child(sys.argv[2]))
+    raise SystemExit("usage: benchlib.py --proxy-child UPSTREAM_URL (internal)")
