@@ -107,7 +107,7 @@ def s3_endpoint(label: str = "bench") -> Iterator[Endpoint]:
     if url:
         yield Endpoint(url, os.environ["EC_S3_BENCH_ACCESS_KEY_ID"], os.environ["EC_S3_BENCH_SECRET_ACCESS_KEY"])
         return
-    from ec_s3.embedded_s3 import EmbeddedS3Server
+    from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
 
     data_dir = Path(tempfile.mkdtemp(prefix=f"ecb-{label[:8]}-"))
     server = EmbeddedS3Server(data_dir=data_dir).start()
@@ -122,7 +122,7 @@ def s3_endpoint(label: str = "bench") -> Iterator[Endpoint]:
 
 
 def create_bucket(ep: Endpoint, bucket: str | None = None) -> str:
-    from ec_s3.store import S3Store
+    from ec_s3.store.client import S3Store
 
     bucket = bucket or f"b-{secrets.token_hex(4)}"
     store = S3Store(ep.config(bucket))
@@ -183,7 +183,7 @@ class ProxyProcess:
 
 def _proxy_child(upstream: str) -> int:
     setup_env()
-    from faultproxy import FaultProxy
+    from support.faultproxy import FaultProxy
 
     proxy = FaultProxy(upstream).start()
     print(proxy.endpoint_url, flush=True)

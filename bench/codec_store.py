@@ -27,10 +27,10 @@ import aioboto3
 import safetensors.torch
 import torch
 
-from ec_s3.codec import BlobExpectation, BlobMeta, decode_blob, encode_blob
+from ec_s3.blob.codec import BlobExpectation, BlobMeta, decode_blob, encode_blob
 from ec_s3.config import ECS3Config
-from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials
-from ec_s3.store import S3Store
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
+from ec_s3.store.client import S3Store
 
 MB = 1_000_000
 

@@ -54,7 +54,7 @@ def serve_engine(role: str, model_dir: str, extra: dict[str, Any] | None, max_to
     os.dup2(2, 1)  # anything printed by vLLM goes to stderr
     from vllm import LLM, SamplingParams
 
-    from ec_s3.tiny_model import make_test_image
+    from ec_s3.sandbox.tiny_model import make_test_image
 
     ec = None
     if role != "plain":
@@ -183,7 +183,7 @@ def main() -> int:
     batch_seeds = [[2000 + 100 * r + (i * 7 % k_batch) for i in range(n_batch)] for r in range(reps)]
 
     bl.setup_env()
-    from ec_s3.tiny_model import build_tiny_llava
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
 
     model_dir = str(build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava"))
     started = time.monotonic()

@@ -40,9 +40,9 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
     bl.setup_env()
     import torch
 
-    from ec_s3.publisher import BlobPublisher
-    from ec_s3.stats import Counters
-    from ec_s3.store import S3Store
+    from ec_s3.transfer.publisher import BlobPublisher
+    from ec_s3.transfer.counters import Counters
+    from ec_s3.store.client import S3Store
 
     ep = bl.Endpoint(**json.loads(ep_json))
     proxy = bl.ProxyProcess(ep.url)

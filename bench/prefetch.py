@@ -84,14 +84,14 @@ def time_to_scheduled(node: Any, probe: Probe, rid: str, idents: list[str], rows
 
 
 def finish(node: Any) -> None:
-    from ec_harness import drive
+    from support.ec_harness import drive
 
     drive(node.driver, timeout_s=120)
 
 
 def bench_size(node: Any, probe: Probe, store: Any, size_mib: int, samples: int) -> dict[str, Any]:
-    from ec_s3.codec import BlobMeta, encode_blob
-    from ec_s3.metadata import ECS3ConnectorMetadata
+    from ec_s3.blob.codec import BlobMeta, encode_blob
+    from ec_s3.connector.messages import ECS3ConnectorMetadata
 
     keyspace = node.scheduler_connector.model.keyspace
     rows = size_mib * bl.MiB // (WIDTH * 2)
@@ -172,10 +172,10 @@ def main() -> int:
     sizes = args.sizes_mib or ([1, 8, 32] if q else [1, 8, 32, 64])
     samples = args.samples or (3 if q else 6)
 
-    from ec_harness import make_node
+    from support.ec_harness import make_node
 
-    from ec_s3.store import S3Store
-    from ec_s3.tiny_model import build_tiny_llava
+    from ec_s3.store.client import S3Store
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     results: dict[str, Any] = {}

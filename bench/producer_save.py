@@ -103,11 +103,11 @@ def main() -> int:
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
     from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
-    from ec_s3.connector import ECS3Connector
-    from ec_s3.metadata import ECS3ConnectorMetadata
-    from ec_s3.store import S3Store
-    from ec_s3.tiny_model import build_tiny_llava
-    from vllm_rig import make_vllm_config
+    from ec_s3.connector.facade import ECS3Connector
+    from ec_s3.connector.messages import ECS3ConnectorMetadata
+    from ec_s3.store.client import S3Store
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
+    from support.vllm_rig import make_vllm_config
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     example_dir = Path(tempfile.mkdtemp(prefix="ecb-example-save-", dir="/tmp"))

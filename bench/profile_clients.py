@@ -26,7 +26,7 @@ bl.setup_env()
 
 import torch  # noqa: E402
 
-from ec_s3.codec import BlobMeta, encode_blob  # noqa: E402
+from ec_s3.blob.codec import BlobMeta, encode_blob  # noqa: E402
 from transfer import WIDTH, make_clients  # noqa: E402
 
 

@@ -86,8 +86,8 @@ class CallTimer:
 
 
 def put_blob(store: Any, keyspace: Any, ident: str) -> None:
-    from ec_s3.codec import BlobMeta, encode_blob
-    from vllm_rig import fake_encoder_output
+    from ec_s3.blob.codec import BlobMeta, encode_blob
+    from support.vllm_rig import fake_encoder_output
 
     t = fake_encoder_output(ident, ROWS)
     blob = encode_blob(t, BlobMeta(ident, torch.bfloat16, (ROWS, WIDTH), keyspace.namespace, "bench"))
@@ -123,7 +123,7 @@ def make_mix(tag: str, rounds: int, per_round: int, rng: random.Random) -> list[
 
 def run_mix(node: Any, mix: list, params_for: Any, timeout_s: float, arrivals_per_step: int = 2) -> dict[str, Any]:
     """Add each round's requests a few per step, drive until all done; returns counts."""
-    from ec_harness import drive
+    from support.ec_harness import drive
 
     driver = node.driver
     t0 = time.monotonic()
@@ -139,9 +139,9 @@ def run_mix(node: Any, mix: list, params_for: Any, timeout_s: float, arrivals_pe
 
 
 def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, args: argparse.Namespace) -> dict[str, Any]:
-    from ec_harness import make_node
+    from support.ec_harness import make_node
 
-    from ec_s3.store import S3Store
+    from ec_s3.store.client import S3Store
 
     tag = f"L{latency_ms}"
     mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))  # same mix per latency
@@ -187,7 +187,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
     from safetensors.torch import save_file
 
-    from vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
+    from support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
 
     tag = "EX"
     mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))
@@ -256,7 +256,7 @@ def main() -> int:
     args.rounds = args.rounds or (3 if q else 8)
     args.requests_per_round = args.requests_per_round or (8 if q else 12)
 
-    from ec_s3.tiny_model import build_tiny_llava
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     raw: dict[str, Any] = {}

@@ -44,8 +44,8 @@ bl.setup_env()
 
 import torch  # noqa: E402
 
-from ec_s3.codec import BlobMeta, encode_blob  # noqa: E402
-from ec_s3.store import S3Store  # noqa: E402
+from ec_s3.blob.codec import BlobMeta, encode_blob  # noqa: E402
+from ec_s3.store.client import S3Store  # noqa: E402
 
 WIDTH = 4096  # bf16 rows of 8 KiB
 
@@ -246,8 +246,8 @@ class ExampleConnectorClient(Client):
             MMMeta,
         )
 
-        from ec_s3.tiny_model import build_tiny_llava
-        from vllm_rig import make_vllm_config
+        from ec_s3.sandbox.tiny_model import build_tiny_llava
+        from support.vllm_rig import make_vllm_config
 
         model = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
         cfg = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
@@ -342,7 +342,7 @@ def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list
 
 
 def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    from ec_s3.aio import shared_loop
+    from ec_s3.loop import shared_loop
 
     rows = size_mib * bl.MiB // (WIDTH * 2)
     tensor = torch.randn(rows, WIDTH).to(torch.bfloat16)

@@ -38,7 +38,7 @@ class DeferredWake:
     the end of the step would call) hands them over in one wake-up."""
 
     def __init__(self) -> None:
-        from ec_s3.publisher import BlobPublisher
+        from ec_s3.transfer.publisher import BlobPublisher
 
         self.cls = BlobPublisher
         self.queue: collections.deque[tuple[Any, Any]] = collections.deque()
@@ -97,10 +97,10 @@ class DeferredWake:
 def whatif_save(args: argparse.Namespace) -> dict[str, Any]:
     from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-    from ec_s3.connector import ECS3Connector
-    from ec_s3.metadata import ECS3ConnectorMetadata
-    from ec_s3.tiny_model import build_tiny_llava
-    from vllm_rig import make_vllm_config
+    from ec_s3.connector.facade import ECS3Connector
+    from ec_s3.connector.messages import ECS3ConnectorMetadata
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
+    from support.vllm_rig import make_vllm_config
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     out: dict[str, Any] = {}
@@ -158,8 +158,8 @@ def whatif_staging(args: argparse.Namespace) -> dict[str, Any]:
     the I/O thread holds it per allocate()."""
     import scheduler_cost as sc
 
-    from ec_s3 import staging as staging_mod
-    from ec_s3.tiny_model import build_tiny_llava
+    from ec_s3.transfer import staging as staging_mod
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     ns = argparse.Namespace(rounds=args.rounds, requests_per_round=12, seed=1)
@@ -209,9 +209,9 @@ def whatif_get(args: argparse.Namespace) -> dict[str, Any]:
     """GET of an N MiB + header blob with 8 MiB parts (2 dependent requests) vs parts
     sized so the first request covers it (1 request) -- what a first Range of
     part + MAX_HEADER_BYTES would do."""
-    from ec_s3.aio import shared_loop
-    from ec_s3.codec import BlobMeta, encode_blob
-    from ec_s3.store import S3Store
+    from ec_s3.loop import shared_loop
+    from ec_s3.blob.codec import BlobMeta, encode_blob
+    from ec_s3.store.client import S3Store
 
     bg = shared_loop()
     out: dict[str, Any] = {}

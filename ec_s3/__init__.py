@@ -16,12 +16,12 @@ __all__ = ["ECS3Config", "ECS3Connector", "__version__"]
 
 if TYPE_CHECKING:
     from ec_s3.config import ECS3Config
-    from ec_s3.connector import ECS3Connector
+    from ec_s3.connector.facade import ECS3Connector
 
 
 def __getattr__(name: str) -> Any:
     if name == "ECS3Connector":
-        from ec_s3.connector import ECS3Connector
+        from ec_s3.connector.facade import ECS3Connector
 
         return ECS3Connector
     if name == "ECS3Config":

@@ -11,4 +11,4 @@ def register() -> None:
     from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
     if "ECS3Connector" not in ECConnectorFactory._registry:
-        ECConnectorFactory.register_connector("ECS3Connector", "ec_s3.connector", "ECS3Connector")
+        ECConnectorFactory.register_connector("ECS3Connector", "ec_s3.connector.facade", "ECS3Connector")

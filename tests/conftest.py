@@ -21,9 +21,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ec_s3.config import ECS3Config  # noqa: E402
-from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E402
-from ec_s3.store import S3Store  # noqa: E402
-from faultproxy import FaultProxy  # noqa: E402
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E402
+from ec_s3.store.client import S3Store  # noqa: E402
+from support.faultproxy import FaultProxy  # noqa: E402
 
 
 class S3Endpoint:
@@ -51,7 +51,7 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny offline LLaVA (random weights), built once per session."""
-    from ec_s3.tiny_model import build_tiny_llava
+    from ec_s3.sandbox.tiny_model import build_tiny_llava
 
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
 

@@ -10,10 +10,10 @@ from collections.abc import Callable
 import torch
 
 from ec_s3.config import ECS3Config
-from ec_s3.publisher import BlobPublisher
-from ec_s3.stats import Counters
-from ec_s3.store import S3Store
-from faultproxy import FaultProxy
+from ec_s3.transfer.publisher import BlobPublisher
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import S3Store
+from support.faultproxy import FaultProxy
 
 MiB = 1 << 20
 ROWS, WIDTH = 128, 1024  # 256 KiB of bf16 per encoder output

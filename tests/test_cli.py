@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-from ec_s3 import cli, ops
-from ec_s3.codec import BlobMeta, encode_blob
+from ec_s3.cli import main as cli, ops
+from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.config import ECS3Config
-from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials, find_weed_binary
-from ec_s3.keys import KeySpace
-from ec_s3.store import ObjectInfo, S3Store
-from faultproxy import FaultProxy
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials, find_weed_binary
+from ec_s3.blob.keys import KeySpace
+from ec_s3.store.client import ObjectInfo, S3Store
+from support.faultproxy import FaultProxy
 
 PREFIX = "ec-cache"
 
@@ -126,28 +126,29 @@ def test_help_lists_every_subcommand(run_cli: Run) -> None:
 def test_proxy_and_demo_pass_their_argv_through(run_cli: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, list[str]] = {}
     for name in ("proxy", "demo"):
-        fake = types.ModuleType(f"ec_s3.{name}")
+        module = cli._PASSTHROUGH[name][0]
+        fake = types.ModuleType(module)
 
         def main(argv: list[str], name: str = name) -> int:
             seen[name] = list(argv)
             return 7
 
         fake.main = main  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, f"ec_s3.{name}", fake)
+        monkeypatch.setitem(sys.modules, module, fake)
     assert run_cli("proxy", "--port", "8000", "--help")[0] == 7
     assert run_cli("demo", "--bucket", "x", "extra")[0] == 7
     assert seen == {"proxy": ["--port", "8000", "--help"], "demo": ["--bucket", "x", "extra"]}
 
 
 def test_missing_passthrough_module_is_a_clear_error(run_cli: Run, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "ec_s3.demo", None)  # makes `import ec_s3.demo` fail
+    monkeypatch.setitem(sys.modules, cli._PASSTHROUGH["demo"][0], None)  # makes its import fail
     rc, out, err = run_cli("demo", "--help")
     assert rc == 1
     assert "ec-s3 demo" in err and "not available" in err and "Traceback" not in err + out
 
 
 def test_cli_does_not_import_vllm() -> None:
-    code = "import sys, ec_s3.cli, ec_s3.ops; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, ec_s3.cli.main, ec_s3.cli.ops; print('vllm' in sys.modules, 'torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["False", "False"]
 

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ec_s3.codec import (
+from ec_s3.blob.codec import (
     MAX_HEADER_BYTES,
     BlobError,
     BlobExpectation,

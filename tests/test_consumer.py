@@ -15,12 +15,12 @@ import pytest
 import torch
 from vllm.v1.engine import FinishReason
 
-from ec_s3.codec import BlobMeta, encode_blob
-from ec_s3.keys import KeySpace
-from ec_s3.store import S3Store
-from ec_harness import Node, blob_requests, drive, make_node
-from faultproxy import FaultProxy
-from vllm_rig import fake_encoder_output
+from ec_s3.blob.codec import BlobMeta, encode_blob
+from ec_s3.blob.keys import KeySpace
+from ec_s3.store.client import S3Store
+from support.ec_harness import Node, blob_requests, drive, make_node
+from support.faultproxy import FaultProxy
+from support.vllm_rig import fake_encoder_output
 
 ROWS, WIDTH = 16, 128
 

@@ -37,8 +37,8 @@ from typing import Any
 import pytest
 
 from ec_s3.config import ECS3Config
-from ec_s3.demo import ChatResult, DemoRequest, chat_body, compare_results, default_schedule, post_chat, run_schedule
-from ec_s3.launch import (
+from ec_s3.demo.run import ChatResult, DemoRequest, chat_body, compare_results, default_schedule, post_chat, run_schedule
+from ec_s3.sandbox.vllm_server import (
     CPU_OFFLINE_ENV,
     TINY_MODEL_ARGS,
     LoadProgress,
@@ -49,8 +49,8 @@ from ec_s3.launch import (
     stop_all,
     wait_all_ready,
 )
-from ec_s3.proxy import ProxyConfig, ProxyThread
-from ec_s3.store import S3Store
+from ec_s3.proxy.server import ProxyConfig, ProxyThread
+from ec_s3.store.client import S3Store
 
 # The tests that start real engines are marked slow one by one: the launch helpers'
 # own tests at the end are fast.
@@ -425,7 +425,7 @@ def test_vllm_server_reaped_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     owner_code = (
         "import sys, time\n"
-        "from ec_s3.launch import VllmServer\n"
+        "from ec_s3.sandbox.vllm_server import VllmServer\n"
         f"s = VllmServer('model', python={_fake_python(tmp_path)!r}, env={{'FAKE_PIDS': {str(pids_file)!r}}},"
         f" log_path={str(tmp_path / 'fake.log')!r}).start()\n"
         "s.wait_ready(30)\n"
@@ -445,7 +445,7 @@ def test_vllm_server_reaped_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
 
 
 def test_wait_all_ready_reports_a_server_that_exits(tmp_path: Path) -> None:
-    from ec_s3.launch import ServerError
+    from ec_s3.sandbox.vllm_server import ServerError
 
     server = VllmServer("model", name="broken", python=_fake_python(tmp_path),
                         env={"FAKE_EXIT": "3", "FAKE_PIDS": str(tmp_path / "pids")}, log_path=tmp_path / "b.log")

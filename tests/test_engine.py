@@ -14,9 +14,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from ec_s3.store import S3Store
-from ec_s3.tiny_model import make_test_image
-from vllm_rig import apply_rig_env
+from ec_s3.store.client import S3Store
+from ec_s3.sandbox.tiny_model import make_test_image
+from support.vllm_rig import apply_rig_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ec_s3.keys import KeySpace, model_namespace
+from ec_s3.blob.keys import KeySpace, model_namespace
 
 HOSTILE = ["../x", "a/b", "", "x" * 4096, "nul\0byte", "ünïcødé/🙂", "/etc/passwd", "..", "\ud800", " ", "%2e%2e%2f"]
 

@@ -10,9 +10,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ec_s3.connector import ECS3Connector
-from ec_s3.metrics import ECS3Stats
-from ec_harness import Node, drive, make_node
+from ec_s3.connector.facade import ECS3Connector
+from ec_s3.connector.metrics import ECS3Stats
+from support.ec_harness import Node, drive, make_node
 from test_consumer import produce
 
 

@@ -13,11 +13,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from ec_s3.codec import BlobMeta, encode_blob
-from ec_s3.store import S3Store
-from ec_harness import blob_requests, drive, make_node
-from faultproxy import FaultProxy
-from vllm_rig import fake_encoder_output
+from ec_s3.blob.codec import BlobMeta, encode_blob
+from ec_s3.store.client import S3Store
+from support.ec_harness import blob_requests, drive, make_node
+from support.faultproxy import FaultProxy
+from support.vllm_rig import fake_encoder_output
 
 
 def _blob(store: S3Store, key: str) -> bytes:

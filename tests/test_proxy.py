@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from ec_s3.proxy import (
+from ec_s3.proxy.server import (
     EPDProxy,
     ProxyConfig,
     ProxyThread,

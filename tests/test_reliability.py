@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 from vllm.v1.engine import FinishReason
 
-from ec_s3.embedded_s3 import EmbeddedS3Server
-from ec_s3.keys import KeySpace
-from ec_s3.store import S3Store
-from ec_harness import drive, make_node
-from faultproxy import FaultProxy
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
+from ec_s3.blob.keys import KeySpace
+from ec_s3.store.client import S3Store
+from support.ec_harness import drive, make_node
+from support.faultproxy import FaultProxy
 from test_consumer import _CallTimer, produce
-from vllm_rig import fake_encoder_output
+from support.vllm_rig import fake_encoder_output
 
 FAST_FAIL = {"max_attempts": 2, "connect_timeout_s": 0.5, "read_timeout_s": 2.0,
              "breaker_threshold": 2, "breaker_cooldown_s": 0.3}
@@ -201,7 +201,7 @@ def test_failed_lookup_is_retried_after_outage(
     not remembered as a miss."""
     import torch
 
-    from ec_s3.codec import BlobMeta, encode_blob
+    from ec_s3.blob.codec import BlobMeta, encode_blob
 
     node = make_node(tiny_model_dir, "ec_consumer",
                      extra_config(fault_proxy.endpoint_url, negative_cache_ttl_s=0.2, lookup_wait_s=30, **FAST_FAIL))

@@ -23,10 +23,10 @@ import botocore.config
 import pytest
 from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 
-from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 
 try:
-    from faultproxy import FaultProxy
+    from support.faultproxy import FaultProxy
 except ImportError:  # tests/ imported as a package
     from tests.faultproxy import FaultProxy
 

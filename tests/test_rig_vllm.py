@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ec_s3.tiny_model import (
+from ec_s3.sandbox.tiny_model import (
     IMAGE_SIZE,
     NUM_IMAGE_TOKENS,
     SPECIAL_TOKENS,
@@ -21,7 +21,7 @@ from ec_s3.tiny_model import (
     make_test_image,
     read_manifest,
 )
-from vllm_rig import (
+from support.vllm_rig import (
     IMAGE_TOKEN_ID,
     ECWorkerSim,
     SchedulerDriver,
@@ -220,7 +220,7 @@ def test_producer_then_consumer_roundtrip(tiny_model_dir: Path, tmp_path: Path) 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_llm_end_to_end_on_cpu_image_changes_logprobs(tiny_model_dir: Path) -> None:
-    from vllm_rig import apply_rig_env
+    from support.vllm_rig import apply_rig_env
 
     apply_rig_env()
     from vllm import LLM, SamplingParams

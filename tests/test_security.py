@@ -14,15 +14,15 @@ import pytest
 import torch
 from vllm.v1.engine import FinishReason
 
-from ec_s3.codec import BlobMeta, encode_blob
+from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.config import ECS3Config
-from ec_s3.embedded_s3 import EmbeddedS3Server, S3Credentials
-from ec_s3.preflight import StartupCheckError
-from ec_s3.store import S3Store
-from ec_harness import drive, make_node
-from faultproxy import FaultProxy
+from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
+from ec_s3.connector.preflight import StartupCheckError
+from ec_s3.store.client import S3Store
+from support.ec_harness import drive, make_node
+from support.faultproxy import FaultProxy
 from test_consumer import produce, put_blob
-from vllm_rig import fake_encoder_output
+from support.vllm_rig import fake_encoder_output
 
 HOSTILE = ["../x", "a/b", "", "x" * 4096, "nul\0byte", "ünïcødé/🙂", "%2e%2e%2f", "\ud800lone"]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from ec_s3.launch import CPU_OFFLINE_ENV, TINY_MODEL_ARGS, VllmServer, ec_transfer_config
-from ec_s3.store import S3Store
-from ec_s3.tiny_model import make_test_image
-from faultproxy import FaultProxy
+from ec_s3.sandbox.vllm_server import CPU_OFFLINE_ENV, TINY_MODEL_ARGS, VllmServer, ec_transfer_config
+from ec_s3.store.client import S3Store
+from ec_s3.sandbox.tiny_model import make_test_image
+from support.faultproxy import FaultProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

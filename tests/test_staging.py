@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ec_s3.staging import StagingArea
+from ec_s3.transfer.staging import StagingArea
 
 
 def _ready(area: StagingArea, name: str, n: int):
@@ -61,7 +61,7 @@ def test_dispatched_slot_is_unlinked_after_grace(tmp_path: Path) -> None:
 
 def test_dead_process_leftovers_are_removed(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-c", f"from ec_s3.staging import StagingArea; a = StagingArea({str(tmp_path)!r}, 10); "
+        [sys.executable, "-c", f"from ec_s3.transfer.staging import StagingArea; a = StagingArea({str(tmp_path)!r}, 10); "
          "s = a.allocate('x', 5); print(a.dir)"],
         capture_output=True, text=True, check=True,
     )

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
-from ec_s3.store import AccessDenied, PutOutcome, S3Store, StoreClosed, StoreUnavailable
-from faultproxy import FaultProxy
+from ec_s3.store.client import AccessDenied, PutOutcome, S3Store, StoreClosed, StoreUnavailable
+from support.faultproxy import FaultProxy
 
 MiB = 1 << 20
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-from ec_s3.codec import BlobLayout, BlobMeta, encode_blob
-from ec_s3.connector import ECS3Connector
-from ec_s3.metadata import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.model_info import host_id
-from ec_s3.store import S3Store
-from vllm_rig import fake_encoder_output, make_vllm_config
+from ec_s3.blob.codec import BlobLayout, BlobMeta, encode_blob
+from ec_s3.connector.facade import ECS3Connector
+from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
+from ec_s3.connector.model import host_id
+from ec_s3.store.client import S3Store
+from support.vllm_rig import fake_encoder_output, make_vllm_config
 
 
 @pytest.fixture

@@ -66,7 +66,7 @@ CPU_OFFLINE_ENV: Mapping[str, str] = {
     "DO_NOT_TRACK": "1",
 }
 
-# Server arguments for the tiny LLaVA of ec_s3.tiny_model (one image per prompt).
+# Server arguments for the tiny LLaVA of ec_s3.sandbox.tiny_model (one image per prompt).
 TINY_MODEL_ARGS: tuple[str, ...] = (
     "--max-model-len", "512",
     "--enforce-eager",

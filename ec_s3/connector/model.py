@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ec_s3.config import ECS3Config
-from ec_s3.keys import KeySpace, model_namespace
+from ec_s3.blob.keys import KeySpace, model_namespace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
+from ec_s3.transfer.counters import MAX_SAMPLES
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
@@ -52,7 +54,6 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_download_seconds": ("Time to fetch and validate one blob.", "download_seconds"),
 }
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_MAX_SAMPLES = 4096
 
 
 @dataclasses.dataclass
@@ -74,7 +75,7 @@ class ECS3Stats(ECConnectorStats):
             gauges[name] = gauges.get(name, 0.0) + value  # disjoint sources: one per process
         for name, values in other.data["samples"].items():
             mine = samples.setdefault(name, [])
-            mine.extend(values[: max(0, _MAX_SAMPLES - len(mine))])
+            mine.extend(values[: max(0, MAX_SAMPLES - len(mine))])
         return self
 
     def reduce(self) -> dict[str, int | float]:

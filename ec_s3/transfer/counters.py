@@ -16,7 +16,8 @@ __all__ = ["Counters"]
 
 # Latency samples kept per interval; vLLM ships stats every step, so this only
 # bounds memory if nobody collects them.
-_MAX_SAMPLES = 4096
+#: Latency samples kept per histogram between two stats collections (and when merged).
+MAX_SAMPLES = 4096
 
 
 class Counters:
@@ -44,7 +45,7 @@ class Counters:
         with self._lock:
             self._values[name] += seconds
             samples = self._samples[name]
-            if len(samples) < _MAX_SAMPLES:
+            if len(samples) < MAX_SAMPLES:
                 samples.append(seconds)
 
     def get(self, name: str) -> float:

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ec_s3.codec import BlobError, BlobExpectation, decode_blob
+from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
-from ec_s3.metadata import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.model_info import ModelInfo, host_id
-from ec_s3.publisher import BlobPublisher
-from ec_s3.spool import Spool
-from ec_s3.staging import open_slot_view
-from ec_s3.stats import Counters
-from ec_s3.store import S3Store, StoreError
+from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
+from ec_s3.connector.model import ModelInfo, host_id
+from ec_s3.transfer.publisher import BlobPublisher
+from ec_s3.transfer.spool import Spool
+from ec_s3.transfer.staging import open_slot_view
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import S3Store, StoreError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -16,11 +16,11 @@ import hashlib
 import mmap
 import time
 
-from ec_s3.codec import BlobError, BlobExpectation, decode_blob
+from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
-from ec_s3.staging import StagingArea, StagingSlot, open_slot_view
-from ec_s3.stats import Counters
-from ec_s3.store import IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
+from ec_s3.transfer.staging import StagingArea, StagingSlot, open_slot_view
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["Failed", "FetchResult", "Invalid", "ItemFetcher", "Missing", "NoSpace", "Present", "Staged"]
 

@@ -10,7 +10,7 @@ timeouts:
   (AccessDenied) apart; 200 and 404 are both fine;
 * producers: a conditional PUT of the tiny probe object (412 = already there = fine).
 
-Failures are worded by :func:`ec_s3.ops.diagnose`, as ``ec-s3 check`` words them.
+Failures are worded by :func:`ec_s3.store.diagnose.diagnose`, as ``ec-s3 check`` words them.
 Misconfiguration raises :class:`StartupCheckError` (``startup_check="fatal"``, the
 default) or logs an error (``"warn"``); an unreachable or failing endpoint only warns:
 the circuit breaker keeps the engine serving (encoding locally) until it answers.
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ec_s3.aio import BackgroundLoop
+from ec_s3.loop import BackgroundLoop
 from ec_s3.config import ECS3Config
+from ec_s3.blob.keys import probe_key
 from ec_s3.log import logger
-from ec_s3.ops import diagnose
-from ec_s3.store import ObjectNotFound, S3Store, StoreError
+from ec_s3.store.diagnose import diagnose
+from ec_s3.store.client import ObjectNotFound, S3Store, StoreError
 
-__all__ = ["StartupCheckError", "probe_key", "run_startup_checks"]
+__all__ = ["StartupCheckError", "run_startup_checks"]
 
 _PROBE_BODY = b"ec-s3 write probe\n"
 # Diagnoses that mean "the store is not answering", not "the configuration is wrong".
@@ -35,10 +36,6 @@ _DEGRADED_KINDS = frozenset({"endpoint", "server"})
 
 class StartupCheckError(RuntimeError):
     """ec-s3 cannot work with this store configuration; the message says how to fix it."""
-
-
-def probe_key(config: ECS3Config) -> str:
-    return f"{config.prefix}/_ec_s3_probe/write-check"
 
 
 def run_startup_checks(config: ECS3Config, *, producer: bool, consumer: bool, loop: BackgroundLoop | None = None) -> list[str]:
@@ -60,9 +57,9 @@ def run_startup_checks(config: ECS3Config, *, producer: bool, consumer: bool, lo
         for op, _ in steps:
             try:
                 if op == "GET":
-                    store.run(store.get_async(probe_key(config)), timeout)
+                    store.run(store.get_async(probe_key(config.prefix)), timeout)
                 else:
-                    store.run(store.put_async(probe_key(config), bytearray(_PROBE_BODY)), timeout)
+                    store.run(store.put_async(probe_key(config.prefix), bytearray(_PROBE_BODY)), timeout)
             except ObjectNotFound:
                 continue
             except (StoreError, TimeoutError) as exc:

@@ -3,7 +3,7 @@
 Subcommands: ``check`` (prove a config works), ``stats`` (what the cache holds),
 ``gc`` (delete old blobs or install a lifecycle rule), ``inspect`` (validate one
 blob), ``bench`` (a quick transfer check), and ``proxy`` / ``demo`` (passed through to
-:mod:`ec_s3.proxy` / :mod:`ec_s3.demo`). The work is done in :mod:`ec_s3.ops`; this
+:mod:`ec_s3.proxy.server` / :mod:`ec_s3.demo.run`). The work is done in :mod:`ec_s3.cli.ops`; this
 module parses arguments and prints. It never imports vLLM, and torch only for
 ``inspect``.
 """
@@ -21,14 +21,14 @@ from typing import Any, TextIO
 
 from ec_s3 import __version__
 from ec_s3.config import ConfigError, ECS3Config, config_keys
-from ec_s3.store import StoreError
+from ec_s3.store.client import StoreError
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _PASSTHROUGH = {
-    "proxy": ("ec_s3.proxy", "run the ec-s3 proxy (see `ec-s3 proxy --help`)"),
-    "demo": ("ec_s3.demo", "run the ec-s3 demo (see `ec-s3 demo --help`)"),
+    "proxy": ("ec_s3.proxy.server", "run the ec-s3 proxy (see `ec-s3 proxy --help`)"),
+    "demo": ("ec_s3.demo.run", "run the ec-s3 demo (see `ec-s3 demo --help`)"),
 }
 
 _CONFIG_HELP = """\
@@ -151,7 +151,7 @@ def _add_config_args(p: argparse.ArgumentParser, *, namespace_help: str) -> None
 
 
 def _config_from_args(args: argparse.Namespace) -> ECS3Config:
-    from ec_s3.ops import build_config, extra_config_from_json
+    from ec_s3.cli.ops import build_config, extra_config_from_json
 
     base = extra_config_from_json(args.config) if args.config else {}
     overrides: dict[str, Any] = {}
@@ -168,7 +168,7 @@ def _config_from_args(args: argparse.Namespace) -> ECS3Config:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from ec_s3.store import S3Store
+    from ec_s3.store.client import S3Store
 
     return S3Store(_config_from_args(args))
 
@@ -189,7 +189,7 @@ def _print_diagnosis(diagnosis: Any, *, label: str = "FAIL") -> None:
 
 # ---------------------------------------------------------------------- check
 def _cmd_check(args: argparse.Namespace) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     if args.list_keys:
         for key, default, doc in config_keys():
@@ -229,7 +229,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- stats
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     try:
         store = _open_store(args)
@@ -277,7 +277,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------- gc
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     try:
         older = ops.parse_duration(args.older_than) if args.older_than is not None else None
@@ -336,7 +336,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _gc_lifecycle(args: argparse.Namespace, store: Any, older: float) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     days = max(1, math.ceil(older / 86400.0))
     if older % 86400.0:
@@ -365,7 +365,7 @@ def _gc_lifecycle(args: argparse.Namespace, store: Any, older: float) -> int:
 
 # ---------------------------------------------------------------------- inspect
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     try:
         store = _open_store(args)
@@ -414,7 +414,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _print_inspect(r: Any) -> None:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     _out(f"key        {r.key}")
     if not r.exists:
@@ -453,7 +453,7 @@ def _print_inspect(r: Any) -> None:
 
 # ---------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ec_s3 import ops
+    from ec_s3.cli import ops
 
     if args.size_mb <= 0 or args.count < 1 or args.concurrency < 1:
         return _fail("--size-mb must be > 0, --count and --concurrency >= 1")

@@ -1,7 +1,7 @@
 """Scheduler-role part of ECS3Connector.
 
 Every method here runs on vLLM's engine loop and answers from memory: lookups,
-downloads and validation run on ec-s3's I/O loop (:mod:`ec_s3.fetcher`), and their
+downloads and validation run on ec-s3's I/O loop (:mod:`ec_s3.transfer.fetcher`), and their
 results are picked up at the next call. That is also why transfers are driven from
 here and not from the workers: a step that schedules no tokens never reaches the
 worker-side connector, so a deferred request would otherwise wait forever.
@@ -26,15 +26,15 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
     collect_ec_item_metadata,
 )
 
-from ec_s3.codec import BlobExpectation, BlobLayout, BlobMeta
+from ec_s3.blob.codec import BlobExpectation, BlobLayout, BlobMeta
 from ec_s3.config import ECS3Config
-from ec_s3.fetcher import Failed, FetchResult, Invalid, ItemFetcher, Missing, NoSpace, Present, Staged
+from ec_s3.transfer.fetcher import Failed, FetchResult, Invalid, ItemFetcher, Missing, NoSpace, Present, Staged
 from ec_s3.log import logger
-from ec_s3.metadata import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.model_info import ModelInfo, host_id
-from ec_s3.staging import StagingArea, StagingSlot
-from ec_s3.stats import Counters
-from ec_s3.store import S3Store
+from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
+from ec_s3.connector.model import ModelInfo, host_id
+from ec_s3.transfer.staging import StagingArea, StagingSlot
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import S3Store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

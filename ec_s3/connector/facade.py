@@ -23,13 +23,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
-from ec_s3.metrics import ECS3PromMetrics, ECS3Stats
-from ec_s3.metadata import ECS3ConnectorMetadata
-from ec_s3.model_info import ModelInfo
-from ec_s3.preflight import run_startup_checks
-from ec_s3.scheduler import ECS3Scheduler
-from ec_s3.stats import Counters
-from ec_s3.worker import ECS3Worker
+from ec_s3.connector.metrics import ECS3PromMetrics, ECS3Stats
+from ec_s3.connector.messages import ECS3ConnectorMetadata
+from ec_s3.connector.model import ModelInfo
+from ec_s3.connector.preflight import run_startup_checks
+from ec_s3.connector.scheduler import ECS3Scheduler
+from ec_s3.transfer.counters import Counters
+from ec_s3.connector.worker import ECS3Worker
 
 if TYPE_CHECKING:
     import torch

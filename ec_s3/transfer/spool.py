@@ -26,8 +26,8 @@ import aiofiles
 import aiofiles.os
 
 from ec_s3.log import logger
-from ec_s3.stats import Counters
-from ec_s3.store import AccessDenied, Body, BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import AccessDenied, Body, BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["Spool"]
 

@@ -376,7 +376,7 @@ class EPDProxy:
         await proxy.stop()
 
     or ``async with EPDProxy(config) as proxy: ...``; from synchronous code use
-    :class:`ProxyThread`; from another process run ``python -m ec_s3.proxy`` (``main``).
+    :class:`ProxyThread`; from another process run ``python -m ec_s3.proxy.server`` (``main``).
     """
 
     def __init__(self, config: ProxyConfig) -> None:
@@ -469,9 +469,6 @@ class EPDProxy:
         elif ":" in host:
             host = f"[{host}]"
         return f"http://{host}:{self.port}"
-
-    def metrics_text(self) -> str:
-        return self.metrics.render()
 
     # ---------------------------------------------------------------- helpers
     def _authorized(self, request: web.Request) -> bool:
@@ -920,7 +917,7 @@ async def _serve(config: ProxyConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``ec-s3 proxy`` / ``python -m ec_s3.proxy``: serve until SIGINT or SIGTERM."""
+    """``ec-s3 proxy`` / ``python -m ec_s3.proxy.server``: serve until SIGINT or SIGTERM."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -4,7 +4,7 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
 
 1. S3: starts an embedded SeaweedFS on loopback (or uses ``--endpoint-url``), makes the
    bucket, and uses a fresh key prefix for this run.
-2. Model: builds the tiny offline LLaVA of :mod:`ec_s3.tiny_model` (random weights) in a
+2. Model: builds the tiny offline LLaVA of :mod:`ec_s3.sandbox.tiny_model` (random weights) in a
    cache dir, or uses ``--model``.
 3. Baseline: one plain vLLM server (no EC connector at all) answers the demo's chat
    requests; it is stopped before the next phase.
@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ec_s3.launch import (
+from ec_s3.blob.keys import PROBE_NAMESPACE
+from ec_s3.sandbox.vllm_server import (
     CPU_OFFLINE_ENV,
     TINY_MODEL_ARGS,
     LoadProgress,
@@ -126,7 +127,7 @@ def default_schedule(seeds: Sequence[int] = (1, 2, 3, 4)) -> list[list[DemoReque
 @functools.lru_cache(maxsize=64)
 def image_data_url(seed: int) -> str:
     """A ``data:`` URL of the PNG of :func:`ec_s3.tiny_model.make_test_image` (seed)."""
-    from ec_s3.tiny_model import make_test_image
+    from ec_s3.sandbox.tiny_model import make_test_image
 
     buf = io.BytesIO()
     make_test_image(seed).save(buf, format="PNG")
@@ -466,8 +467,8 @@ class _Demo:
                 return self._fail(log_dir)
             except Exception as exc:  # noqa: BLE001 - S3 setup errors get a message, not a traceback
                 from ec_s3.config import ConfigError
-                from ec_s3.embedded_s3 import EmbeddedS3Error
-                from ec_s3.store import StoreError
+                from ec_s3.sandbox.embedded_s3 import EmbeddedS3Error
+                from ec_s3.store.client import StoreError
 
                 if not isinstance(exc, (ConfigError, EmbeddedS3Error, StoreError)):
                     raise
@@ -502,7 +503,7 @@ class _Demo:
     def _s3(self, stack: contextlib.ExitStack) -> tuple[Any, dict[str, Any], dict[str, str]]:
         """(store for listing, the servers' ec_connector_extra_config, their env)."""
         from ec_s3.config import ECS3Config
-        from ec_s3.store import S3Store
+        from ec_s3.store.client import S3Store
 
         args, out = self.args, self.out
         t = time.monotonic()
@@ -513,7 +514,7 @@ class _Demo:
         if args.endpoint_url:
             endpoint, where = args.endpoint_url, f"S3 endpoint {args.endpoint_url}"
         else:
-            from ec_s3.embedded_s3 import EmbeddedS3Server
+            from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
 
             self._step(1, "S3: starting an embedded SeaweedFS server on loopback")
             server = EmbeddedS3Server()
@@ -542,7 +543,7 @@ class _Demo:
             self._step(2, f"model: {args.model} (your vLLM install and device)")
             self.timings["model"] = 0.0
             return str(args.model), list(self.vllm_args), {}
-        from ec_s3.tiny_model import build_tiny_llava, read_manifest
+        from ec_s3.sandbox.tiny_model import build_tiny_llava, read_manifest
 
         dst = args.tiny_model_dir or _cache_home() / "ec-s3" / "tiny-llava"
         self._step(2, "model: tiny offline LLaVA-1.5 (random weights; outputs are gibberish, but exact)")
@@ -596,7 +597,7 @@ class _Demo:
     def _epd(self, stack: contextlib.ExitStack, store: Any, model: str, server_args: list[str],
              env: dict[str, str], extra_config: dict[str, Any], log_dir: Path,
              ) -> tuple[dict[int, ChatResult], dict[int, _Snapshot], _Snapshot, list[VllmServer], Any]:
-        from ec_s3.proxy import ProxyConfig, ProxyThread
+        from ec_s3.proxy.server import ProxyConfig, ProxyThread
 
         out, args = self.out, self.args
         t = time.monotonic()
@@ -659,7 +660,7 @@ class _Demo:
         except Exception as exc:  # noqa: BLE001 - a listing failure is reported, not fatal
             self.out(f"      (could not list the bucket: {exc})")
             return None
-        return [o for o in objects if o.key.endswith(".safetensors") and "/_ec_s3_probe/" not in o.key]
+        return [o for o in objects if o.key.endswith(".safetensors") and f"/{PROBE_NAMESPACE}/" not in o.key]
 
     def _delete_blobs(self, store: Any, prefix: str) -> None:
         async def collect() -> list[str]:

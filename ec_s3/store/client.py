@@ -1,6 +1,6 @@
 """An async S3 blob store tuned for encoder-cache traffic.
 
-All requests run on the process-wide background loop (:mod:`ec_s3.aio`); the
+All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
 ``*_async`` coroutines are for code already on that loop, and :meth:`S3Store.submit`
 hands one to it from any thread without blocking.
 
@@ -32,7 +32,8 @@ import aiohttp
 from aiobotocore.config import AioConfig
 from botocore import exceptions as boto_exc
 
-from ec_s3.aio import BackgroundLoop, shared_loop
+from ec_s3.loop import BackgroundLoop, shared_loop
+from ec_s3.blob.format import MAX_HEADER_BYTES
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 
@@ -213,7 +214,7 @@ class _ChainReader(io.RawIOBase):
         return bytes(buf[: self.readinto(buf)])
 
 
-_HEADER_ALLOWANCE = 64 * 1024  # codec.MAX_HEADER_BYTES; the store does not import the codec
+DELETE_BATCH = 1000  # the S3 DeleteObjects limit
 _SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
 _SHARED_LOCK = threading.Lock()
 
@@ -550,7 +551,7 @@ class S3Store:
         stored_crc: list[str] = []
         # A blob is a whole number of MiB of tensor plus a small header: asking for one
         # part plus a header's worth keeps an N-part blob from needing one more request.
-        first_span = part + _HEADER_ALLOWANCE
+        first_span = part + MAX_HEADER_BYTES
 
         async def _first(client: Any) -> int:
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
@@ -603,10 +604,10 @@ class S3Store:
         await self._call("DELETE", key, _delete)
 
     async def delete_many_async(self, keys: Iterable[str]) -> int:
-        """Delete keys in batches of 1000 (the S3 limit); returns how many were deleted."""
+        """Delete keys in batches of :data:`DELETE_BATCH`; returns how many were deleted."""
         pending, deleted = list(keys), 0
-        for i in range(0, len(pending), 1000):
-            batch = [{"Key": k} for k in pending[i : i + 1000]]
+        for i in range(0, len(pending), DELETE_BATCH):
+            batch = [{"Key": k} for k in pending[i : i + DELETE_BATCH]]
 
             async def _delete(client: Any, batch: list[dict[str, str]] = batch) -> int:
                 resp = await client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
@@ -650,16 +651,6 @@ class S3Store:
         except StoreRequestError as exc:
             if "BucketAlreadyOwnedByYou" not in exc.reason and "BucketAlreadyExists" not in exc.reason:
                 raise
-
-    async def bucket_exists_async(self) -> bool:
-        async def _head(client: Any) -> bool:
-            await client.head_bucket(Bucket=self.bucket)
-            return True
-
-        try:
-            return await self._call("HeadBucket", self.bucket, _head)
-        except ObjectNotFound:
-            return False
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float = 10.0) -> None:

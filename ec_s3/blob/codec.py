@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ec_s3.blob.format import FORMAT_TAG, FORMAT_VERSION, MAX_HEADER_BYTES, TENSOR_NAME, identifier_digest
+
 __all__ = [
     "BlobError",
     "BlobExpectation",
@@ -41,10 +43,6 @@ __all__ = [
     "read_header",
 ]
 
-FORMAT_VERSION = "1"
-FORMAT_TAG = f"ec-s3/{FORMAT_VERSION}"
-TENSOR_NAME = "ec_cache"
-MAX_HEADER_BYTES = 64 * 1024
 # Identifiers longer than this are kept only as their digest in the header.
 _MAX_STORED_IDENTIFIER = 1024
 _MAX_NDIM = 4
@@ -272,11 +270,6 @@ def decode_blob(buf: bytearray | memoryview | bytes, expect: BlobExpectation) ->
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry["nbytes"], offset=offset)
         tensor = flat.view(dtype).reshape(shape)
     return DecodedBlob(tensor=tensor, metadata=metadata, data_offset=offset)
-
-
-def identifier_digest(identifier: str) -> str:
-    """SHA-256 hex of an identifier; lone surrogates are encoded, never rejected."""
-    return hashlib.sha256(identifier.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _storable_identifier(identifier: str) -> bool:

@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ec_s3.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
+from ec_s3.blob.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
-from ec_s3.spool import Spool
-from ec_s3.stats import Counters
-from ec_s3.store import BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
+from ec_s3.transfer.spool import Spool
+from ec_s3.transfer.counters import Counters
+from ec_s3.store.client import BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["BlobPublisher", "InflightBudget"]
 

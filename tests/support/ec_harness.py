@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
-from ec_s3.connector import ECS3Connector
-from vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+from ec_s3.connector.facade import ECS3Connector
+from support.vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
 
 
 @dataclasses.dataclass

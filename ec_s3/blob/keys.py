@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import re
 
-from ec_s3.codec import FORMAT_VERSION, identifier_digest
+from ec_s3.blob.format import BLOB_NAME_RE, BLOB_SUFFIX, FORMAT_VERSION, identifier_digest
 
-__all__ = ["BLOB_SUFFIX", "KeySpace", "identifier_digest", "model_namespace", "tenant_tag"]
+__all__ = ["BLOB_SUFFIX", "PROBE_NAMESPACE", "KeySpace", "identifier_digest", "model_namespace", "probe_key", "tenant_tag"]
 
-BLOB_SUFFIX = ".safetensors"
+#: Objects written by start-up checks, ``ec-s3 check`` and ``ec-s3 bench`` live under
+#: ``<prefix>/_ec_s3_probe/``; no namespace can be named so (namespaces end in a hash).
+PROBE_NAMESPACE = "_ec_s3_probe"
+
 _SLUG_UNSAFE = re.compile(r"[^a-z0-9._-]+")
 
 
@@ -46,6 +49,11 @@ def model_namespace(
     return f"{slug}-{hashlib.sha256(fields.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
 
 
+def probe_key(prefix: str, name: str = "write-check") -> str:
+    """The key of a probe object under ``prefix``."""
+    return f"{prefix.strip('/')}/{PROBE_NAMESPACE}/{name}"
+
+
 class KeySpace:
     """Maps identifiers to keys under one ``<prefix>/<namespace>/``.
 
@@ -69,10 +77,7 @@ class KeySpace:
         """True if ``key`` is a well-formed blob key under this namespace."""
         if not isinstance(key, str) or not key.startswith(self.root):
             return False
-        rest = key[len(self.root):].split("/")
-        if len(rest) == 2 and not re.fullmatch(r"t-[0-9a-f]{32}", rest[0]):
-            return False
-        return len(rest) in (1, 2) and re.fullmatch(r"[0-9a-f]{64}\.safetensors", rest[-1]) is not None
+        return BLOB_NAME_RE.fullmatch(key[len(self.root):]) is not None
 
     def __repr__(self) -> str:
         return f"KeySpace(root={self.root!r})"

@@ -1,6 +1,6 @@
 """Operator tasks behind the ``ec-s3`` command line: check, stats, gc, inspect, bench.
 
-Every function here is typed and returns a report dataclass; the CLI (:mod:`ec_s3.cli`)
+Every function here is typed and returns a report dataclass; the CLI (:mod:`ec_s3.cli.main`)
 only parses arguments and prints. Nothing here imports vLLM, and torch is imported
 only by :func:`inspect_blob` (through the codec).
 
@@ -25,8 +25,12 @@ from typing import Any
 
 from botocore import exceptions as boto_exc
 
+from ec_s3.blob.format import BLOB_NAME_RE
+from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.config import ConfigError, ECS3Config
-from ec_s3.store import (
+from ec_s3.store.diagnose import Diagnosis, credential_source, diagnose
+from ec_s3.store.client import (
+    DELETE_BATCH,
     AccessDenied,
     ObjectInfo,
     ObjectNotFound,
@@ -71,8 +75,6 @@ __all__ = [
 
 Progress = Callable[[str, int, "int | None"], None]
 
-#: Objects written by ``check`` and ``bench`` live under ``<prefix>/_ec_s3_probe/``.
-PROBE_NAMESPACE = "_ec_s3_probe"
 #: Age classes of ``stats``: (label, upper bound in seconds, exclusive).
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<1h", 3600.0),
@@ -80,8 +82,6 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<7d", 7 * 86400.0),
     (">=7d", math.inf),
 )
-DELETE_BATCH = 1000  # the S3 DeleteObjects limit
-_BLOB_RE = re.compile(r"^(?:t-[0-9a-f]{32}/)?[0-9a-f]{64}\.safetensors$")
 _LIST_TIMEOUT_S = None  # listing a large prefix takes as long as it takes; requests time out singly
 
 
@@ -217,156 +217,6 @@ def build_config(
     extra = dict(base or {})
     extra.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return ECS3Config.from_extra_config(extra, environ=os.environ if environ is None else environ)
-
-
-def credential_source(config: ECS3Config, environ: Mapping[str, str] | None = None) -> str:
-    """Where the credentials come from, in words; never the credentials themselves."""
-    env = os.environ if environ is None else environ
-    if config.access_key_id is not None:
-        return "explicit (access_key_id/secret_access_key in the config)"
-    if env.get("AWS_ACCESS_KEY_ID"):
-        return "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-    if env.get("AWS_PROFILE"):
-        return f"AWS profile {env['AWS_PROFILE']!r}"
-    return "AWS default chain (shared credentials file, SSO, container or instance role)"
-
-
-# ---------------------------------------------------------------------- diagnosis
-@dataclasses.dataclass(frozen=True)
-class Diagnosis:
-    """Why an S3 call failed, in an operator's words, and what to do about it."""
-
-    kind: str  # credentials | no_credentials | bucket | endpoint | tls | permission | region | clock | server | other
-    cause: str
-    fix: str
-
-
-_PERMISSION_FOR_OP = {
-    "LIST": "s3:ListBucket",
-    "HEAD": "s3:GetObject",
-    "GET": "s3:GetObject",
-    "PUT": "s3:PutObject",
-    "DELETE": "s3:DeleteObject",
-    "DeleteObjects": "s3:DeleteObject",
-    "PutLifecycle": "s3:PutLifecycleConfiguration",
-    "GetLifecycle": "s3:GetLifecycleConfiguration",
-}
-
-
-def _error_code(reason: str) -> str:
-    """The S3 error code in a store error's reason (``"403 InvalidAccessKeyId: ..."``)."""
-    head = reason.split(":", 1)[0].split()
-    return head[1] if len(head) >= 2 else ""
-
-
-def diagnose(exc: BaseException, config: ECS3Config, *, op: str = "") -> Diagnosis:
-    """Map a failed S3 call to a cause and a fix."""
-    endpoint = config.endpoint_url or f"AWS S3 ({config.region})"
-    bucket = config.bucket
-    if isinstance(exc, (boto_exc.NoCredentialsError, boto_exc.PartialCredentialsError)):
-        return Diagnosis(
-            "no_credentials",
-            f"no S3 credentials found ({type(exc).__name__})",
-            "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or set "
-            "access_key_id/secret_access_key in ec_connector_extra_config",
-        )
-    if isinstance(exc, StoreUnavailable):
-        reason = exc.reason
-        if reason.startswith("circuit open"):
-            return Diagnosis(
-                "endpoint",
-                f"{endpoint} failed repeatedly, so further requests were not tried (circuit breaker open)",
-                "run `ec-s3 check` to see the first failure; check the endpoint and retry",
-            )
-        if "SSL" in reason or "CERTIFICATE" in reason.upper():
-            return Diagnosis(
-                "tls",
-                f"TLS handshake with {endpoint} failed ({reason})",
-                "use the endpoint's correct https URL and a trusted CA (AWS_CA_BUNDLE), or "
-                "--set verify_tls=false for a test endpoint only",
-            )
-        if any(s in reason for s in ("EndpointConnectionError", "ConnectTimeout", "ConnectionError",
-                                      "Connection refused", "Cannot connect", "ClientConnectorError",
-                                      "Name or service not known")):
-            return Diagnosis(
-                "endpoint",
-                f"cannot reach the S3 endpoint {endpoint} ({reason.split(':', 1)[0]})",
-                "check endpoint_url (--endpoint-url or EC_S3_ENDPOINT_URL): host, port and "
-                "http/https, that the S3 server is running, and that no firewall blocks this host",
-            )
-        if "Timeout" in reason:
-            return Diagnosis(
-                "endpoint",
-                f"the S3 endpoint {endpoint} did not answer in time ({reason.split(':', 1)[0]})",
-                "check that endpoint_url points at an S3 server (not another service) and that it is "
-                "healthy; raise read_timeout_s/connect_timeout_s for a slow link",
-            )
-        return Diagnosis(
-            "server",
-            f"the S3 server kept failing ({reason}) after {config.max_attempts} attempts",
-            "check the S3 server's health and logs, then retry",
-        )
-    if isinstance(exc, AccessDenied):
-        code = _error_code(exc.reason)
-        if code == "InvalidAccessKeyId":
-            return Diagnosis(
-                "credentials",
-                "wrong credentials: the endpoint does not know this access key id (403 InvalidAccessKeyId)",
-                "set the access key of an account on this endpoint (AWS_ACCESS_KEY_ID / "
-                "access_key_id); check that the endpoint URL is the one the key belongs to",
-            )
-        if code == "SignatureDoesNotMatch":
-            return Diagnosis(
-                "credentials",
-                "wrong credentials: the secret key does not match the access key (403 SignatureDoesNotMatch)",
-                "set the matching secret key (AWS_SECRET_ACCESS_KEY / secret_access_key); also check "
-                "the region and that no proxy rewrites the request",
-            )
-        if code in ("RequestTimeTooSkewed",):
-            return Diagnosis("clock", "this host's clock is too far off the server's (403 RequestTimeTooSkewed)",
-                             "sync the clock (NTP) and retry")
-        if code in ("InvalidToken", "ExpiredToken", "TokenRefreshRequired"):
-            return Diagnosis("credentials", f"the session token is invalid or expired (403 {code})",
-                             "refresh the temporary credentials (AWS_SESSION_TOKEN / session_token)")
-        permission = _PERMISSION_FOR_OP.get(op or exc.op, f"the permission for {exc.op}")
-        if code in ("", "403"):  # a HEAD answer carries no body, hence no code
-            return Diagnosis(
-                "permission",
-                f"{exc.op} was refused with a bare 403: wrong credentials or missing {permission}"
-                + (" / s3:ListBucket" if exc.op == "HEAD" else ""),
-                f"check the credentials, then grant {permission} on arn:aws:s3:::{bucket}/{config.prefix}/*"
-                + (" and s3:ListBucket on the bucket (without it a missing key answers 403, not 404)"
-                   if exc.op == "HEAD" else ""),
-            )
-        return Diagnosis(
-            "permission",
-            f"permission missing: {exc.op} was refused (403 {code or 'AccessDenied'}); it needs {permission}",
-            f"grant {permission} on "
-            + (f"arn:aws:s3:::{bucket}" if permission == "s3:ListBucket" else f"arn:aws:s3:::{bucket}/{config.prefix}/*")
-            + " to these credentials"
-            + (" (or run `ec-s3 check --read-only` if this host only consumes)" if permission == "s3:PutObject" else ""),
-        )
-    if isinstance(exc, (StoreRequestError, ObjectNotFound)):
-        code = _error_code(exc.reason)
-        if code == "NoSuchBucket" or (exc.op == "HeadBucket" and isinstance(exc, ObjectNotFound)):
-            return Diagnosis(
-                "bucket",
-                f"missing bucket: {bucket!r} does not exist at {endpoint} (404 NoSuchBucket)",
-                f"create it (e.g. `aws s3 mb s3://{bucket}" + (f" --endpoint-url {config.endpoint_url}`)" if config.endpoint_url else "`)")
-                + " or fix the bucket name (--bucket / EC_S3_BUCKET / bucket in the config)",
-            )
-        if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or code == "301":
-            return Diagnosis("region", f"the bucket lives in another region ({exc.reason})",
-                             "set the bucket's region (--region / region in the config)")
-        if code in ("InvalidBucketName",):
-            return Diagnosis("bucket", f"the server rejects the bucket name {bucket!r} ({exc.reason})",
-                             "use a valid bucket name")
-        return Diagnosis("other", f"{exc.op} failed: {exc.reason}", "see the S3 error code above; check the config")
-    if isinstance(exc, StoreError):
-        return Diagnosis("other", str(exc), "check the config and the S3 server")
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return Diagnosis("endpoint", f"no answer from {endpoint} in time", "check the endpoint and the network")
-    return Diagnosis("other", f"{type(exc).__name__}: {exc}", "check the config and the S3 server")
 
 
 # ---------------------------------------------------------------------- check
@@ -637,7 +487,7 @@ def summarize(objects: Iterable[ObjectInfo], prefix: str, *, now: float | None =
         ns = namespace_of(prefix, info.key)
         rest = info.key[len(root) + len(ns) + 1:] if ns else ""
         entry = stats.setdefault(ns, NamespaceStats(ns))
-        entry.add(info, max(0.0, now - info.last_modified), blob=bool(_BLOB_RE.match(rest)))
+        entry.add(info, max(0.0, now - info.last_modified), blob=BLOB_NAME_RE.fullmatch(rest) is not None)
     return dict(sorted(stats.items()))
 
 
@@ -930,7 +780,7 @@ class InspectReport:
 
 async def inspect_blob_async(store: S3Store, key: str, *, identifier: str | None = None,
                              prefix: str | None = None) -> InspectReport:
-    from ec_s3.codec import BlobError, identifier_digest, read_header  # imports torch
+    from ec_s3.blob.codec import BlobError, identifier_digest, read_header  # imports torch
 
     prefix = prefix or store.config.prefix
     report = InspectReport(key=key, exists=False, namespace=namespace_of(prefix, key))
@@ -1001,7 +851,7 @@ def inspect_blob(store: S3Store, key: str, *, identifier: str | None = None,
 
 async def find_blob_keys_async(store: S3Store, identifier: str, *, prefix: str | None = None,
                                namespace: str | None = None, cache_salt: str | None = None) -> tuple[list[str], list[str]]:
-    from ec_s3.keys import KeySpace
+    from ec_s3.blob.keys import KeySpace
 
     prefix = prefix or store.config.prefix
     namespaces = [namespace] if namespace else [

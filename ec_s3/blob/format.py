@@ -1,0 +1,38 @@
+"""The blob format's constants and key shape, without torch.
+
+One home for what the codec (which needs torch), the keys, the store's ranged GET
+and the CLI's gc must agree on: the format tag, the tensor name, the header bound,
+the blob suffix and the pattern of a blob's name under a namespace. Owns no I/O and
+no tensor code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+__all__ = [
+    "BLOB_NAME_RE",
+    "BLOB_SUFFIX",
+    "FORMAT_TAG",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "TENSOR_NAME",
+    "identifier_digest",
+]
+
+FORMAT_VERSION = "1"
+FORMAT_TAG = f"ec-s3/{FORMAT_VERSION}"
+TENSOR_NAME = "ec_cache"
+#: Upper bound of a blob's safetensors header (8-byte length + JSON); the store's
+#: first ranged GET reads this much so most blobs need one request.
+MAX_HEADER_BYTES = 64 * 1024
+BLOB_SUFFIX = ".safetensors"
+#: A blob's path below ``<prefix>/<namespace>/``: an optional tenant tag (for requests
+#: with a ``cache_salt``), then the identifier's SHA-256.
+BLOB_NAME_RE = re.compile(r"(?:t-[0-9a-f]{32}/)?[0-9a-f]{64}\.safetensors")
+
+
+def identifier_digest(identifier: str) -> str:
+    """SHA-256 hex of an identifier; lone surrogates are encoded, never rejected."""
+    return hashlib.sha256(identifier.encode("utf-8", "surrogatepass")).hexdigest()

@@ -1,0 +1,177 @@
+"""The folder tree is the architecture: these rules keep it so.
+
+Read from the source with ``ast`` (every ``import`` and ``from ... import``, at any
+depth, including the ones inside functions and ``TYPE_CHECKING`` blocks), so a rule
+cannot be broken by a lazy import either:
+
+* ``store/`` and ``blob/`` import neither vLLM nor anything of ec-s3 above them;
+  ``store/`` does not import torch, and ``blob/format`` and ``blob/keys`` do not either;
+* ``transfer/`` imports no vLLM;
+* nothing under ``connector/`` imports a tool (``cli``, ``proxy``, ``demo``, ``sandbox``),
+  nor does the data path below it;
+* there are no import cycles between ec-s3 modules;
+* every module says in its docstring what it owns.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "ec_s3"
+TOOLS = ("cli", "proxy", "demo", "sandbox")
+# What each layer may import of ec-s3 (top-level modules are config, log, loop, plugin).
+BASE = {"ec_s3", "ec_s3.config", "ec_s3.log", "ec_s3.loop"}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+
+
+def _imports(path: Path) -> Iterator[str]:
+    """Every module name ``path`` imports (absolute; relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    own = _module_name(path)
+    package = own if path.name == "__init__.py" else own.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield mod
+            for alias in node.names:  # ``from ec_s3.store import client`` imports a module
+                if f"{mod}.{alias.name}" in MODULES:
+                    yield f"{mod}.{alias.name}"
+
+
+def _ec_s3_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    return {m for m in _imports(path) if m in modules and m != _module_name(path)}
+
+
+MODULES = _modules()
+
+
+def _in(pkg: str) -> list[str]:
+    return [m for m in MODULES if m == f"ec_s3.{pkg}" or m.startswith(f"ec_s3.{pkg}.")]
+
+
+def _violations(pkgs: tuple[str, ...], forbidden: object) -> list[str]:
+    bad = []
+    for pkg in pkgs:
+        for mod in _in(pkg):
+            for imp in _imports(MODULES[mod]):
+                if callable(forbidden) and forbidden(imp):
+                    bad.append(f"{mod} imports {imp}")
+    return sorted(set(bad))
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_layout_exists() -> None:
+    for pkg in ("connector", "transfer", "store", "blob", "cli", "proxy", "demo", "sandbox"):
+        assert (PKG / pkg / "__init__.py").is_file(), pkg
+    assert len(MODULES) > 30
+
+
+def test_store_and_blob_import_no_vllm_and_nothing_above_them() -> None:
+    def above(imp: str) -> bool:
+        if _top(imp) == "vllm":
+            return True
+        if not imp.startswith("ec_s3."):
+            return False
+        return not (imp in BASE or imp.startswith(("ec_s3.store", "ec_s3.blob")))
+
+    assert _violations(("store", "blob"), above) == []
+
+
+def test_store_and_blob_format_are_torch_free() -> None:
+    def torchy(imp: str) -> bool:
+        return _top(imp) in ("torch", "safetensors", "vllm") or imp.startswith("ec_s3.blob.codec")
+
+    assert _violations(("store",), torchy) == []
+    for mod in ("ec_s3.blob.format", "ec_s3.blob.keys"):
+        if mod in MODULES:
+            assert [i for i in _imports(MODULES[mod]) if torchy(i)] == [], mod
+
+
+def test_store_knows_only_the_blob_format_constants() -> None:
+    # The store moves opaque bytes; of the blob it knows only the torch-free constants
+    # (the header bound its first ranged GET reads).
+    bad = _violations(("store",), lambda i: i.startswith("ec_s3.blob") and i not in ("ec_s3.blob", "ec_s3.blob.format"))
+    assert bad == []
+
+
+def test_transfer_imports_no_vllm_and_no_connector() -> None:
+    bad = _violations(("transfer",), lambda i: _top(i) == "vllm" or i.startswith("ec_s3.connector"))
+    assert bad == []
+
+
+def test_engine_side_never_imports_a_tool() -> None:
+    def tool(imp: str) -> bool:
+        return any(imp == f"ec_s3.{t}" or imp.startswith(f"ec_s3.{t}.") for t in TOOLS)
+
+    assert _violations(("connector", "transfer", "store", "blob"), tool) == []
+    for mod in ("ec_s3", "ec_s3.plugin", "ec_s3.config", "ec_s3.log", "ec_s3.loop"):
+        assert [i for i in _imports(MODULES[mod]) if tool(i)] == [], mod
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: _ec_s3_imports(p, MODULES) for m, p in MODULES.items()}
+    # A package's own __init__ is imported by everything below it; that is not a cycle.
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod, [mod])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("mod", sorted(MODULES))
+def test_every_module_says_what_it_owns(mod: str) -> None:
+    doc = ast.get_docstring(ast.parse(MODULES[mod].read_text()))
+    assert doc and len(doc) >= 40, f"{mod} has no docstring saying what it owns"
+
+
+def test_rules_catch_a_violation(tmp_path: Path) -> None:
+    """The checker itself works: a store module importing vLLM would be reported."""
+    fake = tmp_path / "ec_s3" / "store" / "bad.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text('"""x"""\ndef f():\n    from vllm.config import VllmConfig\n    from ..connector import facade\n')
+    global PKG
+    saved = PKG
+    try:
+        PKG = tmp_path / "ec_s3"
+        found = list(_imports(fake))
+    finally:
+        PKG = saved
+    assert "vllm.config" in found and "ec_s3.connector.facade" in found
