@@ -5,6 +5,12 @@ arrive as JSON numbers or as strings from a CLI flag. Every key is declared once
 (type, default, bounds, one-line doc) so that parsing, validation, error messages and
 the README table cannot drift apart. A bad or unknown key fails at start-up with an
 error that names it; secrets never appear in a repr, a log line or an error.
+
+Credentials given in ``ec_connector_extra_config`` are visible to anyone who can read
+the engine's command line (``/proc/<pid>/cmdline``) and vLLM prints them in its
+``non-default args`` log line, so credential keys also accept a *reference*:
+``env:NAME`` (read from that environment variable) or ``file:/path`` (the file's
+contents, trailing newline stripped). A literal secret still works, with a warning.
 """
 
 from __future__ import annotations
@@ -97,13 +103,20 @@ class ECS3Config:
     )
     access_key_id: Secret | None = dataclasses.field(
         default=None,
-        metadata=_doc("Explicit access key (default: the standard AWS credential chain).", secret=True),
+        metadata=_doc(
+            "Explicit access key, or a reference `env:NAME` / `file:/path` (default: the standard AWS "
+            "credential chain).", secret=True,
+        ),
     )
     secret_access_key: Secret | None = dataclasses.field(
-        default=None, metadata=_doc("Explicit secret key; never logged.", secret=True)
+        default=None,
+        metadata=_doc(
+            "Explicit secret key: prefer `env:NAME` or `file:/path`; a literal value is visible in the "
+            "engine's command line and vLLM's args log line (ec-s3 warns).", secret=True,
+        ),
     )
     session_token: Secret | None = dataclasses.field(
-        default=None, metadata=_doc("Explicit session token; never logged.", secret=True)
+        default=None, metadata=_doc("Explicit session token; `env:NAME` / `file:/path` as above.", secret=True)
     )
     verify_tls: bool = dataclasses.field(
         default=True, metadata=_doc("Verify the endpoint's TLS certificate.")
@@ -250,10 +263,21 @@ class ECS3Config:
         for env_key, name in (("EC_S3_BUCKET", "bucket"), ("EC_S3_ENDPOINT_URL", "endpoint_url")):
             if name not in raw and environ.get(env_key):
                 raw[name] = environ[env_key]
+        for name in _SECRET_KEYS:
+            if isinstance(raw.get(name), str):
+                raw[name] = _resolve_secret(name, raw[name], environ)
         values = {name: _coerce(fields[name], value) for name, value in raw.items() if name in fields}
         config = cls(**values)
         config.validate()
         return config
+
+    def __post_init__(self) -> None:
+        # Most people write S3 prefixes with a trailing '/' ("ec-cache/"); keys are
+        # built as f"{prefix}/{namespace}/...", so store it without the outer slashes.
+        for name in ("prefix", "namespace"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, value.strip("/"))
 
     def validate(self) -> None:
         """Check cross-field rules and bounds; raise :class:`ConfigError` naming the key."""
@@ -302,12 +326,54 @@ _FOREIGN_KEYS = frozenset({"shared_storage_path", "ec_enable_nixl", "consumer_ac
 
 
 def _check_key_path(name: str, value: str) -> None:
+    """Outer slashes are already stripped; what is left must be plain segments, because
+    an empty, '.' or '..' segment in the middle means a different key to each S3 server
+    (some normalise paths) and could escape the prefix."""
     segments = value.split("/")
     if not value or not all(_PREFIX_SEGMENT_RE.match(s) and s not in (".", "..") for s in segments):
         raise ConfigError(
             f"{name}={value!r} must be '/'-separated segments of A-Z a-z 0-9 . _ - "
-            "(no empty, '.' or '..' segments, no leading or trailing '/')"
+            "(no empty, '.' or '..' segments), e.g. 'ec-cache' or 'team-a/ec-cache/'"
         )
+
+
+_SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
+# Literal values of these are secrets worth a warning; an access key id alone is not.
+_WARN_LITERAL = frozenset({"secret_access_key", "session_token"})
+_warned_literal: set[str] = set()
+
+
+def _resolve_secret(name: str, value: str, environ: Mapping[str, str]) -> str:
+    """Resolve an ``env:NAME`` / ``file:/path`` reference; warn once about a literal."""
+    if value.startswith("env:"):
+        var = value[4:]
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
+            raise ConfigError(f"{name}: 'env:{var}' is not an environment variable name")
+        resolved = environ.get(var)
+        if not resolved:
+            raise ConfigError(f"{name}=env:{var} but ${var} is not set (or empty) in the engine's environment")
+        return resolved
+    if value.startswith("file:"):
+        path = value[5:]
+        try:
+            with open(path, encoding="utf-8") as f:
+                resolved = f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"{name}=file:{path} cannot be read ({exc.strerror}); check the path and its permissions") from None
+        if not resolved:
+            raise ConfigError(f"{name}=file:{path} is empty")
+        return resolved
+    if name in _WARN_LITERAL and name not in _warned_literal:
+        _warned_literal.add(name)
+        from ec_s3.log import logger
+
+        logger.warning(
+            "ec-s3: %s was given literally in ec_connector_extra_config: it is visible in the engine's "
+            "command line (/proc/<pid>/cmdline) and vLLM logs it with its non-default args; pass "
+            "\"%s\": \"env:NAME\" or \"file:/path\" instead, or use the AWS credential chain "
+            "(AWS_SECRET_ACCESS_KEY, a profile or an instance role)", name, name,
+        )
+    return value
 
 
 def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:

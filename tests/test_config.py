@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def test_defaults_and_string_coercion() -> None:
         ({**BASE, "max_attempts": True}, "max_attempts"),
         ({**BASE, "backpressure": "spin"}, "backpressure"),
         ({**BASE, "prefix": "../up"}, "prefix"),
-        ({**BASE, "prefix": "/lead"}, "prefix"),
+        ({**BASE, "prefix": "a//b"}, "prefix"),
+        ({**BASE, "prefix": "a/../b"}, "prefix"),
+        ({**BASE, "prefix": "/"}, "prefix"),
         ({**BASE, "bucket": "Bad_Bucket"}, "bucket"),
         ({**BASE, "endpoint_url": "minio:9000"}, "endpoint_url"),
         ({**BASE, "multipart_part_bytes": 1024}, "multipart_part_bytes"),
@@ -66,3 +69,46 @@ def test_every_key_is_documented_in_readme() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     missing = [key for key, _, _ in config_keys() if f"`{key}`" not in readme]
     assert not missing, f"config keys missing from README: {missing}"
+
+
+@pytest.mark.parametrize(("written", "stored"), [("ec-cache/", "ec-cache"), ("team-a/ec-cache/", "team-a/ec-cache"),
+                                                   ("/ec-cache", "ec-cache"), ("ec-cache", "ec-cache")])
+def test_prefix_as_people_write_it(written: str, stored: str) -> None:
+    """``ec-cache/`` (how S3 prefixes are usually written) used to stop the engine."""
+    cfg = ECS3Config.from_extra_config({**BASE, "prefix": written, "namespace": written}, environ={})
+    assert cfg.prefix == stored and cfg.namespace == stored
+    assert ECS3Config(bucket="ec-bucket", prefix=written).prefix == stored
+
+
+def test_credentials_by_reference(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("from-a-file\n")
+    env = {"MY_KEY_ID": "AKIDFROMENV", "MY_SECRET": "from-the-env"}
+    with caplog.at_level(logging.WARNING, logger="vllm.ec_s3"):
+        cfg = ECS3Config.from_extra_config(
+            {**BASE, "access_key_id": "env:MY_KEY_ID", "secret_access_key": f"file:{secret_file}",
+             "session_token": "env:MY_SECRET"}, environ=env,
+        )
+    assert cfg.access_key_id is not None and cfg.access_key_id.reveal() == "AKIDFROMENV"
+    assert cfg.secret_access_key is not None and cfg.secret_access_key.reveal() == "from-a-file"
+    assert cfg.session_token is not None and cfg.session_token.reveal() == "from-the-env"
+    assert not [r for r in caplog.records if "literally" in r.getMessage()]
+    assert "from-a-file" not in repr(cfg) and "from-the-env" not in repr(cfg)
+
+
+@pytest.mark.parametrize("ref", ["env:UNSET_VAR", "env:bad name", "file:/nonexistent/secret"])
+def test_bad_credential_reference_names_the_key(ref: str) -> None:
+    with pytest.raises(ConfigError, match="secret_access_key") as err:
+        ECS3Config.from_extra_config({**BASE, "access_key_id": "AK", "secret_access_key": ref}, environ={})
+    assert "Traceback" not in str(err.value)
+
+
+def test_literal_secret_warns_without_showing_it(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ec_s3.config as config_module
+
+    monkeypatch.setattr(config_module, "_warned_literal", set())
+    with caplog.at_level(logging.WARNING, logger="vllm.ec_s3"):
+        ECS3Config.from_extra_config({**BASE, "access_key_id": "AK", "secret_access_key": "hunter2-literal"}, environ={})
+    warnings = [r.getMessage() for r in caplog.records if "literally" in r.getMessage()]
+    assert len(warnings) == 1 and "secret_access_key" in warnings[0] and "env:NAME" in warnings[0]
+    assert "hunter2" not in caplog.text
