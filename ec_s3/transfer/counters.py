@@ -14,9 +14,8 @@ from typing import Any
 
 __all__ = ["Counters"]
 
-# Latency samples kept per interval; vLLM ships stats every step, so this only
-# bounds memory if nobody collects them.
-#: Latency samples kept per histogram between two stats collections (and when merged).
+#: Latency samples kept per histogram between two stats collections (and when
+#: merged); vLLM ships stats every step, so this only bounds memory if nobody collects.
 MAX_SAMPLES = 4096
 
 
@@ -68,6 +67,22 @@ class Counters:
             samples = {k: v for k, v in self._samples.items() if v}
             self._samples = defaultdict(list)
             return {"counters": counters, "gauges": dict(self._gauges), "samples": samples}
+
+    def cumulative(self) -> dict[str, float]:
+        """Every counter's running total (what :mod:`ec_s3.transfer.shared_stats` mirrors)."""
+        with self._lock:
+            return dict(self._values)
+
+    def gauges(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._gauges)
+
+    def take_samples(self) -> dict[str, list[float]]:
+        """Latency samples since the last call (the counterpart of :meth:`take_delta`'s)."""
+        with self._lock:
+            samples = {k: v for k, v in self._samples.items() if v}
+            self._samples = defaultdict(list)
+            return samples
 
     def __repr__(self) -> str:
         return f"Counters({dict(sorted(self.snapshot().items()))})"
