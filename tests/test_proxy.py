@@ -26,17 +26,10 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from ec_s3.proxy.server import (
-    EPDProxy,
-    ProxyConfig,
-    ProxyThread,
-    build_parser,
-    config_from_args,
-    create_app,
-    find_media_items,
-    main,
-    merge_params,
-)
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.main import build_parser, config_from_args, main
+from ec_s3.proxy.media import find_media_items, merge_params
+from ec_s3.proxy.server import EPDProxy, ProxyThread, create_app
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""``ec-s3 proxy``: an OpenAI-compatible front for encode / prefill-decode disaggregation.
+"""The proxy's aiohttp application: chat requests, the relay, ``/health``, ``/metrics``.
 
 Per chat request it finds the multimodal items in ``messages``, sends each distinct item
 alone to an encoder instance (``ec_role: ec_producer``, items spread over the encoders
@@ -16,60 +16,34 @@ disagg_epd_proxy.py``) with three deliberate differences:
   example discards them: its shared-storage connector does not need them);
 * upstream pools are bounded and every timeout is configurable.
 
-The proxy never interprets identifiers: the consumer matches the merged params to its
-own items. It only forwards what changes an item's identifier or blob key
-(``model``, ``cache_salt``, ``mm_processor_kwargs``, ``media_io_kwargs``) with each item.
+Owns the HTTP side: handlers, sessions, sending, relaying, error answers, and
+:class:`ProxyThread`. It does not own reading or rewriting bodies (:mod:`.media`),
+choosing an upstream (:mod:`.upstreams`), settings (:mod:`.config`) or the command line
+(:mod:`.main`).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
-import dataclasses
 import hmac
-import itertools
 import json
-import logging
-import os
-import signal
-import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from ec_s3.log import logger
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.media import MediaItem, encoder_body, find_media_items, merge_params, strip_published_media
+from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.upstreams import Pool, Upstream, Warner
 
-__all__ = [
-    "PROXY_KEY", "EPDProxy", "ProxyConfig", "ProxyThread",
-    "build_parser", "config_from_args", "create_app", "find_media_items", "main", "merge_params",
-]
+# ProxyConfig is re-exported: callers build one and hand it to EPDProxy / ProxyThread.
+__all__ = ["PROXY_KEY", "EPDProxy", "ProxyConfig", "ProxyThread", "create_app"]
 
-# Content-part types whose media an encoder turns into an encoder output. Embeddings
-# (image_embeds, ...) are not encoded by anyone, so they are left alone.
-MEDIA_PART_KEYS: dict[str, str] = {
-    "image_url": "image_url",
-    "input_image": "image_url",  # Responses-API style part
-    "image_pil": "image_pil",
-    "audio_url": "audio_url",
-    "input_audio": "input_audio",
-    "video_url": "video_url",
-}
-# Every content part that becomes one of vLLM's multimodal items (mm_features), in
-# message order; used to number items the way the consumer's request does.
-_EMBED_PART_TYPES = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
-# Request fields that change an item's identifier (processor kwargs, decoded media) or
-# its blob key (cache_salt): the encoder must see them to publish what the consumer
-# will look for.
-ENCODER_CARRIED_FIELDS = ("model", "cache_salt", "mm_processor_kwargs", "media_io_kwargs")
-
-_WARN_INTERVAL_S = 10.0
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -77,291 +51,6 @@ _HOP_BY_HOP = frozenset(
         "Transfer-Encoding", "Upgrade", "Content-Length", "Date", "Server",
     )
 )
-
-
-# --------------------------------------------------------------------------- config
-@dataclasses.dataclass(frozen=True)
-class ProxyConfig:
-    """Everything the proxy needs; validated on construction, URLs normalised.
-
-    ``encoder_urls`` may be empty (every request then goes straight to PD, which still
-    finds what the fleet already published when its ``lookup`` is ``always``).
-    Timeouts are seconds; ``total_timeout_s=None`` lets a PD answer (a long stream)
-    take as long as it takes.
-    """
-
-    encoder_urls: Sequence[str]
-    pd_urls: Sequence[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    # TCP connect to any upstream.
-    connect_timeout_s: float = 5.0
-    # Whole encoder request, connect included; past it the item is left to the consumer.
-    encode_timeout_s: float = 30.0
-    # Whole PD exchange including the streamed body; None: no limit.
-    total_timeout_s: float | None = None
-    # Each upstream's /health probe of GET /health.
-    health_timeout_s: float = 2.0
-    # Idle upstream connections are dropped after this; keep it below the upstream's own
-    # keep-alive (uvicorn's default is 5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) so a
-    # request is never written onto a connection the server is closing.
-    keepalive_timeout_s: float = 4.0
-    # Connection pool bound per upstream instance (requests beyond it queue in the proxy).
-    max_connections_per_upstream: int = 256
-    # An upstream that refused a connection is skipped for this long.
-    down_cooldown_s: float = 5.0
-    # Keep the media in the forwarded request (so the consumer can encode locally). False
-    # drops the media of items an encoder published *and* that carry a client ``uuid``
-    # (the only parts vLLM accepts without data); the PD then needs them in its processor
-    # cache, else it answers an error, which is passed through.
-    forward_media: bool = True
-    # Forward the client's Authorization header upstream (unless upstream_api_key is set).
-    pass_authorization: bool = True
-    # Bearer token sent to every upstream instead of the client's (vLLM --api-key).
-    upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
-    # Bearer token clients must present on /v1/* (None: no check).
-    api_key: str | None = dataclasses.field(default=None, repr=False)
-    # Largest request body accepted (base64 media is big); larger ones get 413.
-    max_body_bytes: int = 64 * 1024 * 1024
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
-        object.__setattr__(self, "pd_urls", _normalise_urls(self.pd_urls, "pd_urls"))
-        if not self.pd_urls:
-            raise ValueError("pd_urls: at least one prefill/decode URL is required")
-        if not 0 <= int(self.port) <= 65535:
-            raise ValueError(f"port: {self.port!r} is not a TCP port")
-        for name in ("connect_timeout_s", "encode_timeout_s", "health_timeout_s", "keepalive_timeout_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"{name}: must be > 0")
-        if self.total_timeout_s is not None and not self.total_timeout_s > 0:
-            raise ValueError("total_timeout_s: must be > 0 or None")
-        if self.down_cooldown_s < 0:
-            raise ValueError("down_cooldown_s: must be >= 0")
-        if self.max_connections_per_upstream < 1:
-            raise ValueError("max_connections_per_upstream: must be >= 1")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes: must be >= 1024")
-
-
-def _normalise_urls(urls: Iterable[str] | str, name: str) -> tuple[str, ...]:
-    if isinstance(urls, str):
-        urls = [urls]
-    out: list[str] = []
-    for raw in urls:
-        for url in str(raw).split(","):
-            url = url.strip().rstrip("/")
-            if not url:
-                continue
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.netloc:
-                raise ValueError(f"{name}: {url!r} is not an http(s)://host:port URL")
-            if url not in out:
-                out.append(url)
-    return tuple(out)
-
-
-# --------------------------------------------------------------------------- metrics
-class _Metrics:
-    """Counters and gauges rendered as Prometheus text; single-threaded (one loop)."""
-
-    _HELP: ClassVar[dict[str, tuple[str, str]]] = {
-        "ec_s3_proxy_requests_total": ("counter", "Chat requests received, by whether they held media."),
-        "ec_s3_proxy_mm_items_total": ("counter", "Media items seen in chat requests."),
-        "ec_s3_proxy_items_without_params_total": ("counter", "Media items forwarded without encoder params."),
-        "ec_s3_proxy_encoder_requests_total": ("counter", "Encoder requests by upstream and outcome."),
-        "ec_s3_proxy_encoder_seconds_total": ("counter", "Time spent in encoder requests."),
-        "ec_s3_proxy_pd_responses_total": ("counter", "PD answers relayed, by upstream and HTTP status."),
-        "ec_s3_proxy_pd_failures_total": ("counter", "PD exchanges that failed below HTTP, by reason."),
-        "ec_s3_proxy_client_disconnects_total": ("counter", "Clients gone before their answer was relayed."),
-        "ec_s3_proxy_in_flight": ("gauge", "Requests outstanding per upstream."),
-        "ec_s3_proxy_upstream_up": ("gauge", "0 while an upstream is skipped after refusing a connection."),
-    }
-
-    def __init__(self) -> None:
-        self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        key = (name, tuple(sorted(labels.items())))
-        self._values[key] = self._values.get(key, 0.0) + value
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        self._values[(name, tuple(sorted(labels.items())))] = value
-
-    def get(self, name: str, **labels: str) -> float:
-        """Sum of every series of ``name`` whose labels include ``labels``."""
-        want = set(labels.items())
-        return sum(v for (n, ls), v in self._values.items() if n == name and want <= set(ls))
-
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, (kind, doc) in self._HELP.items():
-            series = sorted((ls, v) for (n, ls), v in self._values.items() if n == name)
-            lines.append(f"# HELP {name} {doc}")
-            lines.append(f"# TYPE {name} {kind}")
-            for ls, v in series:
-                label_text = ",".join(f'{k}="{_escape_label(val)}"' for k, val in ls)
-                lines.append(f"{name}{{{label_text}}} {v:g}" if label_text else f"{name} {v:g}")
-        return "\n".join(lines) + "\n"
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-class _Warner:
-    """One warning per (upstream, kind) per interval, with the count it held back: a dead
-    encoder under load must not flood the log."""
-
-    def __init__(self, interval_s: float = _WARN_INTERVAL_S) -> None:
-        self._interval = interval_s
-        self._state: dict[tuple[str, str], tuple[float, int]] = {}
-
-    def warn(self, key: tuple[str, str], msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last, held = self._state.get(key, (float("-inf"), 0))
-        if now - last < self._interval:
-            self._state[key] = (last, held + 1)
-            return
-        self._state[key] = (now, 0)
-        if held:
-            msg += " (%d similar suppressed)"
-            args = (*args, held)
-        logger.warning(msg, *args)
-
-
-# --------------------------------------------------------------------------- upstreams
-class _Upstream:
-    """One encoder or PD instance with its load and its refuse-to-connect cooldown."""
-
-    __slots__ = ("down_until", "in_flight", "role", "url")
-
-    def __init__(self, role: str, url: str) -> None:
-        self.role = role
-        self.url = url
-        self.in_flight = 0
-        self.down_until = 0.0
-
-    def up(self, now: float) -> bool:
-        return now >= self.down_until
-
-
-class _Pool:
-    """Least-outstanding-requests choice with round-robin among ties, skipping instances
-    in cooldown; the pick is counted at once so that the items of one request, picked
-    back to back, land on different instances."""
-
-    def __init__(self, role: str, urls: Sequence[str], metrics: _Metrics, cooldown_s: float) -> None:
-        self.role = role
-        self.members = [_Upstream(role, u) for u in urls]
-        self._metrics = metrics
-        self._cooldown_s = cooldown_s
-        self._rr = itertools.count()
-        for m in self.members:
-            metrics.set("ec_s3_proxy_in_flight", 0, role=role, upstream=m.url)
-            metrics.set("ec_s3_proxy_upstream_up", 1, role=role, upstream=m.url)
-
-    def acquire(self, exclude: Iterable[_Upstream] = (), *, allow_down: bool = False) -> _Upstream | None:
-        excluded = set(map(id, exclude))
-        now = time.monotonic()
-        candidates = [m for m in self.members if id(m) not in excluded and m.up(now)]
-        if not candidates and allow_down:
-            candidates = [m for m in self.members if id(m) not in excluded]
-        if not candidates:
-            return None
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        chosen = min(rotated, key=lambda m: m.in_flight)
-        chosen.in_flight += 1
-        self._metrics.set("ec_s3_proxy_in_flight", chosen.in_flight, role=self.role, upstream=chosen.url)
-        return chosen
-
-    def release(self, member: _Upstream) -> None:
-        member.in_flight -= 1
-        self._metrics.set("ec_s3_proxy_in_flight", member.in_flight, role=self.role, upstream=member.url)
-
-    def mark_down(self, member: _Upstream) -> None:
-        member.down_until = time.monotonic() + self._cooldown_s
-        self._metrics.set("ec_s3_proxy_upstream_up", 0, role=self.role, upstream=member.url)
-
-    def mark_up(self, member: _Upstream) -> None:
-        if member.down_until:
-            member.down_until = 0.0
-            self._metrics.set("ec_s3_proxy_upstream_up", 1, role=self.role, upstream=member.url)
-
-
-# --------------------------------------------------------------------------- items
-@dataclasses.dataclass
-class _Item:
-    """One distinct media part of a request and where it occurs among its mm items."""
-
-    part: dict[str, Any]
-    indices: list[int]
-
-
-def find_media_items(body: dict[str, Any]) -> list[_Item]:
-    """The distinct media parts of ``messages`` (identical parts once, with every index).
-
-    Indices number all multimodal parts (embeddings included) in message order, which
-    is how the consumer numbers its ``mm_features``; they replace the encoder's
-    ``item_indices`` (always 0: it saw one item). Parts whose media is null (a ``uuid``
-    reference to the PD's processor cache) are not sent to encoders: nothing to encode.
-    """
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return []
-    by_key: dict[str, _Item] = {}
-    index = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, dict):
-                continue
-            media_key = _media_key(part)
-            if media_key is None:
-                if part.get("type") in _EMBED_PART_TYPES:
-                    index += 1
-                continue
-            if part.get(media_key) not in (None, "", {}):
-                key = json.dumps(part, sort_keys=True, separators=(",", ":"))
-                item = by_key.get(key)
-                if item is None:
-                    by_key[key] = _Item(part, [index])
-                else:
-                    item.indices.append(index)
-            index += 1
-    return list(by_key.values())
-
-
-def _media_key(part: dict[str, Any]) -> str | None:
-    """The field holding a part's media, as vLLM's parser finds it (``type``, or for
-    untyped / uuid-carrying parts the first media field present), else None."""
-    part_type = part.get("type")
-    if isinstance(part_type, str) and part_type in MEDIA_PART_KEYS and part.get("uuid") is None:
-        return MEDIA_PART_KEYS[part_type]
-    if part_type is None or part.get("uuid") is not None:
-        for key in ("image_url", "image_pil", "audio_url", "input_audio", "video_url"):
-            if key in part:
-                return key
-    return None
-
-
-def merge_params(results: Sequence[tuple[_Item, dict[str, Any] | None]]) -> dict[str, Any]:
-    """Union of the encoders' ``ec_transfer_params`` (keyed by identifier); an identifier
-    answered twice keeps the first entry with the union of item indices."""
-    merged: dict[str, Any] = {}
-    for item, params in results:
-        for ident, entry in (params or {}).items():
-            if isinstance(entry, dict) and "item_indices" in entry:
-                entry = {**entry, "item_indices": list(item.indices)}
-            if ident not in merged:
-                merged[ident] = entry
-            elif isinstance(merged[ident], dict) and isinstance(entry, dict) and "item_indices" in entry:
-                seen = merged[ident].setdefault("item_indices", [])
-                seen.extend(i for i in entry["item_indices"] if i not in seen)
-    return merged
 
 
 # --------------------------------------------------------------------------- proxy
@@ -376,15 +65,15 @@ class EPDProxy:
         await proxy.stop()
 
     or ``async with EPDProxy(config) as proxy: ...``; from synchronous code use
-    :class:`ProxyThread`; from another process run ``python -m ec_s3.proxy.server`` (``main``).
+    :class:`ProxyThread`; from another process run ``python -m ec_s3.proxy`` (``main``).
     """
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.metrics = _Metrics()
-        self.encoders = _Pool("encoder", config.encoder_urls, self.metrics, config.down_cooldown_s)
-        self.pds = _Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s)
-        self._warner = _Warner()
+        self.metrics = ProxyMetrics()
+        self.encoders = Pool("encoder", config.encoder_urls, self.metrics, config.down_cooldown_s)
+        self.pds = Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s)
+        self._warner = Warner()
         self._encoder_session: aiohttp.ClientSession | None = None
         self._pd_session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -516,7 +205,7 @@ class EPDProxy:
             if missing:
                 self.metrics.inc("ec_s3_proxy_items_without_params_total", missing)
             if not self.config.forward_media:
-                body = _strip_published_media(body, results)
+                body = strip_published_media(body, results)
             logger.debug(
                 "ec-s3 proxy: request %s: %d media item(s), %d published by encoders",
                 request_id, len(items), len(items) - missing,
@@ -530,21 +219,14 @@ class EPDProxy:
         return await self._forward_to_pd(request, data, headers, stream=stream)
 
     async def _encode_all(
-        self, body: dict[str, Any], items: list[_Item], headers: dict[str, str], request_id: str
-    ) -> list[tuple[_Item, dict[str, Any] | None]]:
+        self, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str], request_id: str
+    ) -> list[tuple[MediaItem, dict[str, Any] | None]]:
         """One encoder request per distinct item, all in parallel; never raises for an
         encoder's sake (an item without params is encoded by the consumer)."""
-        carried = {k: body[k] for k in ENCODER_CARRIED_FIELDS if k in body}
         tasks = []
         for n, item in enumerate(items):
-            enc_body = {
-                **carried,
-                "messages": [{"role": "user", "content": [item.part]}],
-                "max_tokens": 1,
-                "stream": False,
-            }
             enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}"}
-            tasks.append(self._encode_one(enc_body, enc_headers, request_id))
+            tasks.append(self._encode_one(encoder_body(body, item), enc_headers, request_id))
         # Every task picks its encoder before its first await, all in this tick, so the
         # picks see each other's load and the items spread over the encoders.
         outcomes = await asyncio.gather(*tasks)
@@ -607,7 +289,7 @@ class EPDProxy:
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
         send_headers = {**headers, "Content-Type": "application/json"}
-        tried: list[_Upstream] = []
+        tried: list[Upstream] = []
         last_error = ""
         while True:
             upstream = self.pds.acquire(tried, allow_down=True)
@@ -743,31 +425,6 @@ class EPDProxy:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def _strip_published_media(
-    body: dict[str, Any], results: Sequence[tuple[_Item, dict[str, Any] | None]]
-) -> dict[str, Any]:
-    """``forward_media=False``: null the media of parts that an encoder published and that
-    carry a ``uuid`` (vLLM's form for a part without data); every other part is kept."""
-    # Identical parts were merged into one item: match parts by value.
-    published = [item.part for item, params in results if params and item.part.get("uuid") is not None]
-    if not published:
-        return body
-    messages = []
-    for message in body["messages"]:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            messages.append(message)
-            continue
-        new_content = []
-        for part in content:
-            key = _media_key(part) if isinstance(part, dict) else None
-            if key is not None and part in published:
-                part = {**part, key: None}
-            new_content.append(part)
-        messages.append({**message, "content": new_content})
-    return {**body, "messages": messages}
-
-
 def _error(status: int, message: str, kind: str) -> web.Response:
     """An OpenAI-style error body, as vLLM answers its own errors."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
@@ -825,119 +482,3 @@ class ProxyThread:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# --------------------------------------------------------------------------- CLI
-class _Defaults:
-    """ProxyConfig's field defaults by attribute, for the help texts."""
-
-    def __getattr__(self, name: str) -> Any:
-        return {f.name: f.default for f in dataclasses.fields(ProxyConfig)}[name]
-
-
-def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
-    d = _Defaults()
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=(
-            "OpenAI-compatible EPD proxy: sends each media item of a chat request to an encoder "
-            "(ec_producer), then the request plus the encoders' ec_transfer_params to a "
-            "prefill/decode instance (ec_consumer). Encoder failures never fail a request."
-        ),
-    )
-    p.add_argument("--encoder-url", "--encode-servers-urls", dest="encoder_urls", action="append", default=[],
-                   metavar="URL", help="encoder instance base URL; repeat or comma-separate (none: all go to PD)")
-    p.add_argument("--pd-url", "--prefill-decode-servers-urls", dest="pd_urls", action="append", default=[],
-                   metavar="URL", required=True, help="prefill/decode instance base URL; repeat or comma-separate")
-    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
-    p.add_argument("--port", type=int, default=d.port, help=f"port to bind, 0 for any (default {d.port})")
-    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S",
-                   help=f"TCP connect timeout to upstreams (default {d.connect_timeout_s:g})")
-    p.add_argument("--encode-timeout", type=float, default=d.encode_timeout_s, metavar="S",
-                   help=f"whole encoder request; past it the item is encoded by PD (default {d.encode_timeout_s:g})")
-    p.add_argument("--total-timeout", type=float, default=0.0, metavar="S",
-                   help="whole PD exchange including a stream; 0 = no limit (default 0)")
-    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S",
-                   help=f"per-upstream /health probe (default {d.health_timeout_s:g})")
-    p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, metavar="S",
-                   help="drop idle upstream connections after this; keep below the upstreams' keep-alive "
-                        f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5) (default {d.keepalive_timeout_s:g})")
-    p.add_argument("--max-connections-per-upstream", type=int, default=d.max_connections_per_upstream, metavar="N",
-                   help=f"connection pool bound per upstream instance (default {d.max_connections_per_upstream})")
-    p.add_argument("--down-cooldown", type=float, default=d.down_cooldown_s, metavar="S",
-                   help=f"skip an upstream this long after it refused a connection (default {d.down_cooldown_s:g})")
-    p.add_argument("--no-forward-media", dest="forward_media", action="store_false",
-                   help="null the media of uuid-carrying items an encoder published (PD must have them cached)")
-    p.add_argument("--api-key", default=os.environ.get("EC_S3_PROXY_API_KEY"),
-                   help="bearer token clients must send (default $EC_S3_PROXY_API_KEY; unset: none)")
-    p.add_argument("--upstream-api-key", default=os.environ.get("EC_S3_PROXY_UPSTREAM_API_KEY"),
-                   help="bearer token sent upstream instead of the client's (default $EC_S3_PROXY_UPSTREAM_API_KEY)")
-    p.add_argument("--no-pass-authorization", dest="pass_authorization", action="store_false",
-                   help="do not forward the client's Authorization header upstream")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N",
-                   help=f"largest request body accepted (default {d.max_body_bytes})")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    return ProxyConfig(
-        encoder_urls=args.encoder_urls,
-        pd_urls=args.pd_urls,
-        host=args.host,
-        port=args.port,
-        connect_timeout_s=args.connect_timeout,
-        encode_timeout_s=args.encode_timeout,
-        total_timeout_s=args.total_timeout or None,
-        health_timeout_s=args.health_timeout,
-        keepalive_timeout_s=args.keepalive_timeout,
-        max_connections_per_upstream=args.max_connections_per_upstream,
-        down_cooldown_s=args.down_cooldown,
-        forward_media=args.forward_media,
-        pass_authorization=args.pass_authorization,
-        upstream_api_key=args.upstream_api_key or None,
-        api_key=args.api_key or None,
-        max_body_bytes=args.max_body_bytes,
-    )
-
-
-async def _serve(config: ProxyConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    proxy = EPDProxy(config)
-    await proxy.start()
-    try:
-        await stop.wait()
-    finally:
-        logger.info("ec-s3 proxy: shutting down")
-        await proxy.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``ec-s3 proxy`` / ``python -m ec_s3.proxy.server``: serve until SIGINT or SIGTERM."""
-    parser = build_parser()
-    try:
-        args = parser.parse_args(argv)
-        config = config_from_args(args)
-    except SystemExit as exc:  # --help (0) and usage errors (2)
-        return exc.code if isinstance(exc.code, int) else 2
-    except ValueError as exc:
-        parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logger.setLevel(args.log_level)
-    try:
-        asyncio.run(_serve(config))
-    except OSError as exc:  # e.g. the port is taken
-        logger.error("ec-s3 proxy: cannot serve on %s:%s: %s", config.host, config.port, exc)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
