@@ -22,7 +22,8 @@ class ProxyConfig:
     ``encoder_urls`` may be empty (every request then goes straight to PD, which still
     finds what the fleet already published when its ``lookup`` is ``always``).
     Timeouts are seconds; ``total_timeout_s=None`` lets a PD answer (a long stream)
-    take as long as it takes. Keys (``api_key``, ``upstream_api_key``) never show in a repr.
+    take as long as it takes. Keys (``api_key``, ``upstream_api_key``) never show in a
+    repr.
     """
 
     encoder_urls: Sequence[str]
@@ -50,14 +51,26 @@ class ProxyConfig:
     # (the only parts vLLM accepts without data); the PD then needs them in its processor
     # cache, else it answers an error, which is passed through.
     forward_media: bool = True
-    # Forward the client's Authorization header upstream (unless upstream_api_key is set).
+    # Merge the encoders' ec_transfer_params into the forwarded request. False behaves
+    # like vLLM's example proxy (encoders still run, PD gets the client's request only):
+    # consumers then need `lookup: always` and never wait for an upload in flight.
+    forward_params: bool = True
+    # Forward the client's Authorization header upstream, only when the proxy does not
+    # check one itself (api_key unset) and upstream_api_key is unset. A key the proxy
+    # checks is the proxy's, and never leaves it.
     pass_authorization: bool = True
-    # Bearer token sent to every upstream instead of the client's (vLLM --api-key).
+    # Bearer token sent to every upstream (vLLM --api-key); it replaces the client's.
     upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
     # Bearer token clients must present on /v1/* (None: no check).
     api_key: str | None = dataclasses.field(default=None, repr=False)
     # Largest request body accepted (base64 media is big); larger ones get 413.
     max_body_bytes: int = 64 * 1024 * 1024
+    # Media parts one chat request may hold: each distinct one costs an encoder request,
+    # so this bounds the fan-out of a single client request. More: 400.
+    max_items_per_request: int = 64
+    # Chat requests handled at once (from arrival to the end of the relayed answer);
+    # beyond it a request is answered 503 with Retry-After before its body is read.
+    max_in_flight: int = 1024
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
@@ -77,6 +90,15 @@ class ProxyConfig:
             raise ValueError("max_connections_per_upstream: must be >= 1")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes: must be >= 1024")
+        if self.max_items_per_request < 1:
+            raise ValueError("max_items_per_request: must be >= 1")
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight: must be >= 1")
+        for name in ("api_key", "upstream_api_key"):
+            key = getattr(self, name)
+            # An empty key would silently mean "no check"; a newline would split headers.
+            if key is not None and (not key or any(c in key for c in "\r\n")):
+                raise ValueError(f"{name}: must be a non-empty single line")
 
 
 def _normalise_urls(urls: Iterable[str] | str, name: str) -> tuple[str, ...]:
@@ -91,6 +113,12 @@ def _normalise_urls(urls: Iterable[str] | str, name: str) -> tuple[str, ...]:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ValueError(f"{name}: {url!r} is not an http(s)://host:port URL")
+            if parts.username is not None or parts.password is not None:
+                # URLs are logged and labelled in metrics; credentials must not ride in them.
+                raise ValueError(
+                    f"{name}: a URL must not carry credentials; pass the upstreams' key with "
+                    "--upstream-api-key-file or $EC_S3_PROXY_UPSTREAM_API_KEY"
+                )
             if url not in out:
                 out.append(url)
     return tuple(out)

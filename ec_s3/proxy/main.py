@@ -23,6 +23,9 @@ from ec_s3.proxy.server import EPDProxy
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
+_API_KEY_ENV = "EC_S3_PROXY_API_KEY"
+_UPSTREAM_API_KEY_ENV = "EC_S3_PROXY_UPSTREAM_API_KEY"
+
 
 class _Defaults:
     """ProxyConfig's field defaults by attribute, for the help texts."""
@@ -64,14 +67,30 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help=f"skip an upstream this long after it refused a connection (default {d.down_cooldown_s:g})")
     p.add_argument("--no-forward-media", dest="forward_media", action="store_false",
                    help="null the media of uuid-carrying items an encoder published (PD must have them cached)")
-    p.add_argument("--api-key", default=os.environ.get("EC_S3_PROXY_API_KEY"),
-                   help="bearer token clients must send (default $EC_S3_PROXY_API_KEY; unset: none)")
-    p.add_argument("--upstream-api-key", default=os.environ.get("EC_S3_PROXY_UPSTREAM_API_KEY"),
-                   help="bearer token sent upstream instead of the client's (default $EC_S3_PROXY_UPSTREAM_API_KEY)")
+    p.add_argument("--no-forward-params", dest="forward_params", action="store_false",
+                   help="still send media to encoders but forward no ec_transfer_params to prefill/decode, "
+                        "like vLLM's example proxy (consumers then need lookup: always; see docs/proxy.md)")
+    keys = p.add_argument_group(
+        "keys", "prefer the files or the environment: a key given as a flag shows in every process listing"
+    )
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help=f"file holding the bearer token clients must send (else ${_API_KEY_ENV}; unset: none)")
+    keys.add_argument("--upstream-api-key-file", metavar="PATH",
+                      help="file holding the bearer token sent to every upstream (vLLM --api-key) "
+                           f"(else ${_UPSTREAM_API_KEY_ENV}); without one, upstreams get no key when "
+                           "the proxy checks its own")
+    keys.add_argument("--api-key", help=argparse.SUPPRESS)  # kept working; main() warns
+    keys.add_argument("--upstream-api-key", help=argparse.SUPPRESS)
     p.add_argument("--no-pass-authorization", dest="pass_authorization", action="store_false",
-                   help="do not forward the client's Authorization header upstream")
+                   help="do not forward the client's Authorization header upstream (never forwarded when the "
+                        "proxy checks a key of its own)")
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N",
                    help=f"largest request body accepted (default {d.max_body_bytes})")
+    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request, metavar="N",
+                   help="media parts one request may hold, each an encoder request; more is a 400 "
+                        f"(default {d.max_items_per_request})")
+    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, metavar="N",
+                   help=f"chat requests handled at once; more get 503 + Retry-After (default {d.max_in_flight})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -90,11 +109,27 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_connections_per_upstream=args.max_connections_per_upstream,
         down_cooldown_s=args.down_cooldown,
         forward_media=args.forward_media,
+        forward_params=args.forward_params,
         pass_authorization=args.pass_authorization,
-        upstream_api_key=args.upstream_api_key or None,
-        api_key=args.api_key or None,
+        upstream_api_key=_key(args.upstream_api_key, args.upstream_api_key_file, _UPSTREAM_API_KEY_ENV,
+                              "upstream_api_key"),
+        api_key=_key(args.api_key, args.api_key_file, _API_KEY_ENV, "api_key"),
         max_body_bytes=args.max_body_bytes,
+        max_items_per_request=args.max_items_per_request,
+        max_in_flight=args.max_in_flight,
     )
+
+
+def _key(flag: str | None, path: str | None, env: str, name: str) -> str | None:
+    """A key from its file, else its flag, else its environment variable (empty: none).
+    A file that is empty yields "" so that the config refuses it: asked for, not found."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    return flag or os.environ.get(env) or None
 
 
 async def _serve(config: ProxyConfig) -> None:
@@ -127,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.setLevel(args.log_level)
+    for flag, value in (("--api-key", args.api_key), ("--upstream-api-key", args.upstream_api_key)):
+        if value:
+            logger.warning(
+                "ec-s3 proxy: %s on the command line is visible to every user of this host (ps, /proc); "
+                "use %s-file or $%s instead", flag, flag,
+                _API_KEY_ENV if flag == "--api-key" else _UPSTREAM_API_KEY_ENV,
+            )
     try:
         asyncio.run(_serve(config))
     except OSError as exc:  # e.g. the port is taken

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
-    "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "MediaItem",
-    "encoder_body", "find_media_items", "merge_params", "strip_published_media",
+    "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
+    "dump_body", "encoder_body", "find_media_items", "merge_params", "parse_body", "strip_published_media",
 ]
 
 # Content-part types whose media an encoder turns into an encoder output. Embeddings
@@ -39,6 +39,47 @@ _EMBED_PART_TYPES = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
 ENCODER_CARRIED_FIELDS = ("model", "cache_salt", "mm_processor_kwargs", "media_io_kwargs")
 
 
+class BodyError(ValueError):
+    """A request body the proxy refuses to handle (the client's fault: a 4xx)."""
+
+
+class TooDeeplyNested(BodyError):
+    """JSON nested deeper than Python's parser or serializer can recurse."""
+
+    def __init__(self) -> None:
+        super().__init__("request JSON is nested too deeply")
+
+
+class TooManyItems(BodyError):
+    """More media parts than ``max_items_per_request``: each would cost an encoder request."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"request has {count} media items; this server accepts at most {limit} per request")
+        self.count = count
+        self.limit = limit
+
+
+def parse_body(raw: bytes) -> dict[str, Any] | None:
+    """The request as a JSON object, or None when it is not one (not JSON, not an
+    object: the PD answers those with its own error). Raises :class:`TooDeeplyNested`."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise TooDeeplyNested() from None
+    except ValueError:  # not JSON, not UTF-8, an integer beyond Python's digit limit
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def dump_body(body: dict[str, Any]) -> bytes:
+    """Compact JSON bytes of a parsed request (or a part of one); raises
+    :class:`TooDeeplyNested` where the parser's depth was just within reach."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:
+        raise TooDeeplyNested() from None
+
+
 @dataclasses.dataclass
 class MediaItem:
     """One distinct media part of a request and where it occurs among its mm items."""
@@ -47,19 +88,24 @@ class MediaItem:
     indices: list[int]
 
 
-def find_media_items(body: dict[str, Any]) -> list[MediaItem]:
+def find_media_items(body: dict[str, Any], limit: int | None = None) -> list[MediaItem]:
     """The distinct media parts of ``messages`` (identical parts once, with every index).
 
     Indices number all multimodal parts (embeddings included) in message order, which
     is how the consumer numbers its ``mm_features``; they replace the encoder's
     ``item_indices`` (always 0: it saw one item). Parts whose media is null (a ``uuid``
     reference to the PD's processor cache) are not sent to encoders: nothing to encode.
+
+    More than ``limit`` parts to encode (repeats included: the consumer sees each one)
+    raises :class:`TooManyItems`; past the limit parts are only counted, so a hostile
+    list of thousands costs a scan, not thousands of copies.
     """
     messages = body.get("messages")
     if not isinstance(messages, list):
         return []
     by_key: dict[str, MediaItem] = {}
     index = 0
+    count = 0
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
@@ -69,18 +115,29 @@ def find_media_items(body: dict[str, Any]) -> list[MediaItem]:
                 continue
             media_key = _media_key(part)
             if media_key is None:
-                if part.get("type") in _EMBED_PART_TYPES:
+                part_type = part.get("type")  # any JSON value: a list is unhashable
+                if isinstance(part_type, str) and part_type in _EMBED_PART_TYPES:
                     index += 1
                 continue
             if part.get(media_key) not in (None, "", {}):
-                key = json.dumps(part, sort_keys=True, separators=(",", ":"))
-                item = by_key.get(key)
-                if item is None:
-                    by_key[key] = MediaItem(part, [index])
-                else:
-                    item.indices.append(index)
+                count += 1
+                if limit is None or count <= limit:
+                    item = by_key.get(key := _dedupe_key(part))
+                    if item is None:
+                        by_key[key] = MediaItem(part, [index])
+                    else:
+                        item.indices.append(index)
             index += 1
+    if limit is not None and count > limit:
+        raise TooManyItems(count, limit)
     return list(by_key.values())
+
+
+def _dedupe_key(part: dict[str, Any]) -> str:
+    try:
+        return json.dumps(part, sort_keys=True, separators=(",", ":"))
+    except RecursionError:
+        raise TooDeeplyNested() from None
 
 
 def _media_key(part: dict[str, Any]) -> str | None:

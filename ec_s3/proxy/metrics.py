@@ -25,6 +25,9 @@ class ProxyMetrics:
         "ec_s3_proxy_pd_responses_total": ("counter", "PD answers relayed, by upstream and HTTP status."),
         "ec_s3_proxy_pd_failures_total": ("counter", "PD exchanges that failed below HTTP, by reason."),
         "ec_s3_proxy_client_disconnects_total": ("counter", "Clients gone before their answer was relayed."),
+        "ec_s3_proxy_rejected_total": ("counter", "Chat requests answered 4xx/503 by the proxy itself, by reason."),
+        "ec_s3_proxy_internal_errors_total": ("counter", "Requests that hit a bug in the proxy (answered 500)."),
+        "ec_s3_proxy_requests_in_flight": ("gauge", "Chat requests being handled (bounded by max_in_flight)."),
         "ec_s3_proxy_in_flight": ("gauge", "Requests outstanding per upstream."),
         "ec_s3_proxy_upstream_up": ("gauge", "0 while an upstream is skipped after refusing a connection."),
     }

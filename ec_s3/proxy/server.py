@@ -37,13 +37,26 @@ from aiohttp import web
 
 from ec_s3.log import logger
 from ec_s3.proxy.config import ProxyConfig
-from ec_s3.proxy.media import MediaItem, encoder_body, find_media_items, merge_params, strip_published_media
+from ec_s3.proxy.media import (
+    BodyError,
+    MediaItem,
+    TooManyItems,
+    dump_body,
+    encoder_body,
+    find_media_items,
+    merge_params,
+    parse_body,
+    strip_published_media,
+)
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.upstreams import Pool, Upstream, Warner
 
 # ProxyConfig is re-exported: callers build one and hand it to EPDProxy / ProxyThread.
 __all__ = ["PROXY_KEY", "EPDProxy", "ProxyConfig", "ProxyThread", "create_app"]
 
+# What a client is told when PD fails: the upstream's URL goes to the log only.
+_PD_UNAVAILABLE = "prefill/decode server unavailable"
+_PD_TIMEOUT = "prefill/decode server did not answer in time"
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -74,6 +87,9 @@ class EPDProxy:
         self.encoders = Pool("encoder", config.encoder_urls, self.metrics, config.down_cooldown_s)
         self.pds = Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s)
         self._warner = Warner()
+        # Chat requests between arrival and the end of their answer (max_in_flight).
+        self._chat_in_flight = 0
+        self.metrics.set("ec_s3_proxy_requests_in_flight", 0)
         self._encoder_session: aiohttp.ClientSession | None = None
         self._pd_session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -82,7 +98,7 @@ class EPDProxy:
 
     # ---------------------------------------------------------------- lifecycle
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[_json_errors])
         app[PROXY_KEY] = self
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -167,35 +183,71 @@ class EPDProxy:
         return hmac.compare_digest(got.encode(), f"Bearer {self.config.api_key}".encode())
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        """What upstreams are told: the request id and the upstreams' key. A client's
+        Authorization is passed on only when the proxy checks none itself: a key the
+        proxy checks is the proxy's, and never leaves it."""
+        cfg = self.config
         headers = {"X-Request-Id": request_id}
-        if self.config.upstream_api_key is not None:
-            headers["Authorization"] = f"Bearer {self.config.upstream_api_key}"
-        elif self.config.pass_authorization and "Authorization" in request.headers:
+        if cfg.upstream_api_key is not None:
+            headers["Authorization"] = f"Bearer {cfg.upstream_api_key}"
+        elif cfg.api_key is None and cfg.pass_authorization and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
+
+    def _reject(self, status: int, reason: str, message: str, kind: str, **headers: str) -> web.Response:
+        self.metrics.inc("ec_s3_proxy_rejected_total", reason=reason)
+        return _error(status, message, kind, headers)
 
     # ---------------------------------------------------------------- chat
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return _error(401, "invalid or missing API key", "AuthenticationError")
-        raw = await request.read()
+        limit = self.config.max_in_flight
+        if self._chat_in_flight >= limit:
+            # Refused before the body is read: an overloaded proxy spends nothing on it.
+            return self._reject(
+                503, "overloaded", f"the server is handling its limit of {limit} requests; retry shortly",
+                "ServiceUnavailable", **{"Retry-After": "1"},
+            )
+        self._chat_in_flight += 1
+        self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
+        try:
+            return await self._chat(request)
+        finally:
+            self._chat_in_flight -= 1
+            self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        cfg = self.config
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._reject(
+                413, "too_large", f"request body is larger than {cfg.max_body_bytes} bytes", "RequestEntityTooLarge"
+            )
         request_id = request.headers.get("X-Request-Id") or f"ecs3-{uuid.uuid4().hex}"
         headers = self._upstream_headers(request, request_id)
         try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        if not isinstance(body, dict):
-            # Not ours to judge: the PD answers a malformed request with its own error.
-            self.metrics.inc("ec_s3_proxy_requests_total", kind="unparsed")
-            return await self._forward_to_pd(request, raw, headers, stream=False)
+            body = parse_body(raw)
+            if body is None:
+                # Not ours to judge: the PD answers a malformed request with its own error.
+                self.metrics.inc("ec_s3_proxy_requests_total", kind="unparsed")
+                return await self._forward_to_pd(request, raw, headers, stream=False)
+            items = find_media_items(body, cfg.max_items_per_request)
+            stream = body.get("stream") is True
+            return await self._chat_with_items(request, raw, body, items, headers, stream=stream)
+        except TooManyItems as exc:
+            return self._reject(400, "too_many_items", str(exc), "BadRequestError")
+        except BodyError as exc:
+            return self._reject(400, "bad_body", str(exc), "BadRequestError")
 
-        items = find_media_items(body)
-        stream = body.get("stream") is True
+    async def _chat_with_items(
+        self, request: web.Request, raw: bytes, body: dict[str, Any], items: list[MediaItem],
+        headers: dict[str, str], *, stream: bool,
+    ) -> web.StreamResponse:
+        request_id = headers["X-Request-Id"]
         self.metrics.inc("ec_s3_proxy_requests_total", kind="multimodal" if items else "text")
-        if not items and "ec_transfer_params" not in body:
-            return await self._forward_to_pd(request, raw, headers, stream=stream)
-
+        original = body
         params: dict[str, Any] = {}
         if items:
             self.metrics.inc("ec_s3_proxy_mm_items_total", len(items))
@@ -210,31 +262,34 @@ class EPDProxy:
                 "ec-s3 proxy: request %s: %d media item(s), %d published by encoders",
                 request_id, len(items), len(items) - missing,
             )
+        if not self.config.forward_params:
+            params = {}  # vLLM's example-proxy contract: PD sees the client's request only
+        if not params and body is original and "ec_transfer_params" not in body:
+            return await self._forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
         forwarded = dict(body)
         # The proxy owns this field: a client-sent one is dropped, never trusted.
         forwarded.pop("ec_transfer_params", None)
         if params:
             forwarded["ec_transfer_params"] = params
-        data = json.dumps(forwarded, separators=(",", ":")).encode()
-        return await self._forward_to_pd(request, data, headers, stream=stream)
+        return await self._forward_to_pd(request, dump_body(forwarded), headers, stream=stream)
 
     async def _encode_all(
         self, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str], request_id: str
     ) -> list[tuple[MediaItem, dict[str, Any] | None]]:
         """One encoder request per distinct item, all in parallel; never raises for an
         encoder's sake (an item without params is encoded by the consumer)."""
+        # Serialised first, so a body too deep to serialise is refused before any POST.
+        payloads = [dump_body(encoder_body(body, item)) for item in items]
         tasks = []
-        for n, item in enumerate(items):
-            enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}"}
-            tasks.append(self._encode_one(encoder_body(body, item), enc_headers, request_id))
+        for n, payload in enumerate(payloads):
+            enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}", "Content-Type": "application/json"}
+            tasks.append(self._encode_one(payload, enc_headers, request_id))
         # Every task picks its encoder before its first await, all in this tick, so the
         # picks see each other's load and the items spread over the encoders.
         outcomes = await asyncio.gather(*tasks)
         return list(zip(items, outcomes, strict=True))
 
-    async def _encode_one(
-        self, body: dict[str, Any], headers: dict[str, str], request_id: str
-    ) -> dict[str, Any] | None:
+    async def _encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None:
         assert self._encoder_session is not None
         cfg = self.config
         upstream = self.encoders.acquire()
@@ -246,7 +301,7 @@ class EPDProxy:
         outcome, detail = "error", ""
         try:
             async with self._encoder_session.post(
-                f"{upstream.url}/v1/chat/completions", json=body, headers=headers, timeout=timeout
+                f"{upstream.url}/v1/chat/completions", data=payload, headers=headers, timeout=timeout
             ) as resp:
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:200]
@@ -265,8 +320,8 @@ class EPDProxy:
             outcome, detail = "unreachable", f"{exc.__class__.__name__}: {exc}"
         except asyncio.TimeoutError:
             outcome, detail = "timeout", f"no answer within encode_timeout_s={cfg.encode_timeout_s:g}"
-        except (aiohttp.ClientError, ValueError) as exc:
-            outcome, detail = "error", f"{exc.__class__.__name__}: {exc}"
+        except (aiohttp.ClientError, ValueError, RecursionError) as exc:  # RecursionError: a too-deep answer
+            outcome, detail = "error", f"{exc.__class__.__name__}: {str(exc)[:200]}"
         finally:
             self.encoders.release(upstream)
             self.metrics.inc("ec_s3_proxy_encoder_requests_total", upstream=upstream.url, outcome=outcome)
@@ -290,7 +345,6 @@ class EPDProxy:
         timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
         send_headers = {**headers, "Content-Type": "application/json"}
         tried: list[Upstream] = []
-        last_error = ""
         while True:
             upstream = self.pds.acquire(tried, allow_down=True)
             if upstream is None:
@@ -306,7 +360,6 @@ class EPDProxy:
                     # Nothing reached this instance: the next one may take the request.
                     self.pds.mark_down(upstream)
                     self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="unreachable")
-                    last_error = f"{upstream.url}: {exc}"
                     self._warner.warn(
                         (upstream.url, "unreachable"),
                         "ec-s3 proxy: prefill/decode %s unreachable: %s", upstream.url, exc,
@@ -319,18 +372,30 @@ class EPDProxy:
                 )
             except asyncio.TimeoutError:
                 self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="timeout")
-                return _error(504, f"prefill/decode {upstream.url} did not answer in time", "GatewayTimeout")
+                self._warner.warn(
+                    (upstream.url, "timeout"),
+                    "ec-s3 proxy: request %s: prefill/decode %s did not answer within total_timeout_s=%s",
+                    headers["X-Request-Id"], upstream.url, cfg.total_timeout_s,
+                )
+                return _error(504, _PD_TIMEOUT, "GatewayTimeout")
             except aiohttp.ClientError as exc:
                 self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="disconnected")
-                logger.warning(
-                    "ec-s3 proxy: prefill/decode %s failed: %s: %s", upstream.url, exc.__class__.__name__, exc
+                self._warner.warn(
+                    (upstream.url, "disconnected"),
+                    "ec-s3 proxy: request %s: prefill/decode %s failed: %s: %s",
+                    headers["X-Request-Id"], upstream.url, exc.__class__.__name__, exc,
                 )
-                return _error(502, f"prefill/decode {upstream.url} failed: {exc.__class__.__name__}", "BadGateway")
+                return _error(502, _PD_UNAVAILABLE, "BadGateway")
             finally:
                 self.pds.release(upstream)
                 if resp is not None:
                     resp.close()  # no-op once released; aborts the PD's work if we were cancelled
-        return _error(502, f"no prefill/decode instance reachable ({last_error})", "BadGateway")
+        self._warner.warn(
+            ("pd", "none_reachable"),
+            "ec-s3 proxy: request %s: no prefill/decode instance reachable (tried %s)",
+            headers["X-Request-Id"], ", ".join(u.url for u in tried) or "none",
+        )
+        return _error(502, _PD_UNAVAILABLE, "BadGateway")
 
     async def _relay(
         self, request: web.Request, resp: aiohttp.ClientResponse, upstream_url: str, request_id: str, *, stream: bool
@@ -425,10 +490,32 @@ class EPDProxy:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
     """An OpenAI-style error body, as vLLM answers its own errors."""
     body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.json_response(body, status=status)
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error the proxy itself answers is an OpenAI-style JSON body: aiohttp's own
+    (404, 405, ...) are converted, and a bug is a logged traceback plus a plain 500,
+    never a traceback to the client."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kept = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        return _error(exc.status, exc.reason, exc.__class__.__name__.removeprefix("HTTP"), kept)
+    except ConnectionResetError:  # the client left; nobody to answer
+        raise
+    except Exception:
+        proxy = request.app[PROXY_KEY]
+        proxy.metrics.inc("ec_s3_proxy_internal_errors_total")
+        logger.exception("ec-s3 proxy: %s %s failed inside the proxy (a bug; please report it)",
+                         request.method, request.path)
+        return _error(500, "internal proxy error", "InternalServerError")
 
 
 PROXY_KEY: web.AppKey[EPDProxy] = web.AppKey("ec_s3_proxy", EPDProxy)
