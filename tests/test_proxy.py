@@ -323,6 +323,7 @@ def test_non_streaming_request_gets_merged_params_and_keeps_media() -> None:
             assert enc_body["model"] == MODEL and enc_body["cache_salt"] == "salt-1"
             assert enc_body["mm_processor_kwargs"] == {"size": 56} and "temperature" not in enc_body
             assert r.encoders[0].headers[0]["X-Request-Id"] == "req-42-enc0"
+            assert r.encoders[0].headers[0]["Content-Type"] == "application/json"  # vLLM's server requires it
 
             (pd_body,) = r.pds[0].bodies
             assert without_params(pd_body) == request  # the original request, media kept

@@ -216,3 +216,42 @@ def test_keys_come_from_files_or_the_environment(tmp_path: Path, monkeypatch: py
         config_from_args(build_parser().parse_args(["--pd-url", "http://pd:1", "--api-key-file", str(empty)]))
     with pytest.raises(ValueError, match="credentials"):
         ProxyConfig(encoder_urls=["http://user:pw@enc:1"], pd_urls=["http://pd:1"])
+
+
+# --------------------------------------------------------------------------- units
+def test_item_cap_counts_every_part_to_encode_and_tolerates_any_json_type() -> None:
+    from ec_s3.proxy.media import TooManyItems, find_media_items
+
+    parts = [image(1), image(1), {"type": "image_embeds", "image_embeds": "AA"}, {"type": ["image_url"]},
+             {"type": {"x": 1}, "image_url": {"url": "u"}}, {"type": "image_url", "image_url": None, "uuid": "c"}]
+    body = {"messages": [{"role": "user", "content": parts}]}
+    items = find_media_items(body, limit=2)  # two parts to encode (one distinct), embeds and refs are free
+    assert [it.indices for it in items] == [[0, 1]]
+    with pytest.raises(TooManyItems) as err:
+        find_media_items({"messages": [{"content": [image(i) for i in range(5)]}]}, limit=3)
+    assert (err.value.count, err.value.limit) == (5, 3)
+    assert "at most 3" in str(err.value)
+
+
+def test_limit_flags_and_validation() -> None:
+    args = build_parser().parse_args(["--pd-url", "http://pd:1", "--max-items-per-request", "8", "--max-in-flight", "9"])
+    config = config_from_args(args)
+    assert (config.max_items_per_request, config.max_in_flight) == (8, 9)
+    for field_name in ("max_items_per_request", "max_in_flight"):
+        with pytest.raises(ValueError, match=field_name):
+            ProxyConfig(encoder_urls=[], pd_urls=["http://pd:1"], **{field_name: 0})
+    with pytest.raises(ValueError, match="upstream_api_key"):
+        ProxyConfig(encoder_urls=[], pd_urls=["http://pd:1"], upstream_api_key="a\r\nX-Evil: 1")
+
+
+def test_routes_the_proxy_does_not_serve_answer_json() -> None:
+    async def scenario() -> None:
+        async with rig() as r:
+            async with r.session.get(f"{r.url}/v1/chat/completions") as resp:
+                assert resp.status == 405 and "POST" in resp.headers["Allow"]
+                error_of(405, await resp.read())
+            async with r.session.get(f"{r.url}/nothing-here") as resp:
+                assert resp.status == 404
+                error_of(404, await resp.read())
+
+    run(scenario())

@@ -7,14 +7,17 @@ and forwards the original request plus those params to a prefill/decode instance
 (``ec_role: ec_consumer``), relaying its answer (SSE streams chunk by chunk).
 
 The flow follows vLLM's example proxy (``examples/online_serving/disaggregated_encoder/
-disagg_epd_proxy.py``) with three deliberate differences:
+disagg_epd_proxy.py``) with four deliberate differences:
 
 * an encoder that is down, slow or failing never fails the client's request: its items
   simply get no params and the consumer encodes them locally (the media stay in the
   forwarded request for exactly that reason);
 * the encoders' ``ec_transfer_params`` are merged into the forwarded request (vLLM's
   example discards them: its shared-storage connector does not need them);
-* upstream pools are bounded and every timeout is configurable.
+* upstream pools are bounded and every timeout is configurable;
+* what one client can cost is bounded (media items per request, requests in flight,
+  body size), and every error the proxy answers itself is an OpenAI-style JSON body
+  that names no upstream (the log does).
 
 Owns the HTTP side: handlers, sessions, sending, relaying, error answers, and
 :class:`ProxyThread`. It does not own reading or rewriting bodies (:mod:`.media`),
