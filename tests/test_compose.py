@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ec_s3.proxy.server import build_parser, config_from_args
+from ec_s3.proxy.main import build_parser, config_from_args
 
 COMPOSE_FILE = Path(__file__).resolve().parent.parent / "compose.yaml"
 VLLM_SERVICES = ("encoder", "pd")

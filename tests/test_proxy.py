@@ -26,17 +26,10 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from ec_s3.proxy.server import (
-    EPDProxy,
-    ProxyConfig,
-    ProxyThread,
-    build_parser,
-    config_from_args,
-    create_app,
-    find_media_items,
-    main,
-    merge_params,
-)
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.main import build_parser, config_from_args, main
+from ec_s3.proxy.media import find_media_items, merge_params
+from ec_s3.proxy.server import EPDProxy, ProxyThread, create_app
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -330,6 +323,7 @@ def test_non_streaming_request_gets_merged_params_and_keeps_media() -> None:
             assert enc_body["model"] == MODEL and enc_body["cache_salt"] == "salt-1"
             assert enc_body["mm_processor_kwargs"] == {"size": 56} and "temperature" not in enc_body
             assert r.encoders[0].headers[0]["X-Request-Id"] == "req-42-enc0"
+            assert r.encoders[0].headers[0]["Content-Type"] == "application/json"  # vLLM's server requires it
 
             (pd_body,) = r.pds[0].bodies
             assert without_params(pd_body) == request  # the original request, media kept
@@ -638,14 +632,18 @@ def test_api_keys() -> None:
             assert status == 401 and r.pds[0].bodies == []
             status, _, _ = await r.post(chat(image(1)), headers={"Authorization": "Bearer client-secret"})
             assert status == 200
-            assert r.pds[0].headers[0]["Authorization"] == "Bearer client-secret"
-            assert r.encoders[0].headers[0]["Authorization"] == "Bearer client-secret"
+            # The proxy's own key stays with the proxy (tests/test_proxy_limits.py has more).
+            assert "Authorization" not in r.pds[0].headers[0]
+            assert "Authorization" not in r.encoders[0].headers[0]
             async with r.session.get(f"{r.url}/health") as resp:  # probes stay open
                 assert resp.status == 200
         async with rig(upstream_api_key="vllm-key") as r:
             await r.post(chat(image(1)), headers={"Authorization": "Bearer client"})
             assert r.pds[0].headers[0]["Authorization"] == "Bearer vllm-key"
             assert r.encoders[0].headers[0]["Authorization"] == "Bearer vllm-key"
+        async with rig() as r:  # a proxy that checks no key passes the client's on
+            await r.post(chat(image(1)), headers={"Authorization": "Bearer for-vllm"})
+            assert r.pds[0].headers[0]["Authorization"] == "Bearer for-vllm"
         async with rig(pass_authorization=False) as r:
             await r.post(chat(image(1)), headers={"Authorization": "Bearer client"})
             assert "Authorization" not in r.pds[0].headers[0]

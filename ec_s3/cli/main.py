@@ -3,7 +3,7 @@
 Subcommands: ``check`` (prove a config works), ``stats`` (what the cache holds),
 ``gc`` (delete old blobs or install a lifecycle rule), ``inspect`` (validate one
 blob), ``bench`` (a quick transfer check), and ``proxy`` / ``demo`` (passed through to
-:mod:`ec_s3.proxy.server` / :mod:`ec_s3.demo.run`). The work is done in :mod:`ec_s3.cli.ops`; this
+:mod:`ec_s3.proxy.main` / :mod:`ec_s3.demo.run`). The work is done in :mod:`ec_s3.cli.ops`; this
 module parses arguments and prints. It never imports vLLM, and torch only for
 ``inspect``.
 """
@@ -27,7 +27,7 @@ __all__ = ["main"]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 _PASSTHROUGH = {
-    "proxy": ("ec_s3.proxy.server", "run the ec-s3 proxy (see `ec-s3 proxy --help`)"),
+    "proxy": ("ec_s3.proxy.main", "run the ec-s3 proxy (see `ec-s3 proxy --help`)"),
     "demo": ("ec_s3.demo.run", "run the ec-s3 demo (see `ec-s3 demo --help`)"),
 }
 

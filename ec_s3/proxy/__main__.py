@@ -1,7 +1,8 @@
-"""``python -m ec_s3.proxy``: the same as ``ec-s3 proxy`` (compose.yaml uses it)."""
+"""``python -m ec_s3.proxy``: the same as ``ec-s3 proxy`` (compose.yaml uses it); owns
+nothing but the hand-over to :func:`ec_s3.proxy.main.main`."""
 
 import sys
 
-from ec_s3.proxy.server import main
+from ec_s3.proxy.main import main
 
 sys.exit(main())

@@ -1,0 +1,124 @@
+"""The proxy's settings: :class:`ProxyConfig`, validated on construction.
+
+Owns every knob the proxy has, its default and its validation (URLs normalised, bounds
+checked), so a bad value fails at start-up with the field's name. It does not own
+parsing the command line or reading key files (:mod:`ec_s3.proxy.main`), nor anything
+that runs (:mod:`ec_s3.proxy.server`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from urllib.parse import urlsplit
+
+__all__ = ["ProxyConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProxyConfig:
+    """Everything the proxy needs; validated on construction, URLs normalised.
+
+    ``encoder_urls`` may be empty (every request then goes straight to PD, which still
+    finds what the fleet already published when its ``lookup`` is ``always``).
+    Timeouts are seconds; ``total_timeout_s=None`` lets a PD answer (a long stream)
+    take as long as it takes. Keys (``api_key``, ``upstream_api_key``) never show in a
+    repr.
+    """
+
+    encoder_urls: Sequence[str]
+    pd_urls: Sequence[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # TCP connect to any upstream.
+    connect_timeout_s: float = 5.0
+    # Whole encoder request, connect included; past it the item is left to the consumer.
+    encode_timeout_s: float = 30.0
+    # Whole PD exchange including the streamed body; None: no limit.
+    total_timeout_s: float | None = None
+    # Each upstream's /health probe of GET /health.
+    health_timeout_s: float = 2.0
+    # Idle upstream connections are dropped after this; keep it below the upstream's own
+    # keep-alive (uvicorn's default is 5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) so a
+    # request is never written onto a connection the server is closing.
+    keepalive_timeout_s: float = 4.0
+    # Connection pool bound per upstream instance (requests beyond it queue in the proxy).
+    max_connections_per_upstream: int = 256
+    # An upstream that refused a connection is skipped for this long.
+    down_cooldown_s: float = 5.0
+    # Keep the media in the forwarded request (so the consumer can encode locally). False
+    # drops the media of items an encoder published *and* that carry a client ``uuid``
+    # (the only parts vLLM accepts without data); the PD then needs them in its processor
+    # cache, else it answers an error, which is passed through.
+    forward_media: bool = True
+    # Merge the encoders' ec_transfer_params into the forwarded request. False behaves
+    # like vLLM's example proxy (encoders still run, PD gets the client's request only):
+    # consumers then need `lookup: always` and never wait for an upload in flight.
+    forward_params: bool = True
+    # Forward the client's Authorization header upstream, only when the proxy does not
+    # check one itself (api_key unset) and upstream_api_key is unset. A key the proxy
+    # checks is the proxy's, and never leaves it.
+    pass_authorization: bool = True
+    # Bearer token sent to every upstream (vLLM --api-key); it replaces the client's.
+    upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
+    # Bearer token clients must present on /v1/* (None: no check).
+    api_key: str | None = dataclasses.field(default=None, repr=False)
+    # Largest request body accepted (base64 media is big); larger ones get 413.
+    max_body_bytes: int = 64 * 1024 * 1024
+    # Media parts one chat request may hold: each distinct one costs an encoder request,
+    # so this bounds the fan-out of a single client request. More: 400.
+    max_items_per_request: int = 64
+    # Chat requests handled at once (from arrival to the end of the relayed answer);
+    # beyond it a request is answered 503 with Retry-After before its body is read.
+    max_in_flight: int = 1024
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
+        object.__setattr__(self, "pd_urls", _normalise_urls(self.pd_urls, "pd_urls"))
+        if not self.pd_urls:
+            raise ValueError("pd_urls: at least one prefill/decode URL is required")
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"port: {self.port!r} is not a TCP port")
+        for name in ("connect_timeout_s", "encode_timeout_s", "health_timeout_s", "keepalive_timeout_s"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"{name}: must be > 0")
+        if self.total_timeout_s is not None and not self.total_timeout_s > 0:
+            raise ValueError("total_timeout_s: must be > 0 or None")
+        if self.down_cooldown_s < 0:
+            raise ValueError("down_cooldown_s: must be >= 0")
+        if self.max_connections_per_upstream < 1:
+            raise ValueError("max_connections_per_upstream: must be >= 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes: must be >= 1024")
+        if self.max_items_per_request < 1:
+            raise ValueError("max_items_per_request: must be >= 1")
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight: must be >= 1")
+        for name in ("api_key", "upstream_api_key"):
+            key = getattr(self, name)
+            # An empty key would silently mean "no check"; a newline would split headers.
+            if key is not None and (not key or any(c in key for c in "\r\n")):
+                raise ValueError(f"{name}: must be a non-empty single line")
+
+
+def _normalise_urls(urls: Iterable[str] | str, name: str) -> tuple[str, ...]:
+    if isinstance(urls, str):
+        urls = [urls]
+    out: list[str] = []
+    for raw in urls:
+        for url in str(raw).split(","):
+            url = url.strip().rstrip("/")
+            if not url:
+                continue
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"{name}: {url!r} is not an http(s)://host:port URL")
+            if parts.username is not None or parts.password is not None:
+                # URLs are logged and labelled in metrics; credentials must not ride in them.
+                raise ValueError(
+                    f"{name}: a URL must not carry credentials; pass the upstreams' key with "
+                    "--upstream-api-key-file or $EC_S3_PROXY_UPSTREAM_API_KEY"
+                )
+            if url not in out:
+                out.append(url)
+    return tuple(out)

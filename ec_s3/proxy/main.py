@@ -1,0 +1,181 @@
+"""``ec-s3 proxy`` / ``python -m ec_s3.proxy``: the command line and the serve loop.
+
+Owns the flags (each maps to one :class:`~ec_s3.proxy.config.ProxyConfig` field), their
+defaults in the help text, and serving until SIGINT/SIGTERM. It does not own validation
+(the config does) nor anything the proxy does per request (:mod:`ec_s3.proxy.server`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from ec_s3.log import logger
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.server import EPDProxy
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+_API_KEY_ENV = "EC_S3_PROXY_API_KEY"
+_UPSTREAM_API_KEY_ENV = "EC_S3_PROXY_UPSTREAM_API_KEY"
+
+
+class _Defaults:
+    """ProxyConfig's field defaults by attribute, for the help texts."""
+
+    def __getattr__(self, name: str) -> Any:
+        return {f.name: f.default for f in dataclasses.fields(ProxyConfig)}[name]
+
+
+def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
+    d = _Defaults()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "OpenAI-compatible EPD proxy: sends each media item of a chat request to an encoder "
+            "(ec_producer), then the request plus the encoders' ec_transfer_params to a "
+            "prefill/decode instance (ec_consumer). Encoder failures never fail a request."
+        ),
+    )
+    p.add_argument("--encoder-url", "--encode-servers-urls", dest="encoder_urls", action="append", default=[],
+                   metavar="URL", help="encoder instance base URL; repeat or comma-separate (none: all go to PD)")
+    p.add_argument("--pd-url", "--prefill-decode-servers-urls", dest="pd_urls", action="append", default=[],
+                   metavar="URL", required=True, help="prefill/decode instance base URL; repeat or comma-separate")
+    p.add_argument("--host", default=d.host, help=f"address to bind (default {d.host})")
+    p.add_argument("--port", type=int, default=d.port, help=f"port to bind, 0 for any (default {d.port})")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout_s, metavar="S",
+                   help=f"TCP connect timeout to upstreams (default {d.connect_timeout_s:g})")
+    p.add_argument("--encode-timeout", type=float, default=d.encode_timeout_s, metavar="S",
+                   help=f"whole encoder request; past it the item is encoded by PD (default {d.encode_timeout_s:g})")
+    p.add_argument("--total-timeout", type=float, default=0.0, metavar="S",
+                   help="whole PD exchange including a stream; 0 = no limit (default 0)")
+    p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S",
+                   help=f"per-upstream /health probe (default {d.health_timeout_s:g})")
+    p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, metavar="S",
+                   help="drop idle upstream connections after this; keep below the upstreams' keep-alive "
+                        f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5) (default {d.keepalive_timeout_s:g})")
+    p.add_argument("--max-connections-per-upstream", type=int, default=d.max_connections_per_upstream, metavar="N",
+                   help=f"connection pool bound per upstream instance (default {d.max_connections_per_upstream})")
+    p.add_argument("--down-cooldown", type=float, default=d.down_cooldown_s, metavar="S",
+                   help=f"skip an upstream this long after it refused a connection (default {d.down_cooldown_s:g})")
+    p.add_argument("--no-forward-media", dest="forward_media", action="store_false",
+                   help="null the media of uuid-carrying items an encoder published (PD must have them cached)")
+    p.add_argument("--no-forward-params", dest="forward_params", action="store_false",
+                   help="still send media to encoders but forward no ec_transfer_params to prefill/decode, "
+                        "like vLLM's example proxy (consumers then need lookup: always; see docs/proxy.md)")
+    keys = p.add_argument_group(
+        "keys", "prefer the files or the environment: a key given as a flag shows in every process listing"
+    )
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help=f"file holding the bearer token clients must send (else ${_API_KEY_ENV}; unset: none)")
+    keys.add_argument("--upstream-api-key-file", metavar="PATH",
+                      help="file holding the bearer token sent to every upstream (vLLM --api-key) "
+                           f"(else ${_UPSTREAM_API_KEY_ENV}); without one, upstreams get no key when "
+                           "the proxy checks its own")
+    keys.add_argument("--api-key", help=argparse.SUPPRESS)  # kept working; main() warns
+    keys.add_argument("--upstream-api-key", help=argparse.SUPPRESS)
+    p.add_argument("--no-pass-authorization", dest="pass_authorization", action="store_false",
+                   help="do not forward the client's Authorization header upstream (never forwarded when the "
+                        "proxy checks a key of its own)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N",
+                   help=f"largest request body accepted (default {d.max_body_bytes})")
+    p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request, metavar="N",
+                   help="media parts one request may hold, each an encoder request; more is a 400 "
+                        f"(default {d.max_items_per_request})")
+    p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, metavar="N",
+                   help=f"chat requests handled at once; more get 503 + Retry-After (default {d.max_in_flight})")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(
+        encoder_urls=args.encoder_urls,
+        pd_urls=args.pd_urls,
+        host=args.host,
+        port=args.port,
+        connect_timeout_s=args.connect_timeout,
+        encode_timeout_s=args.encode_timeout,
+        total_timeout_s=args.total_timeout or None,
+        health_timeout_s=args.health_timeout,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_connections_per_upstream=args.max_connections_per_upstream,
+        down_cooldown_s=args.down_cooldown,
+        forward_media=args.forward_media,
+        forward_params=args.forward_params,
+        pass_authorization=args.pass_authorization,
+        upstream_api_key=_key(args.upstream_api_key, args.upstream_api_key_file, _UPSTREAM_API_KEY_ENV,
+                              "upstream_api_key"),
+        api_key=_key(args.api_key, args.api_key_file, _API_KEY_ENV, "api_key"),
+        max_body_bytes=args.max_body_bytes,
+        max_items_per_request=args.max_items_per_request,
+        max_in_flight=args.max_in_flight,
+    )
+
+
+def _key(flag: str | None, path: str | None, env: str, name: str) -> str | None:
+    """A key from its file, else its flag, else its environment variable (empty: none).
+    A file that is empty yields "" so that the config refuses it: asked for, not found."""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"{name}: cannot read {path}: {exc.strerror}") from None
+    return flag or os.environ.get(env) or None
+
+
+async def _serve(config: ProxyConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    proxy = EPDProxy(config)
+    await proxy.start()
+    try:
+        await stop.wait()
+    finally:
+        logger.info("ec-s3 proxy: shutting down")
+        await proxy.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ec-s3 proxy`` / ``python -m ec_s3.proxy``: serve until SIGINT or SIGTERM."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        config = config_from_args(args)
+    except SystemExit as exc:  # --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    except ValueError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.setLevel(args.log_level)
+    for flag, value in (("--api-key", args.api_key), ("--upstream-api-key", args.upstream_api_key)):
+        if value:
+            logger.warning(
+                "ec-s3 proxy: %s on the command line is visible to every user of this host (ps, /proc); "
+                "use %s-file or $%s instead", flag, flag,
+                _API_KEY_ENV if flag == "--api-key" else _UPSTREAM_API_KEY_ENV,
+            )
+    try:
+        asyncio.run(_serve(config))
+    except OSError as exc:  # e.g. the port is taken
+        logger.error("ec-s3 proxy: cannot serve on %s:%s: %s", config.host, config.port, exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

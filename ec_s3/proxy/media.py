@@ -1,0 +1,206 @@
+"""What the proxy reads and rewrites in a chat request body; pure functions, no I/O.
+
+Owns finding the media items of ``messages`` (numbered the way the consumer numbers its
+``mm_features``), the single-item body an encoder is sent, merging the encoders'
+``ec_transfer_params`` and nulling published media (``forward_media=False``). It does not
+own sending anything, choosing upstreams or error answers (:mod:`ec_s3.proxy.server`),
+and it never interprets identifiers: the consumer matches the merged params to its own
+items.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
+    "dump_body", "encoder_body", "find_media_items", "merge_params", "parse_body", "strip_published_media",
+]
+
+# Content-part types whose media an encoder turns into an encoder output. Embeddings
+# (image_embeds, ...) are not encoded by anyone, so they are left alone.
+MEDIA_PART_KEYS: dict[str, str] = {
+    "image_url": "image_url",
+    "input_image": "image_url",  # Responses-API style part
+    "image_pil": "image_pil",
+    "audio_url": "audio_url",
+    "input_audio": "input_audio",
+    "video_url": "video_url",
+}
+# Every content part that becomes one of vLLM's multimodal items (mm_features), in
+# message order; used to number items the way the consumer's request does.
+_EMBED_PART_TYPES = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
+# Request fields that change an item's identifier (processor kwargs, decoded media) or
+# its blob key (cache_salt): the encoder must see them to publish what the consumer
+# will look for.
+ENCODER_CARRIED_FIELDS = ("model", "cache_salt", "mm_processor_kwargs", "media_io_kwargs")
+
+
+class BodyError(ValueError):
+    """A request body the proxy refuses to handle (the client's fault: a 4xx)."""
+
+
+class TooDeeplyNested(BodyError):
+    """JSON nested deeper than Python's parser or serializer can recurse."""
+
+    def __init__(self) -> None:
+        super().__init__("request JSON is nested too deeply")
+
+
+class TooManyItems(BodyError):
+    """More media parts than ``max_items_per_request``: each would cost an encoder request."""
+
+    def __init__(self, count: int, limit: int) -> None:
+        super().__init__(f"request has {count} media items; this server accepts at most {limit} per request")
+        self.count = count
+        self.limit = limit
+
+
+def parse_body(raw: bytes) -> dict[str, Any] | None:
+    """The request as a JSON object, or None when it is not one (not JSON, not an
+    object: the PD answers those with its own error). Raises :class:`TooDeeplyNested`."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise TooDeeplyNested() from None
+    except ValueError:  # not JSON, not UTF-8, an integer beyond Python's digit limit
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def dump_body(body: dict[str, Any]) -> bytes:
+    """Compact JSON bytes of a parsed request (or a part of one); raises
+    :class:`TooDeeplyNested` where the parser's depth was just within reach."""
+    try:
+        return json.dumps(body, separators=(",", ":")).encode()
+    except RecursionError:
+        raise TooDeeplyNested() from None
+
+
+@dataclasses.dataclass
+class MediaItem:
+    """One distinct media part of a request and where it occurs among its mm items."""
+
+    part: dict[str, Any]
+    indices: list[int]
+
+
+def find_media_items(body: dict[str, Any], limit: int | None = None) -> list[MediaItem]:
+    """The distinct media parts of ``messages`` (identical parts once, with every index).
+
+    Indices number all multimodal parts (embeddings included) in message order, which
+    is how the consumer numbers its ``mm_features``; they replace the encoder's
+    ``item_indices`` (always 0: it saw one item). Parts whose media is null (a ``uuid``
+    reference to the PD's processor cache) are not sent to encoders: nothing to encode.
+
+    More than ``limit`` parts to encode (repeats included: the consumer sees each one)
+    raises :class:`TooManyItems`; past the limit parts are only counted, so a hostile
+    list of thousands costs a scan, not thousands of copies.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    by_key: dict[str, MediaItem] = {}
+    index = 0
+    count = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            media_key = _media_key(part)
+            if media_key is None:
+                part_type = part.get("type")  # any JSON value: a list is unhashable
+                if isinstance(part_type, str) and part_type in _EMBED_PART_TYPES:
+                    index += 1
+                continue
+            if part.get(media_key) not in (None, "", {}):
+                count += 1
+                if limit is None or count <= limit:
+                    item = by_key.get(key := _dedupe_key(part))
+                    if item is None:
+                        by_key[key] = MediaItem(part, [index])
+                    else:
+                        item.indices.append(index)
+            index += 1
+    if limit is not None and count > limit:
+        raise TooManyItems(count, limit)
+    return list(by_key.values())
+
+
+def _dedupe_key(part: dict[str, Any]) -> str:
+    try:
+        return json.dumps(part, sort_keys=True, separators=(",", ":"))
+    except RecursionError:
+        raise TooDeeplyNested() from None
+
+
+def _media_key(part: dict[str, Any]) -> str | None:
+    """The field holding a part's media, as vLLM's parser finds it (``type``, or for
+    untyped / uuid-carrying parts the first media field present), else None."""
+    part_type = part.get("type")
+    if isinstance(part_type, str) and part_type in MEDIA_PART_KEYS and part.get("uuid") is None:
+        return MEDIA_PART_KEYS[part_type]
+    if part_type is None or part.get("uuid") is not None:
+        for key in ("image_url", "image_pil", "audio_url", "input_audio", "video_url"):
+            if key in part:
+                return key
+    return None
+
+
+def encoder_body(body: dict[str, Any], item: MediaItem) -> dict[str, Any]:
+    """The request an encoder is sent for ``item``: the item alone, with the fields that
+    change its identifier or key, one token, no stream (sampling does not travel)."""
+    carried = {k: body[k] for k in ENCODER_CARRIED_FIELDS if k in body}
+    return {
+        **carried,
+        "messages": [{"role": "user", "content": [item.part]}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+
+
+def merge_params(results: Sequence[tuple[MediaItem, dict[str, Any] | None]]) -> dict[str, Any]:
+    """Union of the encoders' ``ec_transfer_params`` (keyed by identifier); an identifier
+    answered twice keeps the first entry with the union of item indices."""
+    merged: dict[str, Any] = {}
+    for item, params in results:
+        for ident, entry in (params or {}).items():
+            if isinstance(entry, dict) and "item_indices" in entry:
+                entry = {**entry, "item_indices": list(item.indices)}
+            if ident not in merged:
+                merged[ident] = entry
+            elif isinstance(merged[ident], dict) and isinstance(entry, dict) and "item_indices" in entry:
+                seen = merged[ident].setdefault("item_indices", [])
+                seen.extend(i for i in entry["item_indices"] if i not in seen)
+    return merged
+
+
+def strip_published_media(
+    body: dict[str, Any], results: Sequence[tuple[MediaItem, dict[str, Any] | None]]
+) -> dict[str, Any]:
+    """``forward_media=False``: null the media of parts that an encoder published and that
+    carry a ``uuid`` (vLLM's form for a part without data); every other part is kept."""
+    # Identical parts were merged into one item: match parts by value.
+    published = [item.part for item, params in results if params and item.part.get("uuid") is not None]
+    if not published:
+        return body
+    messages = []
+    for message in body["messages"]:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        new_content = []
+        for part in content:
+            key = _media_key(part) if isinstance(part, dict) else None
+            if key is not None and part in published:
+                part = {**part, key: None}
+            new_content.append(part)
+        messages.append({**message, "content": new_content})
+    return {**body, "messages": messages}

@@ -1,0 +1,101 @@
+"""Upstream pools: which encoder or prefill/decode instance gets the next request.
+
+Owns each instance's load (requests outstanding), its refuse-to-connect cooldown, the
+least-loaded choice, and rate-limited warnings about an instance. It does not own HTTP
+(:mod:`ec_s3.proxy.server` sends and decides what a failure means) nor health probes
+(``/health`` asks the instances each time).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ec_s3.log import logger
+from ec_s3.proxy.metrics import ProxyMetrics
+
+__all__ = ["Pool", "Upstream", "Warner"]
+
+_WARN_INTERVAL_S = 10.0
+
+
+class Upstream:
+    """One encoder or PD instance with its load and its refuse-to-connect cooldown."""
+
+    __slots__ = ("down_until", "in_flight", "role", "url")
+
+    def __init__(self, role: str, url: str) -> None:
+        self.role = role
+        self.url = url
+        self.in_flight = 0
+        self.down_until = 0.0
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+
+class Pool:
+    """Least-outstanding-requests choice with round-robin among ties, skipping instances
+    in cooldown; the pick is counted at once so that the items of one request, picked
+    back to back, land on different instances."""
+
+    def __init__(self, role: str, urls: Sequence[str], metrics: ProxyMetrics, cooldown_s: float) -> None:
+        self.role = role
+        self.members = [Upstream(role, u) for u in urls]
+        self._metrics = metrics
+        self._cooldown_s = cooldown_s
+        self._rr = itertools.count()
+        for m in self.members:
+            metrics.set("ec_s3_proxy_in_flight", 0, role=role, upstream=m.url)
+            metrics.set("ec_s3_proxy_upstream_up", 1, role=role, upstream=m.url)
+
+    def acquire(self, exclude: Iterable[Upstream] = (), *, allow_down: bool = False) -> Upstream | None:
+        excluded = set(map(id, exclude))
+        now = time.monotonic()
+        candidates = [m for m in self.members if id(m) not in excluded and m.up(now)]
+        if not candidates and allow_down:
+            candidates = [m for m in self.members if id(m) not in excluded]
+        if not candidates:
+            return None
+        start = next(self._rr) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        chosen = min(rotated, key=lambda m: m.in_flight)
+        chosen.in_flight += 1
+        self._metrics.set("ec_s3_proxy_in_flight", chosen.in_flight, role=self.role, upstream=chosen.url)
+        return chosen
+
+    def release(self, member: Upstream) -> None:
+        member.in_flight -= 1
+        self._metrics.set("ec_s3_proxy_in_flight", member.in_flight, role=self.role, upstream=member.url)
+
+    def mark_down(self, member: Upstream) -> None:
+        member.down_until = time.monotonic() + self._cooldown_s
+        self._metrics.set("ec_s3_proxy_upstream_up", 0, role=self.role, upstream=member.url)
+
+    def mark_up(self, member: Upstream) -> None:
+        if member.down_until:
+            member.down_until = 0.0
+            self._metrics.set("ec_s3_proxy_upstream_up", 1, role=self.role, upstream=member.url)
+
+
+class Warner:
+    """One warning per (upstream, kind) per interval, with the count it held back: a dead
+    encoder under load must not flood the log."""
+
+    def __init__(self, interval_s: float = _WARN_INTERVAL_S) -> None:
+        self._interval = interval_s
+        self._state: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def warn(self, key: tuple[str, str], msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, held = self._state.get(key, (float("-inf"), 0))
+        if now - last < self._interval:
+            self._state[key] = (last, held + 1)
+            return
+        self._state[key] = (now, 0)
+        if held:
+            msg += " (%d similar suppressed)"
+            args = (*args, held)
+        logger.warning(msg, *args)
