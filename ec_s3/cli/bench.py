@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
-from ec_s3.cli.common import CONFIG_HELP, Outcome, Progress, add_config_args, format_bytes, no_progress, opened_store
+from ec_s3.cli.common import Outcome, Progress, add_command, format_bytes, no_progress, opened_store
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, ProgressBar, fail, json_out, out, print_diagnosis, where
 from ec_s3.cli.listing import key_root
 from ec_s3.store.client import S3Store
@@ -170,15 +170,13 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser(
-        "bench", formatter_class=formatter, help="quick PUT/GET throughput and latency check",
+def register(sub: Any) -> None:
+    p = add_command(
+        sub, "bench", help="quick PUT/GET throughput and latency check", func=run,
         description="PUT then GET --count random blobs of --size-mb MiB under <prefix>/_ec_s3_probe/, "
                     "verify the bytes, print MiB/s and latencies, and delete them.",
-        epilog=CONFIG_HELP,
+        namespace_help="(unused by bench)",
     )
-    add_config_args(p, namespace_help="(unused by bench)")
     p.add_argument("--size-mb", type=float, default=8.0, help="MiB per blob (default 8)")
     p.add_argument("--count", type=int, default=5, help="number of blobs (default 5)")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1: per-request latency)")
-    p.set_defaults(func=run)

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
-from ec_s3.cli.common import CONFIG_HELP, add_config_args, format_bytes, format_duration, opened_store
+from ec_s3.cli.common import add_command, format_bytes, format_duration, opened_store
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fail, json_out, out
 from ec_s3.cli.listing import list_namespaces_async, namespace_of
 from ec_s3.store.client import IntegrityError, S3Store
@@ -224,19 +224,17 @@ def _print_report(r: InspectReport) -> None:
     out("")
 
 
-def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser(
-        "inspect", formatter_class=formatter, help="show and validate one blob",
+def register(sub: Any) -> None:
+    p = add_command(
+        sub, "inspect", help="show and validate one blob", func=run,
         description="Fetch one blob and show its size, metadata (format, identifier, dtype, shape, "
                     "namespace, producer) and whether it is valid (header parse and structural checks, "
                     "metadata consistent with its key). TARGET is a full key under the prefix (or "
                     "s3://bucket/key), or an item identifier (mm_hash / multi_modal_uuid) whose key is "
                     "computed in --namespace, or looked up in every namespace under the prefix. "
                     "Exit status 1 if the blob is missing or invalid.",
-        epilog=CONFIG_HELP,
+        namespace_help="namespace for an identifier (default: look in every namespace)",
     )
     p.add_argument("target", metavar="KEY|IDENTIFIER")
-    add_config_args(p, namespace_help="namespace for an identifier (default: look in every namespace)")
     p.add_argument("--identifier", action="store_true", help="treat TARGET as an identifier even if it looks like a key")
     p.add_argument("--cache-salt", help="the request's cache_salt, for blobs of salted (per-tenant) requests")
-    p.set_defaults(func=run)

@@ -23,7 +23,7 @@ from ec_s3.cli.common import (
     CONFIG_HELP,
     Outcome,
     Progress,
-    add_config_args,
+    add_command,
     format_bytes,
     format_duration,
     no_progress,
@@ -331,19 +331,16 @@ def _print_gc(args: argparse.Namespace, store: S3Store, report: GcReport) -> Non
         out("dry run: nothing was deleted")
 
 
-def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser(
-        "stats", formatter_class=formatter, help="objects, bytes and ages per namespace",
+def register(sub: Any) -> None:
+    add_command(
+        sub, "stats", help="objects, bytes and ages per namespace", func=run_stats,
         description="List every object under <prefix>/ and print, per namespace (one per model), the "
                     "object count, bytes and age distribution (<1h, <1d, <7d, >=7d; age is the time since "
                     "the blob was written: S3 keeps no access time). Needs s3:ListBucket.",
-        epilog=CONFIG_HELP,
+        namespace_help="only this namespace",
     )
-    add_config_args(p, namespace_help="only this namespace")
-    p.set_defaults(func=run_stats)
-
-    p = sub.add_parser(
-        "gc", formatter_class=formatter, help="delete old blobs, or install a lifecycle rule",
+    p = add_command(
+        sub, "gc", help="delete old blobs, or install a lifecycle rule", func=run_gc_command,
         description="Delete blobs under <prefix>/ written longer ago than --older-than, and/or the oldest "
                     "blobs until the rest fits in --max-bytes. Deletes go in batches of 1000 "
                     "(DeleteObjects); --dry-run only reports. A blob deleted while a consumer fetches it "
@@ -353,11 +350,10 @@ def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
                     "support are reported.",
         epilog=CONFIG_HELP + "\nsizes: 500MiB, 10GB (1000^3), 2G (=2GiB), or bytes; "
                              "durations: 30m, 12h, 7d, 1d12h, 2w, or seconds\n",
+        namespace_help="only this namespace",
     )
-    add_config_args(p, namespace_help="only this namespace")
     p.add_argument("--older-than", metavar="DURATION", help="delete blobs at least this old (e.g. 7d, 12h, 30m; 0s = all)")
     p.add_argument("--max-bytes", metavar="SIZE", help="then delete the oldest until the rest fits this budget (e.g. 500GiB)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.add_argument("--lifecycle", action="store_true",
                    help="install an S3 lifecycle expiration rule (--older-than, whole days) instead of deleting")
-    p.set_defaults(func=run_gc_command)

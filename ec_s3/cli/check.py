@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
-from ec_s3.cli.common import CONFIG_HELP, add_config_args, config_from_args
+from ec_s3.cli.common import add_command, config_from_args
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fmt_ms, json_out, out, print_diagnosis, where
 from ec_s3.cli.listing import list_page
 from ec_s3.config import ConfigError, ECS3Config, config_keys
@@ -242,9 +242,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_FAIL
 
 
-def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
-    p = sub.add_parser(
-        "check", formatter_class=formatter, help="validate a config and prove access to the bucket",
+def register(sub: Any) -> None:
+    p = add_command(
+        sub, "check", help="validate a config and prove access to the bucket", func=run,
         description="Validate the configuration, then prove access with real requests, reporting each "
                     "step's latency: LIST the prefix, HEAD a missing key (must answer 404: that is a miss), "
                     "then PUT, HEAD, GET and DELETE a probe object under <prefix>/_ec_s3_probe/. "
@@ -252,12 +252,10 @@ def register(sub: Any, formatter: type[argparse.HelpFormatter]) -> None:
                     "consumer's read-only credentials pass. Exit status 0 on PASS, 1 on FAIL with the "
                     "cause (wrong credentials, missing bucket, unreachable endpoint, missing permission) "
                     "and the fix.",
-        epilog=CONFIG_HELP,
+        namespace_help="namespace override (checked like any config key)",
     )
-    add_config_args(p, namespace_help="namespace override (checked like any config key)")
     p.add_argument("--read-only", action="store_true",
                    help="check only read access (consumers): no PUT/DELETE")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="give up after S seconds (default 300; each request also has its own timeouts)")
     p.add_argument("--list-keys", action="store_true", help="list every config key with default and meaning, then exit")
-    p.set_defaults(func=run)

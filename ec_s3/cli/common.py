@@ -27,6 +27,7 @@ __all__ = [
     "CONFIG_HELP",
     "Outcome",
     "Progress",
+    "add_command",
     "add_config_args",
     "build_config",
     "config_from_args",
@@ -220,6 +221,17 @@ def add_config_args(p: argparse.ArgumentParser, *, namespace_help: str) -> None:
     o.add_argument("--json", action="store_true", help="print a JSON report on stdout instead of text")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar on stderr")
     o.add_argument("-v", "--verbose", action="store_true", help="debug logging of S3 requests and retries")
+
+
+def add_command(sub: Any, name: str, *, help: str, description: str, namespace_help: str,
+                func: Callable[[argparse.Namespace], int], epilog: str = CONFIG_HELP) -> argparse.ArgumentParser:
+    """Add an S3 command to the ``ec-s3`` subparsers: its help, the configuration and
+    output flags, and ``func(args) -> exit status``. The caller adds its own flags."""
+    p = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, help=help,
+                       description=description, epilog=epilog)
+    add_config_args(p, namespace_help=namespace_help)
+    p.set_defaults(func=func)
+    return p
 
 
 def config_from_args(args: argparse.Namespace) -> ECS3Config:

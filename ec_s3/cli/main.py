@@ -82,7 +82,7 @@ examples:
     parser.add_argument("--version", action="version", version=f"ec-s3 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in (check, bucket, blobs, bench):
-        command.register(sub, fmt)
+        command.register(sub)
     for name, (_module, text) in _PASSTHROUGH.items():
         sub.add_parser(name, help=text, add_help=False,
                        description=f"{text}; every argument after `{name}` is passed to it")
