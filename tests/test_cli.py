@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from ec_s3.cli import main as cli
 from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials, find_weed_binary
+from ec_s3.sandbox.net import free_port
 from ec_s3.blob.keys import PROBE_NAMESPACE, KeySpace
 from ec_s3.store.client import ObjectInfo, S3Store
 from support.faultproxy import FaultProxy
@@ -96,12 +96,6 @@ def _put_blobs(store: S3Store, namespace: str, identifiers: list[str], rows: int
         store.run(store.put_async(key, body), timeout=30)
         out[key] = len(body)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _assert_no_secret(secret: str, *texts: str) -> None:
@@ -209,7 +203,7 @@ def test_check_fails_on_missing_bucket(run_cli: Run, env: dict[str, str]) -> Non
 
 
 def test_check_fails_on_unreachable_endpoint(run_cli: Run, env: dict[str, str]) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     rc, out, _ = run_cli("check", "--endpoint-url", url, "--set", "max_attempts=2", "--set", "connect_timeout_s=1")
     assert rc == 1

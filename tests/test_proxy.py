@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from ec_s3.proxy.server import (
     main,
     merge_params,
 )
+from ec_s3.sandbox.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -67,12 +67,6 @@ def chat(*parts: dict[str, Any], text: str = "Describe.", **extra: Any) -> dict[
         "max_tokens": 8,
         **extra,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:
