@@ -17,6 +17,11 @@ No model hub is reachable in CI, so the model is written from scratch:
 
 Only torch, safetensors, transformers, tokenizers and PIL are needed (all come with
 vLLM). Building takes about a second.
+
+Owns the model directory (built once per content version, atomically, with a
+manifest), the test images and the vision-weight reseeding tests use. Does not own
+serving it (:mod:`ec_s3.sandbox.vllm_server`) nor the server arguments it needs
+(``TINY_MODEL_ARGS`` there).
 """
 
 from __future__ import annotations
