@@ -390,8 +390,9 @@ class _Demo:
             if keys:
                 store.run(store.delete_many_async(keys), timeout=60)
         except Exception as exc:  # noqa: BLE001 - the answers are in; leftovers are reported, not fatal
-            self.out(f"  could not delete this run's blobs ({type(exc).__name__}: {exc}); "
-                     f"delete them with `ec-s3 gc --prefix {prefix} --older-than 0s`")
+            endpoint = f" --endpoint-url {store.config.endpoint_url}" if store.config.endpoint_url else ""
+            self.out(f"  could not delete this run's blobs ({type(exc).__name__}: {exc}); delete them with "
+                     f"`ec-s3 gc --bucket {store.bucket}{endpoint} --prefix {prefix} --older-than 0s`")
 
     # ------------------------------------------------------------------ keep running
     def _keep_running(self, servers: list[VllmServer], proxy: Any, model: str) -> None:
