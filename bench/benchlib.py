@@ -44,20 +44,15 @@ RESULTS_DIR = Path(os.environ.get("EC_S3_BENCH_RESULTS", BENCH_DIR / "results"))
 MiB = 1 << 20
 GiB = 1 << 30
 
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-}
+# On top of ec_s3.sandbox.env.CPU_OFFLINE_ENV: vLLM's INFO lines would drown the results.
+BENCH_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def setup_env(extra: dict[str, str] | None = None) -> None:
     """``setdefault`` the offline/CPU env vLLM needs here; put tests/ on sys.path."""
-    for k, v in {**VLLM_ENV, **(extra or {})}.items():
-        os.environ.setdefault(k, v)
+    from ec_s3.sandbox.env import apply_offline_env
+
+    apply_offline_env({**BENCH_ENV, **(extra or {})})
     if str(TESTS_DIR) not in sys.path:
         sys.path.insert(0, str(TESTS_DIR))
 

@@ -55,11 +55,11 @@ def serve_engine(role: str, model_dir: str, extra: dict[str, Any] | None, max_to
     from vllm import LLM, SamplingParams
 
     from ec_s3.sandbox.tiny_model import make_test_image
+    from ec_s3.sandbox.vllm_server import ec_transfer_config
 
     ec = None
     if role != "plain":
-        ec = {"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
-              "ec_role": "ec_producer" if role == "producer" else "ec_consumer", "ec_connector_extra_config": extra}
+        ec = ec_transfer_config("ec_producer" if role == "producer" else "ec_consumer", extra)
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, max_model_len=512, max_num_batched_tokens=512, max_num_seqs=16,
               enforce_eager=True, seed=0, limit_mm_per_prompt={"image": 1}, ec_transfer_config=ec)

@@ -107,6 +107,7 @@ def main() -> int:
     from ec_s3.connector.messages import ECS3ConnectorMetadata
     from ec_s3.store.client import S3Store
     from ec_s3.sandbox.tiny_model import build_tiny_llava
+    from ec_s3.sandbox.vllm_server import ec_transfer_config
     from support.vllm_rig import make_vllm_config
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
@@ -118,14 +119,13 @@ def main() -> int:
         burst_max = max(2, burst_mib // min(sizes))
         extra = ep.extra(bucket, lookup="promised", max_inflight_bytes=(burst_mib + 2 * max(sizes) + 8) * bl.MiB)
         conn = ECS3Connector(
-            make_vllm_config(model_dir, {"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
-                                         "ec_role": "ec_producer", "ec_connector_extra_config": extra}),
+            make_vllm_config(model_dir, ec_transfer_config("ec_producer", extra)),
             ECConnectorRole.WORKER,
         )
         conn.bind_connector_metadata(ECS3ConnectorMetadata())
         example = ECExampleConnector(
-            make_vllm_config(model_dir, {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
-                                         "ec_connector_extra_config": {"shared_storage_path": str(example_dir)}}),
+            make_vllm_config(model_dir, ec_transfer_config("ec_producer", {"shared_storage_path": str(example_dir)},
+                                                           connector="ECExampleConnector", module_path=None)),
             ECConnectorRole.WORKER,
         )
         store = S3Store(ep.config(bucket))

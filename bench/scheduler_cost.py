@@ -187,6 +187,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
     from safetensors.torch import save_file
 
+    from ec_s3.sandbox.vllm_server import ec_transfer_config
     from support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
 
     tag = "EX"
@@ -197,8 +198,8 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
             if "-promised-" in ident or "-stored-" in ident:
                 (root / ident).mkdir(parents=True, exist_ok=True)
                 save_file({"ec_cache": fake_encoder_output(ident, ROWS)}, str(root / ident / "encoder_cache.safetensors"))
-        ec = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
-              "ec_connector_extra_config": {"shared_storage_path": str(root)}}
+        ec = ec_transfer_config("ec_consumer", {"shared_storage_path": str(root)},
+                                connector="ECExampleConnector", module_path=None)
         vllm_config = make_vllm_config(model_dir, ec)
         scheduler = make_scheduler(vllm_config)
         worker = ECExampleConnector(vllm_config, ECConnectorRole.WORKER)

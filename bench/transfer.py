@@ -247,11 +247,12 @@ class ExampleConnectorClient(Client):
         )
 
         from ec_s3.sandbox.tiny_model import build_tiny_llava
+        from ec_s3.sandbox.vllm_server import ec_transfer_config
         from support.vllm_rig import make_vllm_config
 
         model = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
-        cfg = {"ec_connector": "ECExampleConnector", "ec_role": "ec_both",
-               "ec_connector_extra_config": {"shared_storage_path": str(self.dir)}}
+        cfg = ec_transfer_config("ec_both", {"shared_storage_path": str(self.dir)},
+                                 connector="ECExampleConnector", module_path=None)
         self.producer = self.consumer = ECExampleConnector(make_vllm_config(model, cfg), ECConnectorRole.WORKER)
         self._meta_cls, self._mm = ECExampleConnectorMetadata, MMMeta
 

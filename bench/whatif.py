@@ -100,6 +100,7 @@ def whatif_save(args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.connector.facade import ECS3Connector
     from ec_s3.connector.messages import ECS3ConnectorMetadata
     from ec_s3.sandbox.tiny_model import build_tiny_llava
+    from ec_s3.sandbox.vllm_server import ec_transfer_config
     from support.vllm_rig import make_vllm_config
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
@@ -107,8 +108,7 @@ def whatif_save(args: argparse.Namespace) -> dict[str, Any]:
     with bl.s3_endpoint("whatif") as ep:
         bucket = bl.create_bucket(ep)
         extra = ep.extra(bucket, lookup="promised", max_inflight_bytes=1 << 30)
-        conn = ECS3Connector(make_vllm_config(model_dir, {"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
-                                                          "ec_role": "ec_producer", "ec_connector_extra_config": extra}),
+        conn = ECS3Connector(make_vllm_config(model_dir, ec_transfer_config("ec_producer", extra)),
                              ECConnectorRole.WORKER)
         conn.bind_connector_metadata(ECS3ConnectorMetadata())
         pub = conn._worker._publisher  # noqa: SLF001

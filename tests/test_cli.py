@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,11 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-from ec_s3.cli import main as cli, ops
+from ec_s3.cli import bench, common, listing
+from ec_s3.cli import bucket as bucket_cmd  # "bucket" is the fixture of a fresh bucket
+from ec_s3.cli import main as cli
 from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials, find_weed_binary
-from ec_s3.blob.keys import KeySpace
+from ec_s3.sandbox.net import free_port
+from ec_s3.blob.keys import PROBE_NAMESPACE, KeySpace
 from ec_s3.store.client import ObjectInfo, S3Store
 from support.faultproxy import FaultProxy
 
@@ -76,7 +78,7 @@ def env(monkeypatch: pytest.MonkeyPatch, s3_endpoint: Any, bucket: str) -> dict[
 
 
 def _keys(store: S3Store, prefix: str = PREFIX + "/") -> list[str]:
-    return sorted(o.key for o in ops.list_objects(store, prefix))
+    return sorted(o.key for o in listing.list_objects(store, prefix))
 
 
 def _blob(identifier: str, namespace: str, rows: int = 4, width: int = 32) -> bytearray:
@@ -94,12 +96,6 @@ def _put_blobs(store: S3Store, namespace: str, identifiers: list[str], rows: int
         store.run(store.put_async(key, body), timeout=30)
         out[key] = len(body)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _assert_no_secret(secret: str, *texts: str) -> None:
@@ -148,7 +144,11 @@ def test_missing_passthrough_module_is_a_clear_error(run_cli: Run, monkeypatch: 
 
 
 def test_cli_does_not_import_vllm() -> None:
-    code = "import sys, ec_s3.cli.main, ec_s3.cli.ops; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    import ec_s3.cli
+
+    modules = sorted(f"ec_s3.cli.{p.stem}" for p in Path(ec_s3.cli.__file__).parent.glob("*.py") if p.stem != "__main__")
+    assert len(modules) > 5, modules
+    code = f"import sys, {', '.join(modules)}; print('vllm' in sys.modules, 'torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.split() == ["False", "False"]
 
@@ -174,7 +174,7 @@ def test_check_json(run_cli: Run, env: dict[str, str]) -> None:
     assert report["ok"] is True and report["bucket"] == env["EC_S3_BUCKET"]
     assert [s["name"] for s in report["steps"]] == ["list", "head-miss", "put", "head", "get", "delete"]
     assert all(s["latency_ms"] > 0 for s in report["steps"])
-    assert report["probe_key"].startswith(f"{PREFIX}/{ops.PROBE_NAMESPACE}/")
+    assert report["probe_key"].startswith(f"{PREFIX}/{PROBE_NAMESPACE}/")
     _assert_no_secret(env["AWS_SECRET_ACCESS_KEY"], out)
 
 
@@ -203,7 +203,7 @@ def test_check_fails_on_missing_bucket(run_cli: Run, env: dict[str, str]) -> Non
 
 
 def test_check_fails_on_unreachable_endpoint(run_cli: Run, env: dict[str, str]) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     rc, out, _ = run_cli("check", "--endpoint-url", url, "--set", "max_attempts=2", "--set", "connect_timeout_s=1")
     assert rc == 1
@@ -271,15 +271,15 @@ def test_check_accepts_the_whole_ec_transfer_config(
 
 def test_extra_config_from_json_shapes(tmp_path: Path) -> None:
     extra = {"bucket": "b1", "prefix": "p"}
-    assert ops.extra_config_from_json(json.dumps(extra)) == extra
-    assert ops.extra_config_from_json(json.dumps({"ec_role": "ec_producer", "ec_connector_extra_config": extra})) == extra
-    assert ops.extra_config_from_json(json.dumps({"ec_transfer_config": {"ec_connector_extra_config": extra}})) == extra
-    assert ops.extra_config_from_json(json.dumps({"ec_connector": "ECS3Connector"})) == {}
+    assert common.extra_config_from_json(json.dumps(extra)) == extra
+    assert common.extra_config_from_json(json.dumps({"ec_role": "ec_producer", "ec_connector_extra_config": extra})) == extra
+    assert common.extra_config_from_json(json.dumps({"ec_transfer_config": {"ec_connector_extra_config": extra}})) == extra
+    assert common.extra_config_from_json(json.dumps({"ec_connector": "ECS3Connector"})) == {}
     path = tmp_path / "c.json"
     path.write_text(json.dumps(extra))
-    assert ops.extra_config_from_json(str(path)) == extra
+    assert common.extra_config_from_json(str(path)) == extra
     with pytest.raises(ValueError, match="not valid JSON"):
-        ops.extra_config_from_json("{nope")
+        common.extra_config_from_json("{nope")
 
 
 # --- read-only credentials (a second SeaweedFS with an IAM config) ----------------------
@@ -398,7 +398,7 @@ def test_summarize_age_buckets() -> None:
     now = 1_000_000.0
     objects = [ObjectInfo(f"{PREFIX}/ns/{i}", 10, last_modified=now - age)
                for i, age in enumerate([10, 4000, 90000, 8 * 86400])]
-    stats = ops.summarize(objects, PREFIX, now=now)
+    stats = bucket_cmd.summarize(objects, PREFIX, now=now)
     assert stats["ns"].ages == {"<1h": 1, "<1d": 1, "<7d": 1, ">=7d": 1}
     assert stats["ns"].oldest_s == 8 * 86400 and stats["ns"].newest_s == 10
 
@@ -463,7 +463,7 @@ def test_run_gc_deletes_in_batches(make_store: Callable[..., S3Store], fault_pro
         store.run(store.put_async(f"{PREFIX}/ns/{i}", b"x" * 10), timeout=30)
     calls: list[tuple[str, int, int | None]] = []
     before = fault_proxy.counters.requests
-    report = ops.run_gc(store, older_than_s=0, batch_size=2, progress=lambda *a: calls.append(a))
+    report = bucket_cmd.run_gc(store, older_than_s=0, batch_size=2, progress=lambda *a: calls.append(a))
     assert report.ok and report.deleted == 5 and report.deleted_bytes == 50
     assert [c for c in calls if c[0] == "deleting"] == [("deleting", 0, 5), ("deleting", 2, 5), ("deleting", 4, 5), ("deleting", 5, 5)]
     assert fault_proxy.counters.requests - before == 1 + 3  # one LIST page, three DeleteObjects
@@ -490,29 +490,29 @@ def test_gc_argument_errors(run_cli: Run, env: dict[str, str]) -> None:
 def test_plan_gc() -> None:
     now = 10_000.0
     objs = [ObjectInfo(f"k{i}", 100, last_modified=now - age) for i, age in enumerate([50, 500, 5000, 10])]
-    by_age = ops.plan_gc(objs, older_than_s=400, max_bytes=None, now=now)
+    by_age = bucket_cmd.plan_gc(objs, older_than_s=400, max_bytes=None, now=now)
     assert [o.key for o in by_age] == ["k2", "k1"]  # oldest first
-    assert [o.key for o in ops.plan_gc(objs, None, 250, now)] == ["k2", "k1"]
-    assert [o.key for o in ops.plan_gc(objs, 1000, 150, now)] == ["k2", "k1", "k0"]
-    assert len(ops.plan_gc(objs, 0, None, now)) == 4
-    assert ops.plan_gc(objs, None, None, now) == []
-    assert ops.plan_gc(objs, None, 10_000, now) == []
+    assert [o.key for o in bucket_cmd.plan_gc(objs, None, 250, now)] == ["k2", "k1"]
+    assert [o.key for o in bucket_cmd.plan_gc(objs, 1000, 150, now)] == ["k2", "k1", "k0"]
+    assert len(bucket_cmd.plan_gc(objs, 0, None, now)) == 4
+    assert bucket_cmd.plan_gc(objs, None, None, now) == []
+    assert bucket_cmd.plan_gc(objs, None, 10_000, now) == []
 
 
 def test_parse_duration_and_size() -> None:
-    assert ops.parse_duration("7d") == 7 * 86400
-    assert ops.parse_duration("12h") == 43200
-    assert ops.parse_duration("30m") == 1800
-    assert ops.parse_duration("1d12h") == 129600
-    assert ops.parse_duration("0s") == 0 and ops.parse_duration("90") == 90
+    assert common.parse_duration("7d") == 7 * 86400
+    assert common.parse_duration("12h") == 43200
+    assert common.parse_duration("30m") == 1800
+    assert common.parse_duration("1d12h") == 129600
+    assert common.parse_duration("0s") == 0 and common.parse_duration("90") == 90
     with pytest.raises(ValueError):
-        ops.parse_duration("7 days")
-    assert ops.parse_size("500MiB") == 500 << 20
-    assert ops.parse_size("10GB") == 10 * 1000**3
-    assert ops.parse_size("2G") == 2 << 30
-    assert ops.parse_size("1048576") == 1 << 20
+        common.parse_duration("7 days")
+    assert common.parse_size("500MiB") == 500 << 20
+    assert common.parse_size("10GB") == 10 * 1000**3
+    assert common.parse_size("2G") == 2 << 30
+    assert common.parse_size("1048576") == 1 << 20
     with pytest.raises(ValueError):
-        ops.parse_size("lots")
+        common.parse_size("lots")
 
 
 # --- lifecycle -------------------------------------------------------------------------
@@ -620,7 +620,7 @@ def test_bench_small(run_cli: Run, env: dict[str, str], make_store: Callable[...
 
 def test_transfer_check_api(make_store: Callable[..., S3Store]) -> None:
     store = make_store()
-    report = ops.transfer_check(store, 64 * 1024, 2)
+    report = bench.transfer_check(store, 64 * 1024, 2)
     assert report.ok and report.verified and report.cleaned_up
     assert len(report.put_latencies_ms) == 2 and report.put_mib_s > 0 and report.get_mib_s > 0
     assert _keys(store) == []

@@ -3,8 +3,9 @@
 No Docker engine runs here, but ``docker-compose config -q`` validates a file against the
 Compose schema (plus interpolation and references) without one. The test runs every
 Compose CLI it finds: ``$EC_S3_COMPOSE_BIN``, a ``docker-compose`` on PATH (Debian's
-package is Compose 1.29), and the ``docker compose`` plugin. The structural tests need
-only PyYAML and always run.
+package is Compose 1.29; CI's ``.ci/run`` installs it, the product's ``.ci/install``
+does not), and the ``docker compose`` plugin, and skips saying so where there is none.
+The structural tests need only PyYAML and always run.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ def _compose_clis() -> list[list[str]]:
 def test_compose_cli_validates_the_file(profiles: list[str], tmp_path: Path) -> None:
     clis = _compose_clis()
     if not clis:
-        pytest.skip("no Compose CLI here (apt-get install --no-install-recommends docker-compose)")
+        pytest.skip("compose.yaml not validated against the Compose schema: no Compose CLI here "
+                    "(docker-compose, `docker compose` or $EC_S3_COMPOSE_BIN); CI installs docker-compose in "
+                    ".ci/run, locally: apt-get install --no-install-recommends docker-compose")
     # Only what the CLI needs: no variable of this shell may change the file's meaning.
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp_path), "DOCKER_CONFIG": str(tmp_path)}
     for cli in clis:

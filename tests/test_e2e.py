@@ -37,20 +37,21 @@ from typing import Any
 import pytest
 
 from ec_s3.config import ECS3Config
-from ec_s3.demo.run import ChatResult, DemoRequest, chat_body, compare_results, default_schedule, post_chat, run_schedule
+from ec_s3.demo.chat import ChatResult, DemoRequest, chat_body, compare_results, default_schedule, post_chat, run_schedule
+from ec_s3.sandbox.env import CPU_OFFLINE_ENV
+from ec_s3.sandbox.metrics import MetricSamples, scrape_metrics
+from ec_s3.sandbox.tiny_model import reseed_vision_weights
 from ec_s3.sandbox.vllm_server import (
-    CPU_OFFLINE_ENV,
     TINY_MODEL_ARGS,
     LoadProgress,
-    MetricSamples,
     VllmServer,
     ec_transfer_config,
-    scrape_metrics,
     stop_all,
     wait_all_ready,
 )
 from ec_s3.proxy.server import ProxyConfig, ProxyThread
 from ec_s3.store.client import S3Store
+from support.procs import alive, still_alive_after
 
 # The tests that start real engines are marked slow one by one: the launch helpers'
 # own tests at the end are fast.
@@ -67,20 +68,6 @@ M_LOADED = "vllm:ec_s3_blobs_loaded_total"
 M_DOWNLOADED = "vllm:ec_s3_blobs_downloaded_total"
 M_LOOKUPS = "vllm:ec_s3_lookups_total"
 P = "ec_s3_proxy_"
-
-
-def _swap_vision_weights(model_dir: Path, seed: int) -> None:
-    """Re-randomise the vision tower and projector in place (as tests/test_engine.py)."""
-    import safetensors.torch
-    import torch
-
-    path = model_dir / "model.safetensors"
-    weights = safetensors.torch.load_file(str(path))
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in weights.items():
-        if name.startswith(("vision_tower.", "multi_modal_projector.")) and tensor.dim() >= 2:
-            weights[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(tensor.dtype)
-    safetensors.torch.save_file(weights, str(path))
 
 
 @dataclass
@@ -153,7 +140,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
         baseline_srv.stop()
 
         # Both loaded servers hold the original weights; the consumer will not.
-        _swap_vision_weights(model_dir, seed=99)
+        reseed_vision_weights(model_dir, seed=99)
         consumer.start()
         wait_all_ready([consumer], LOAD_TIMEOUT_S, progress=_progress())
         proxy = ProxyThread(ProxyConfig(encoder_urls=[producer.url], pd_urls=[consumer.url], port=0,
@@ -386,21 +373,6 @@ def _fake_python(tmp_path: Path) -> str:
     return str(script)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
-        time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
-
-
 def test_vllm_server_stop_takes_the_whole_process_group(tmp_path: Path) -> None:
     pids_file = tmp_path / "pids"
     server = VllmServer("model", name="fake", python=_fake_python(tmp_path), env={"FAKE_PIDS": str(pids_file)},
@@ -414,9 +386,9 @@ def test_vllm_server_stop_takes_the_whole_process_group(tmp_path: Path) -> None:
         assert m.get("vllm:ec_s3_lookups_total", outcome="miss") is None
         assert m.get("vllm:ec_s3_blobs_loaded_total") is None  # absent family: None, not 0
         pids = [int(p) for p in pids_file.read_text().split()]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         assert "--port" in server.command() and "--limit-mm-per-prompt" in server.command()
-    assert _wait_gone(pids, 5) == []  # leader SIGTERMed, the child it left SIGKILLed with the group
+    assert still_alive_after(pids, 5) == []  # leader SIGTERMed, the child it left SIGKILLed with the group
     assert not server.is_running()
     server.stop()  # idempotent
 
@@ -438,7 +410,7 @@ def test_vllm_server_reaped_when_its_owner_is_sigkilled(tmp_path: Path) -> None:
         pids = [int(p) for p in pids_file.read_text().split()]
         owner.kill()  # no atexit, no finally: only the reaper is left to clean up
         owner.wait(10)
-        assert _wait_gone(pids, 30) == []
+        assert still_alive_after(pids, 30) == []
     finally:
         owner.kill()
         owner.wait(10)

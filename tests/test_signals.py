@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from ec_s3.sandbox.vllm_server import CPU_OFFLINE_ENV, TINY_MODEL_ARGS, VllmServer, ec_transfer_config
+from ec_s3.sandbox.env import CPU_OFFLINE_ENV
+from ec_s3.sandbox.vllm_server import TINY_MODEL_ARGS, VllmServer, ec_transfer_config
 from ec_s3.store.client import S3Store
 from ec_s3.sandbox.tiny_model import make_test_image
 from support.faultproxy import FaultProxy

@@ -15,15 +15,14 @@ from ec_s3.blob.codec import BlobLayout, BlobMeta, encode_blob
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.connector.model import host_id
+from ec_s3.sandbox.vllm_server import ec_transfer_config
 from ec_s3.store.client import S3Store
 from support.vllm_rig import fake_encoder_output, make_vllm_config
 
 
 @pytest.fixture
 def worker(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]):
-    cfg = make_vllm_config(tiny_model_dir, {
-        "ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3", "ec_role": "ec_consumer",
-        "ec_connector_extra_config": extra_config()})
+    cfg = make_vllm_config(tiny_model_dir, ec_transfer_config("ec_consumer", extra_config()))
     conn = ECS3Connector(cfg, ECConnectorRole.WORKER)
     yield conn
     conn.shutdown()
@@ -68,6 +67,5 @@ def test_plugin_registers_connector_by_name(tiny_model_dir: Path, extra_config: 
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
-    cfg = make_vllm_config(tiny_model_dir, {"ec_connector": "ECS3Connector", "ec_role": "ec_consumer",
-                                            "ec_connector_extra_config": extra_config()})
+    cfg = make_vllm_config(tiny_model_dir, ec_transfer_config("ec_consumer", extra_config(), module_path=None))
     assert ECConnectorFactory.get_connector_class(cfg.ec_transfer_config) is ECS3Connector

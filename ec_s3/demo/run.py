@@ -23,297 +23,58 @@ every image up in the bucket (``lookup: always``), so it can never produce a
 alive at once (memory on a CPU host, GPU memory with ``--model``) for one extra
 engine load, and running it first means a broken model fails fast and
 ``--keep-running`` can leave the EPD stack up at the end.
+
+Owns the command line and the phases (S3, model, baseline, EPD, summary, teardown:
+everything it starts is stopped on every exit, Ctrl-C and SIGTERM included). Does not
+own the chat requests (:mod:`ec_s3.demo.chat`), the summary
+(:mod:`ec_s3.demo.report`), nor the servers it starts (:mod:`ec_s3.sandbox`, the
+proxy).
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
-import functools
-import io
 import json
 import os
 import secrets
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
-from ec_s3.blob.keys import PROBE_NAMESPACE
+from ec_s3.cli.listing import key_root, list_objects_async
+from ec_s3.demo.chat import (
+    DEFAULT_MAX_TOKENS,
+    QUESTIONS,
+    ChatResult,
+    DemoRequest,
+    chat_body,
+    default_schedule,
+    post_chat,
+    run_schedule,
+)
+from ec_s3.demo.report import Out, Snapshot, print_summary, run_blobs, settle
+from ec_s3.sandbox.env import CPU_OFFLINE_ENV
+from ec_s3.sandbox.metrics import scrape_metrics
+from ec_s3.sandbox.procgroup import interrupt_on_signals
 from ec_s3.sandbox.vllm_server import (
-    CPU_OFFLINE_ENV,
     TINY_MODEL_ARGS,
     LoadProgress,
-    MetricSamples,
     ServerError,
     VllmServer,
     ec_transfer_config,
-    scrape_metrics,
     stop_all,
     wait_all_ready,
 )
 
-__all__ = [
-    "ChatResult",
-    "DemoRequest",
-    "build_parser",
-    "chat_body",
-    "compare_results",
-    "default_schedule",
-    "image_data_url",
-    "main",
-    "post_chat",
-    "run_schedule",
-]
+__all__ = ["build_parser", "main"]
 
-QUESTIONS = ("What is in this picture?", "Describe the image in one sentence.")
 DEFAULT_BUCKET = "ec-s3-demo"
-DEFAULT_MAX_TOKENS = 8
 WARMUP_SEED = 0  # the image of each phase's warm-up request (not in the schedule)
-
-# Metric families of the connector (vLLM prefixes them with "vllm:"). Absent ones print n/a.
-M = "vllm:ec_s3_"
-M_UPLOADED, M_UPLOADED_BYTES = M + "blobs_uploaded_total", M + "bytes_uploaded_total"
-M_DOWNLOADED, M_DOWNLOADED_BYTES = M + "blobs_downloaded_total", M + "bytes_downloaded_total"
-M_LOADED, M_LOOKUPS = M + "blobs_loaded_total", M + "lookups_total"
-M_FALLBACKS, M_UNAVAILABLE = M + "fallbacks_local_total", M + "requests_unavailable_total"
-M_INVALID, M_UPLOAD_FAILURES, M_RETRIES = M + "invalid_blobs_total", M + "upload_failures_total", M + "retries_total"
-M_UPLOAD_S, M_DOWNLOAD_S = M + "upload_seconds", M + "download_seconds"
-P = "ec_s3_proxy_"
-
-
-# --------------------------------------------------------------------------- requests
-@dataclass(frozen=True)
-class DemoRequest:
-    """One chat request of the schedule: an image (by seed) and a question."""
-
-    index: int  # 1-based, stable across phases
-    step: int  # requests of one step are sent concurrently, steps one after another
-    image_seed: int
-    question: str
-
-    @property
-    def image_label(self) -> str:
-        return f"img-{self.image_seed}"
-
-
-def default_schedule(seeds: Sequence[int] = (1, 2, 3, 4)) -> list[list[DemoRequest]]:
-    """6 requests over 4 images: two alone, two at once, then the first two images again
-    with the other question (the consumer already holds those encoder outputs)."""
-    a, b, c, d = seeds
-    plan = [[(a, 0)], [(b, 1)], [(c, 0), (d, 1)], [(a, 1)], [(b, 0)]]
-    schedule: list[list[DemoRequest]] = []
-    n = 0
-    for step, reqs in enumerate(plan, 1):
-        row = []
-        for seed, q in reqs:
-            n += 1
-            row.append(DemoRequest(n, step, seed, QUESTIONS[q]))
-        schedule.append(row)
-    return schedule
-
-
-@functools.lru_cache(maxsize=64)
-def image_data_url(seed: int) -> str:
-    """A ``data:`` URL of the PNG of :func:`ec_s3.tiny_model.make_test_image` (seed)."""
-    from ec_s3.sandbox.tiny_model import make_test_image
-
-    buf = io.BytesIO()
-    make_test_image(seed).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def chat_body(model: str, image_seed: int, question: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
-    """A greedy OpenAI chat request with one image whose answer carries token ids and
-    their logprobs (vLLM's ``return_tokens_as_token_ids``)."""
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_data_url(image_seed)}},
-            {"type": "text", "text": question},
-        ]}],
-        "temperature": 0.0,
-        "max_tokens": max_tokens,
-        "logprobs": True,
-        "top_logprobs": 1,
-        "return_tokens_as_token_ids": True,
-    }
-
-
-@dataclass
-class ChatResult:
-    """What came back for one chat request."""
-
-    status: int
-    latency_s: float
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: str = ""
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None
-
-
-def post_chat(base_url: str, body: Mapping[str, Any], *, timeout: float = 180.0,
-              request_id: str | None = None) -> ChatResult:
-    """POST ``/v1/chat/completions``; never raises for HTTP or connection errors."""
-    headers = {"Content-Type": "application/json"}
-    if request_id:
-        headers["X-Request-Id"] = request_id
-    req = urllib.request.Request(f"{base_url.rstrip('/')}/v1/chat/completions",
-                                 data=json.dumps(body).encode(), headers=headers, method="POST")
-    started = time.monotonic()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 - our servers
-            status, raw = int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        raw = exc.read() if exc.fp is not None else b""
-        return ChatResult(int(exc.code), time.monotonic() - started, error=raw.decode("utf-8", "replace")[:300])
-    except (OSError, ValueError) as exc:
-        return ChatResult(0, time.monotonic() - started, error=f"{type(exc).__name__}: {exc}")
-    latency = time.monotonic() - started
-    try:
-        payload = json.loads(raw)
-        choice = payload["choices"][0]
-        content = (choice.get("logprobs") or {}).get("content") or []
-        token_ids = [int(str(t["token"]).split(":", 1)[1]) for t in content]
-        logprobs = [float(t["logprob"]) for t in content]
-        text = (choice.get("message") or {}).get("content") or ""
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        return ChatResult(status, latency, error=f"unexpected answer ({type(exc).__name__}: {exc})")
-    return ChatResult(status, latency, token_ids, logprobs, text)
-
-
-def compare_results(got: ChatResult, want: ChatResult, tolerance: float = 0.0) -> tuple[bool, str]:
-    """(equal, one-word verdict): equal token ids and logprobs within ``tolerance``."""
-    if not got.ok or not want.ok:
-        return False, "error"
-    if got.token_ids != want.token_ids:
-        return False, "DIFFERENT tokens"
-    if len(got.logprobs) != len(want.logprobs):
-        return False, "DIFFERENT logprobs"
-    diff = max((abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)), default=0.0)
-    if diff == 0.0:
-        return True, "identical"
-    if diff <= tolerance:
-        return True, f"equal (max |dlogprob| {diff:.1e})"
-    return False, f"DIFFERENT logprobs (max |d| {diff:.1e})"
-
-
-def run_schedule(
-    base_url: str,
-    model: str,
-    schedule: Sequence[Sequence[DemoRequest]],
-    *,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    timeout: float = 180.0,
-    id_prefix: str = "ec-s3-demo",
-    after_step: Callable[[int, list[DemoRequest]], None] | None = None,
-) -> dict[int, ChatResult]:
-    """Send the schedule to ``base_url`` (steps in order, a step's requests at once);
-    ``after_step(step, requests)`` runs when a step's answers are all in."""
-    results: dict[int, ChatResult] = {}
-    run_id = secrets.token_hex(3)
-    with ThreadPoolExecutor(max_workers=max((len(s) for s in schedule), default=1)) as pool:
-        for reqs in schedule:
-            futures = {
-                r.index: pool.submit(post_chat, base_url, chat_body(model, r.image_seed, r.question,
-                                                                    max_tokens=max_tokens),
-                                     timeout=timeout, request_id=f"{id_prefix}-{run_id}-{r.index}")
-                for r in reqs
-            }
-            for index, fut in futures.items():
-                results[index] = fut.result()
-            if after_step is not None and reqs:
-                after_step(reqs[0].step, list(reqs))
-    return results
-
-
-# --------------------------------------------------------------------------- metrics
-@dataclass
-class _Snapshot:
-    producer: MetricSamples
-    consumer: MetricSamples
-    proxy: MetricSamples
-    blobs: frozenset[str] | None = None  # blob keys under the run's prefix (bucket listing)
-
-
-def _delta(after: MetricSamples, before: MetricSamples, name: str, **labels: str) -> float | None:
-    a = after.get(name, **labels)
-    if a is None:
-        return None
-    return a - (before.get(name, **labels) or 0.0)
-
-
-def _fmt_num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:g}"
-
-
-def _fmt_bytes(v: float | None) -> str:
-    if v is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(v) < 1024 or unit == "GiB":
-            return f"{v:.0f} {unit}" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{v:.1f} GiB"
-
-
-def _settle(scrape: Callable[[], _Snapshot], wait_s: float = 1.5, every_s: float = 0.25) -> _Snapshot:
-    """Scrape until two reads agree (stats reach /metrics with the engine's next output)."""
-    deadline = time.monotonic() + wait_s
-    snap = scrape()
-    while time.monotonic() < deadline:
-        time.sleep(every_s)
-        nxt = scrape()
-        if all(_only_counters(getattr(nxt, r)).samples == _only_counters(getattr(snap, r)).samples
-               for r in ("producer", "consumer")):
-            return nxt
-        snap = nxt
-    return snap
-
-
-_COUNTER_NAMES = frozenset({M_UPLOADED, M_DOWNLOADED, M_LOADED, M_LOOKUPS, M_FALLBACKS, M_UNAVAILABLE, M_INVALID})
-
-
-def _only_counters(m: MetricSamples) -> MetricSamples:
-    """The connector counters only (other vLLM families change on every scrape)."""
-    return MetricSamples(tuple(s for s in m.samples if s[0] in _COUNTER_NAMES), ok=m.ok)
-
-
-# --------------------------------------------------------------------------- output
-class _Out:
-    def __init__(self, stream: TextIO) -> None:
-        self.stream = stream
-        self.t0 = time.monotonic()
-
-    def __call__(self, text: str = "") -> None:
-        print(text, file=self.stream, flush=True)
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-
-def _table(rows: list[list[str]], header: list[str], right: set[int]) -> list[str]:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-
-    return [fmt(header), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)]
 
 
 # --------------------------------------------------------------------------- CLI
@@ -372,34 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cache_home() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME")
-    return Path(base) if base else Path.home() / ".cache"
-
-
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM / SIGHUP raise KeyboardInterrupt like Ctrl-C, so that every ``finally``
-    (servers, proxy, S3) runs; the previous handlers come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        with contextlib.suppress(ValueError, OSError):
-            old[sig] = signal.signal(sig, handler)
-    try:
-        yield
-    finally:
-        for sig, h in old.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(sig, h)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``ec-s3 demo``; returns 0 only if every disaggregated answer equals the baseline's."""
     parser = build_parser()
@@ -417,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_usage(sys.stderr)
             print(f"ec-s3 demo: error: --extra-config: {exc}", file=sys.stderr)
             return 2
-    out = _Out(sys.stdout)
+    out = Out(sys.stdout)
     try:
-        with _signals_interrupt():
+        with interrupt_on_signals():
             return _Demo(args, extra, out).run()
     except KeyboardInterrupt:
         out("\nec-s3 demo: interrupted; every server it started has been stopped")
@@ -427,12 +160,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class _Demo:
-    def __init__(self, args: argparse.Namespace, extra: dict[str, Any], out: _Out) -> None:
+    def __init__(self, args: argparse.Namespace, extra: dict[str, Any], out: Out) -> None:
         self.args = args
         self.extra = extra
         self.out = out
         self.schedule = default_schedule()
-        self.requests = [r for step in self.schedule for r in step]
         self.timings: dict[str, float] = {}
         self.vllm_args = [a for raw in args.vllm_arg for a in shlex.split(raw)]
 
@@ -451,13 +183,15 @@ class _Demo:
                     return self._fail(log_dir)
                 results, snaps, final, servers, proxy = self._epd(
                     stack, store, model, server_args, env, extra_config, log_dir)
-                blobs = self._list_blobs(store, extra_config["prefix"])
+                blobs = run_blobs(store, extra_config["prefix"], self.out)
                 if not args.keep_running:
                     t = time.monotonic()
                     stop_all(servers)
                     proxy.stop()
                     self.timings["shutdown"] = time.monotonic() - t
-                ok = self._summary(baseline, results, snaps, final, blobs, extra_config["prefix"])
+                self._step(5, "summary")
+                ok = print_summary(out, self.schedule, baseline, results, snaps, final, blobs,
+                                   extra_config["prefix"], self.timings, args.logprob_tolerance)
                 if args.keep_running and all(s.is_running() for s in servers):
                     self._keep_running(servers, proxy, model)
                 if not args.keep_blobs:
@@ -543,9 +277,9 @@ class _Demo:
             self._step(2, f"model: {args.model} (your vLLM install and device)")
             self.timings["model"] = 0.0
             return str(args.model), list(self.vllm_args), {}
-        from ec_s3.sandbox.tiny_model import build_tiny_llava, read_manifest
+        from ec_s3.sandbox.tiny_model import build_tiny_llava, default_model_dir, read_manifest
 
-        dst = args.tiny_model_dir or _cache_home() / "ec-s3" / "tiny-llava"
+        dst = args.tiny_model_dir or default_model_dir()
         self._step(2, "model: tiny offline LLaVA-1.5 (random weights; outputs are gibberish, but exact)")
         had = read_manifest(dst) is not None
         path = build_tiny_llava(Path(dst))
@@ -596,7 +330,7 @@ class _Demo:
 
     def _epd(self, stack: contextlib.ExitStack, store: Any, model: str, server_args: list[str],
              env: dict[str, str], extra_config: dict[str, Any], log_dir: Path,
-             ) -> tuple[dict[int, ChatResult], dict[int, _Snapshot], _Snapshot, list[VllmServer], Any]:
+             ) -> tuple[dict[int, ChatResult], dict[int, Snapshot], Snapshot, list[VllmServer], Any]:
         from ec_s3.proxy.server import ProxyConfig, ProxyThread
 
         out, args = self.out, self.args
@@ -620,20 +354,20 @@ class _Demo:
         # Through the proxy: warms the encoder, the upload, the fetch and prefill/decode.
         warm = self._warm_up(proxy.url, model)
 
-        def scrape() -> _Snapshot:
-            return _Snapshot(producer.metrics(), consumer.metrics(), scrape_metrics(f"{proxy.url}/metrics"))
+        def scrape() -> Snapshot:
+            return Snapshot(producer.metrics(), consumer.metrics(), scrape_metrics(f"{proxy.url}/metrics"))
 
-        snaps: dict[int, _Snapshot] = {}
+        snaps: dict[int, Snapshot] = {}
 
         def count_blobs() -> frozenset[str] | None:
-            listed = self._list_blobs(store, extra_config["prefix"])
+            listed = run_blobs(store, extra_config["prefix"], self.out)
             return None if listed is None else frozenset(o.key for o in listed)
 
-        snaps[0] = _settle(scrape)
+        snaps[0] = settle(scrape)
         snaps[0].blobs = count_blobs()
 
         def after_step(step: int, reqs: list[DemoRequest]) -> None:
-            snaps[step] = _settle(scrape)
+            snaps[step] = settle(scrape)
             snaps[step].blobs = count_blobs()
 
         t_req = time.monotonic()
@@ -643,175 +377,22 @@ class _Demo:
         # The producer reports an upload with its next engine step; uploads end after the
         # request's last step, so give it one (a text-only request) before the final read.
         self._nudge(producer.url, model)
-        final = _settle(lambda: _Snapshot(producer.metrics(), consumer.metrics(),
+        final = settle(lambda: Snapshot(producer.metrics(), consumer.metrics(),
                                           scrape_metrics(f"{proxy.url}/metrics")))
         self.timings["epd"] = time.monotonic() - t
         out(f"      warm-up request {warm.latency_s:.1f} s; {len(results)} requests in "
             f"{self.timings['epd_requests']:.2f} s")
         return results, snaps, final, servers, proxy
 
-    # ------------------------------------------------------------------ S3 listing
-    def _list_blobs(self, store: Any, prefix: str) -> list[Any] | None:
-        async def collect() -> list[Any]:
-            return [o async for o in store.list_async(prefix.rstrip("/") + "/")]
-
-        try:
-            objects = store.run(collect(), timeout=60)
-        except Exception as exc:  # noqa: BLE001 - a listing failure is reported, not fatal
-            self.out(f"      (could not list the bucket: {exc})")
-            return None
-        return [o for o in objects if o.key.endswith(".safetensors") and f"/{PROBE_NAMESPACE}/" not in o.key]
-
     def _delete_blobs(self, store: Any, prefix: str) -> None:
-        async def collect() -> list[str]:
-            return [o.key async for o in store.list_async(prefix.rstrip("/") + "/")]
-
-        with contextlib.suppress(Exception):
-            keys = store.run(collect(), timeout=60)
+        try:
+            keys = [o.key for o in store.run(list_objects_async(store, key_root(prefix)), timeout=60)]
             if keys:
                 store.run(store.delete_many_async(keys), timeout=60)
-
-    # ------------------------------------------------------------------ summary
-    def _summary(self, baseline: dict[int, ChatResult], results: dict[int, ChatResult],
-                 snaps: dict[int, _Snapshot], final: _Snapshot, blobs: list[Any] | None, prefix: str) -> bool:
-        out, args = self.out, self.args
-        self._step(5, "summary")
-        rows: list[list[str]] = []
-        matches = 0
-        for step_reqs in self.schedule:
-            step = step_reqs[0].step
-            enc, pd = self._where(step_reqs, snaps.get(step - 1), snaps.get(step))
-            for k, r in enumerate(step_reqs):
-                got, want = results[r.index], baseline[r.index]
-                same, verdict = compare_results(got, want, args.logprob_tolerance)
-                matches += same
-                rows.append([
-                    str(r.index),
-                    f"{step}{'*' if len(step_reqs) > 1 else ''}",
-                    r.image_label,
-                    f"{1000 * got.latency_s:.0f}" if got.ok else f"HTTP {got.status}",
-                    f"{1000 * want.latency_s:.0f}",
-                    enc if k == 0 else '"',
-                    pd if k == 0 else '"',
-                    str(len(got.token_ids)),
-                    verdict,
-                ])
-        header = ["req", "step", "image", "EPD ms", "base ms", "encoder (via proxy)",
-                  "prefill/decode took it from", "tokens", "vs baseline"]
-        out("")
-        for line in _table(rows, header, right={0, 3, 4, 7}):
-            out("  " + line)
-        out("  * = sent at once; a step's encoder / prefill-decode cells count the whole step")
-        out("    (deltas of the proxy's and the servers' /metrics and of the bucket listing)")
-
-        distinct = len({r.image_seed for r in self.requests})
-        base = snaps.get(0)
-        if base is None:
-            base = _Snapshot(MetricSamples(), MetricSamples(), MetricSamples())
-        p, c, x = final.producer, final.consumer, final.proxy
-        bp, bc, bx = base.producer, base.consumer, base.proxy
-
-        def dp(name: str, **labels: str) -> float | None:
-            return _delta(p, bp, name, **labels)
-
-        def dc(name: str, **labels: str) -> float | None:
-            return _delta(c, bc, name, **labels)
-
-        def dx(name: str, **labels: str) -> float | None:
-            return _delta(x, bx, name, **labels)
-
-        def mean_ms(after: MetricSamples, before: MetricSamples, name: str) -> str:
-            total, count = _delta(after, before, name + "_sum"), _delta(after, before, name + "_count")
-            return "n/a" if total is None or not count else f"{1000 * total / count:.1f} ms"
-
-        out("")
-        out("  totals of the 6 requests (the warm-up request excluded):")
-        new_blobs = None
-        if blobs is None:
-            out("  bucket      : n/a (listing failed)")
-        else:
-            known = base.blobs or frozenset()
-            fresh = [o for o in blobs if o.key not in known]
-            new_blobs = len(fresh)
-            flag = "" if new_blobs == distinct else "   <-- expected one per distinct image"
-            out(f"  bucket      : {new_blobs} new blobs, {_fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
-                f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up)")
-        uploaded, loaded, downloaded = dp(M_UPLOADED), dc(M_LOADED), dc(M_DOWNLOADED)
-        unreported = "  (a worker-side counter: this vLLM executor does not report it)"
-        out(f"  encoder     : uploaded {_fmt_num(uploaded)} blobs / {_fmt_bytes(dp(M_UPLOADED_BYTES))}"
-            f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {_fmt_num(dp(M_UPLOAD_FAILURES))}"
-            f", retries {_fmt_num(dp(M_RETRIES))}"
-            + (unreported if uploaded is not None and new_blobs and uploaded < new_blobs else ""))
-        hit, miss, tmo = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout"))
-        out(f"  prefill/dec : lookups hit {_fmt_num(hit)} / miss {_fmt_num(miss)} (polls while waiting included)"
-            f" / timeout {_fmt_num(tmo)}; downloaded {_fmt_num(downloaded)} blobs / "
-            f"{_fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
-        out(f"                loaded {_fmt_num(loaded)} encoder outputs instead of encoding"
-            + (unreported if loaded is not None and downloaded and loaded < downloaded else "")
-            + f"; local fallbacks {_fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
-            f"{_fmt_num(dc(M_UNAVAILABLE))}; invalid blobs {_fmt_num(dc(M_INVALID))}")
-        without = dx(P + "items_without_params_total")
-        out(f"  proxy       : {_fmt_num(dx(P + 'requests_total'))} requests, "
-            f"{_fmt_num(dx(P + 'mm_items_total'))} media items; encoder answers ok "
-            f"{_fmt_num(dx(P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
-            f"{_fmt_num(without if without is not None else (0.0 if x.ok else None))}")
-        ok_all = matches == len(self.requests)
-        out(f"  outputs     : {matches}/{len(self.requests)} answers equal to the non-disaggregated run "
-            f"(token ids and logprobs, temperature 0)")
-        t = self.timings
-        wall = self.out.elapsed()
-        parts = [f"S3 {t.get('s3', 0):.1f} s", f"model {t.get('model', 0):.1f} s",
-                 f"baseline phase {t.get('baseline', 0):.0f} s", f"EPD phase {t.get('epd', 0):.0f} s"]
-        if "shutdown" in t:
-            parts.append(f"shutdown {t['shutdown']:.0f} s")
-        out(f"  wall time   : {wall:.0f} s ({', '.join(parts)})")
-        out("")
-        out("PASS: the disaggregated answers equal the baseline's" if ok_all
-            else "FAIL: some disaggregated answers differ from the baseline's")
-        return ok_all
-
-    def _where(self, reqs: list[DemoRequest], before: _Snapshot | None,
-               after: _Snapshot | None) -> tuple[str, str]:
-        """(what the encoder did, where prefill/decode got the encoder output) for one
-        step, from the deltas of the proxy's and the consumer's /metrics and of the
-        bucket listing; "n/a" where a source is missing."""
-        n = len(reqs)
-        if before is None or after is None:
-            return "n/a", "n/a"
-        # Encoder side: params the proxy got back, and new blobs in the bucket (an
-        # encoder that finds an image's blob already there skips encoding it).
-        ok = _delta(after.proxy, before.proxy, P + "encoder_requests_total", outcome="ok")
-        without = _delta(after.proxy, before.proxy, P + "items_without_params_total") or 0.0
-        enc = ["n/a" if ok is None else f"{int(ok)}/{n} params"]
-        if after.blobs is not None and before.blobs is not None:
-            new = len(after.blobs - before.blobs)
-            enc.append(f"{new} new blob{'s' if new != 1 else ''}")
-        # Prefill/decode side: fetched (downloaded, or loaded where the worker's
-        # counter is reported), encoded locally (promise not kept, or no params),
-        # or neither: the image was still in its own encoder cache.
-        fetched_src = [v for v in (_delta(after.consumer, before.consumer, M_LOADED),
-                                   _delta(after.consumer, before.consumer, M_DOWNLOADED)) if v is not None]
-        if not fetched_src:
-            if ok is None:
-                return ", ".join(enc), "n/a"
-            guess = f"{'encoder params' if ok else ''}{', ' if ok and without else ''}"
-            guess += f"{int(without)} without params (encoded locally)" if without else ""
-            return ", ".join(enc), guess + " (no connector metrics)"
-        fetched = int(max(fetched_src))
-        local = int((_delta(after.consumer, before.consumer, M_FALLBACKS) or 0.0) + without)
-        cached = max(0, n - fetched - local)
-
-        def count(k: int) -> str:
-            return "" if n == 1 else f"{k}x "
-
-        pd = []
-        if fetched:
-            pd.append(f"{count(fetched)}fetched from S3")
-        if local:
-            pd.append(f"{count(local)}encoded locally")
-        if cached:
-            pd.append(f"{count(cached)}own encoder cache")
-        return ", ".join(enc), ", ".join(pd) or "n/a"
+        except Exception as exc:  # noqa: BLE001 - the answers are in; leftovers are reported, not fatal
+            endpoint = f" --endpoint-url {store.config.endpoint_url}" if store.config.endpoint_url else ""
+            self.out(f"  could not delete this run's blobs ({type(exc).__name__}: {exc}); delete them with "
+                     f"`ec-s3 gc --bucket {store.bucket}{endpoint} --prefix {prefix} --older-than 0s`")
 
     # ------------------------------------------------------------------ keep running
     def _keep_running(self, servers: list[VllmServer], proxy: Any, model: str) -> None:

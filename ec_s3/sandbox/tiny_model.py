@@ -17,6 +17,11 @@ No model hub is reachable in CI, so the model is written from scratch:
 
 Only torch, safetensors, transformers, tokenizers and PIL are needed (all come with
 vLLM). Building takes about a second.
+
+Owns the model directory (built once per content version, atomically, with a
+manifest), the test images and the vision-weight reseeding tests use. Does not own
+serving it (:mod:`ec_s3.sandbox.vllm_server`) nor the server arguments it needs
+(``TINY_MODEL_ARGS`` there).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ __all__ = [
     "PATCH_SIZE",
     "SPECIAL_TOKENS",
     "build_tiny_llava",
+    "default_model_dir",
     "make_test_image",
+    "reseed_vision_weights",
     "read_manifest",
 ]
 
@@ -296,6 +303,30 @@ def _write_model(tmp: Path, seed: int, random_weights: bool) -> list[str]:
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     return sorted(p.name for p in tmp.iterdir() if p.is_file())
+
+
+def reseed_vision_weights(model_dir: Path, seed: int) -> None:
+    """Re-randomise the vision tower and projector of a built model in place. Tests use
+    it to prove a consumer used a producer's encoder output: at the same model path (so
+    the same mm identifiers and blob keys), an engine that encodes locally now gives
+    other logprobs than one that loads the published output."""
+    import safetensors.torch
+    import torch
+
+    path = Path(model_dir) / "model.safetensors"
+    weights = safetensors.torch.load_file(str(path))
+    gen = torch.Generator().manual_seed(seed)
+    for name, tensor in weights.items():
+        if name.startswith(("vision_tower.", "multi_modal_projector.")) and tensor.dim() >= 2:
+            weights[name] = (torch.randn(tensor.shape, generator=gen) * INIT_STD).to(tensor.dtype)
+    safetensors.torch.save_file(weights, str(path))
+
+
+def default_model_dir() -> Path:
+    """Where ``ec-s3 demo`` builds (and reuses) the model unless told otherwise:
+    ``$XDG_CACHE_HOME/ec-s3/tiny-llava``, ``~/.cache`` when that is unset."""
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "ec-s3" / "tiny-llava"
 
 
 def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True) -> Path:

@@ -19,6 +19,7 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
 from ec_s3.connector.facade import ECS3Connector
+from ec_s3.sandbox.vllm_server import ec_transfer_config
 from support.vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
 
 
@@ -53,13 +54,7 @@ def make_node(
     log_stats: bool = False,
     **engine_kwargs: Any,
 ) -> Node:
-    ec = {
-        "ec_connector": "ECS3Connector",
-        "ec_connector_module_path": "ec_s3",
-        "ec_role": role,
-        "ec_connector_extra_config": extra,
-    }
-    vllm_config = make_vllm_config(model_dir, ec, **engine_kwargs)
+    vllm_config = make_vllm_config(model_dir, ec_transfer_config(role, extra), **engine_kwargs)
     scheduler = make_scheduler(vllm_config, log_stats=log_stats)
     worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
     sim = ECWorkerSim(worker, encode_fn=encode_fn)

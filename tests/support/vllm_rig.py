@@ -29,30 +29,17 @@ subclass and uses the same ``execute_model``):
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ec_s3.sandbox.env import CPU_OFFLINE_ENV as RIG_ENV
+from ec_s3.sandbox.env import apply_offline_env as apply_rig_env
+
 # Must be in place before vLLM is imported (envs are read lazily, but cached once
 # an engine starts).
-RIG_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-}
-
-
-def apply_rig_env(env: dict[str, str] | None = None) -> None:
-    """``setdefault`` the CPU/offline env vars vLLM needs here into ``os.environ``."""
-    for k, v in (env or RIG_ENV).items():
-        os.environ.setdefault(k, v)
-
-
 apply_rig_env()
 
 import torch  # noqa: E402
