@@ -60,7 +60,8 @@ class ECS3Worker:
         if self._is_producer and _is_publishing_rank():
             spool = None
             if config.spool_dir:
-                spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_retry_s, self._get_store(), counters)
+                spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_retry_s, self._get_store(), counters,
+                              owns=model.keyspace.owns)
                 spool.start()
             self._publisher = BlobPublisher(
                 self._get_store(), config, namespace=model.keyspace.namespace,
