@@ -232,6 +232,9 @@ def test_staging_dir_writable_by_others_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="staging_dir") as info:
         StagingArea(str(shared), 1000)
     assert getattr(info.value, "key", None) == "staging_dir" and "0700" in str(info.value)
+    assert str(shared / "ec-s3") in str(info.value)  # the way out it suggests (e.g. a k8s emptyDir) works:
+    StagingArea(str(shared / "ec-s3"), 1000).close()
+    assert stat.S_IMODE(os.stat(shared / "ec-s3").st_mode) == 0o700
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
     os.chown(theirs, 65534, 65534)

@@ -32,12 +32,11 @@ class UnsafeDirectory(ConfigError):
     ``key`` names the config key, ``path`` the directory, ``problem`` what is wrong.
     """
 
-    def __init__(self, key: str, path: str, problem: str) -> None:
+    def __init__(self, key: str, path: str, problem: str, hint: str = "") -> None:
         super().__init__(
             f"{key}={path!r} {problem}; ec-s3 keeps blobs there that it later loads or uploads, so "
             f"anyone who can write into it could substitute them. Point {key} at a directory owned by "
-            f"this user (uid {os.geteuid()}) with mode 0700 (e.g. `install -d -m 0700 {path}`), "
-            f"or leave it unset for the default."
+            f"this user (uid {os.geteuid()}) with mode 0700 (e.g. `install -d -m 0700 {path}`){hint}."
         )
         self.key, self.path, self.problem = key, path, problem
 
@@ -65,7 +64,12 @@ def ensure_private_dir(path: str | os.PathLike[str], *, key: str, shared_ok: boo
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         sticky = bool(st.st_mode & stat.S_ISVTX)
         if not (shared_ok and sticky):
-            raise UnsafeDirectory(key, str(p), f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+            # A Kubernetes emptyDir is 0777 without the sticky bit: a subdirectory we
+            # create ourselves (0700) is the easy way out.
+            hint = f", or at a subdirectory such as {p / 'ec-s3'} that ec-s3 creates with mode 0700" if shared_ok else ""
+            raise UnsafeDirectory(
+                key, str(p), f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})", hint,
+            )
     elif st.st_uid != me and not shared_ok:
         # Root's private directory: we could not write there anyway, say so now.
         raise UnsafeDirectory(key, str(p), "is owned by root, not by this user")
