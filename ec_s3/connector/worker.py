@@ -28,7 +28,7 @@ from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, 
 from ec_s3.connector.model import ModelInfo, host_id
 from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
-from ec_s3.transfer.staging import open_slot_view
+from ec_s3.transfer.slot_reader import open_staged_blob
 from ec_s3.transfer.counters import Counters
 from ec_s3.store.client import S3Store, StoreError
 
@@ -60,7 +60,8 @@ class ECS3Worker:
         if self._is_producer and _is_publishing_rank():
             spool = None
             if config.spool_dir:
-                spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_retry_s, self._get_store(), counters)
+                spool = Spool(config.spool_dir, config.spool_max_bytes, config.spool_retry_s, self._get_store(), counters,
+                              owns=model.keyspace.owns)
                 spool.start()
             self._publisher = BlobPublisher(
                 self._get_store(), config, namespace=model.keyspace.namespace,
@@ -125,10 +126,12 @@ class ECS3Worker:
 
     def _load_staged(self, spec: LoadSpec, device: torch.device) -> torch.Tensor:
         dtype = getattr(torch, spec.dtype)
-        mm = open_slot_view(spec.path)
+        # The path names one generation of a slot; the header must name this item.
+        mm = open_staged_blob(
+            spec.path, identifier=spec.identifier, nbytes=spec.nbytes, data_offset=spec.data_offset,
+            dtype=spec.dtype, shape=spec.shape,
+        )
         try:
-            if len(mm) != spec.nbytes:
-                raise ValueError(f"staging file is {len(mm)} bytes, expected {spec.nbytes}")
             count = spec.nbytes - spec.data_offset
             host = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=spec.data_offset)
             host = host.view(dtype).reshape(spec.shape)

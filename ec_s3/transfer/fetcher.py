@@ -5,6 +5,13 @@ hand-off that returns at once) and collects finished ones with :meth:`drain` at 
 next call. A consumer lookup is a GET straight into a staging slot followed by full
 validation of the blob against what the model expects, so a "staged" answer means
 the worker can use the bytes as they are. A producer lookup is only a HEAD.
+
+Every lookup started reports exactly one result, whatever happens to it (an error of
+any type, cancellation at shutdown, a loop that is gone): an item without a result
+would wait for it forever. A slot is kept only for a ``Staged`` result.
+
+Owns lookups in flight and the mapping of their outcomes to results. Does not own
+item states or retries (the scheduler), slot lifetimes (staging) or S3 (the store).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
-from ec_s3.transfer.staging import StagingArea, StagingSlot, open_slot_view
+from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot, open_slot_view
 from ec_s3.transfer.counters import Counters
 from ec_s3.store.client import IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
@@ -74,11 +81,16 @@ class ItemFetcher:
         self._counters = counters
         # deque.append/popleft are atomic: the loop appends, the scheduler pops.
         self._done: collections.deque[tuple[str, FetchResult]] = collections.deque()
+        self._seen_unexpected: set[type[BaseException]] = set()
 
     def start(self, key: str, expect: BlobExpectation | None) -> None:
         """Look ``key`` up in the background: HEAD if ``expect`` is None, else fetch,
-        validate against ``expect`` and stage."""
-        self._store.background.call_soon(self._spawn, key, expect)
+        validate against ``expect`` and stage. Never raises; a lookup that cannot
+        even start reports ``Failed`` at the next :meth:`drain`."""
+        try:
+            self._store.background.call_soon(self._spawn, key, expect)
+        except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown)
+            self._done.append((key, Failed(f"I/O loop unavailable: {exc}")))
 
     def drain(self) -> list[tuple[str, FetchResult]]:
         out = []
@@ -90,36 +102,60 @@ class ItemFetcher:
         coro = self._head(key) if expect is None else self._fetch(key, expect)
         try:
             self._store.submit(coro)
-        except StoreError:  # closed while shutting down
-            self._done.append((key, Failed("store closed")))
+        except Exception as exc:  # noqa: BLE001 - closed while shutting down
+            coro.close()
+            self._done.append((key, Failed(f"store closed: {exc}")))
 
     async def _head(self, key: str) -> None:
+        result: FetchResult = Failed("lookup cancelled")
         try:
             info = await self._store.head_async(key)
-            result: FetchResult = Missing() if info is None else Present(info.size)
+            result = Missing() if info is None else Present(info.size)
         except StoreError as exc:
             result = self._failed(exc)
-        self._done.append((key, result))
+        except Exception as exc:  # noqa: BLE001 - a lookup must always report
+            result = self._unexpected(key, exc)
+        finally:
+            self._done.append((key, result))
 
     def _failed(self, exc: StoreError) -> Failed:
         transient = isinstance(exc, StoreUnavailable)
         return Failed(exc.reason, transient=transient, outage=transient and self._store.breaker.is_open)
 
+    def _unexpected(self, key: str, exc: Exception) -> Failed:
+        kind = type(exc)
+        # The traceback once per exception type: enough to fix it, not a flood.
+        first = kind not in self._seen_unexpected
+        self._seen_unexpected.add(kind)
+        logger.warning("ec-s3: unexpected error looking up %s: %r", key, exc, exc_info=first)
+        return Failed(f"{kind.__name__}: {exc}")
+
     async def _fetch(self, key: str, expect: BlobExpectation) -> None:
         assert self._staging is not None
         staging = self._staging
         held: list[tuple[StagingSlot, mmap.mmap]] = []
+        # Set by the allocator: whatever the store makes of the exception we raise
+        # through it, the answer is NoSpace.
+        no_space: list[bool] = []
 
         def allocate(nbytes: int) -> memoryview:
-            slot = staging.allocate(hashlib.sha256(key.encode()).hexdigest()[:40], nbytes)
+            try:
+                slot = staging.allocate(hashlib.sha256(key.encode()).hexdigest()[:40], nbytes)
+            except NoStagingSpace:
+                slot = None
             if slot is None:
+                no_space.append(True)
                 raise _StagingFull
-            mm = open_slot_view(slot.path, writable=True)
+            try:
+                mm = open_slot_view(slot.path, writable=True)
+            except BaseException:
+                staging.discard(slot)
+                raise
             held.append((slot, mm))
             return memoryview(mm)
 
         started = time.monotonic()
-        result: FetchResult
+        result: FetchResult = Failed("lookup cancelled")
         try:
             buf = await self._store.get_async(key, allocate=allocate)
             decoded = decode_blob(buf, expect)
@@ -144,15 +180,16 @@ class ItemFetcher:
             self._counters.inc("invalid_blobs")
             logger.warning("ec-s3: blob %s is invalid (%s); it will not be used", key, exc)
         except StoreError as exc:
-            result = self._failed(exc)
+            result = NoSpace() if no_space else self._failed(exc)
         except Exception as exc:  # noqa: BLE001 - a lookup must never take the engine down
-            result = Failed(f"{type(exc).__name__}: {exc}")
-            logger.exception("ec-s3: unexpected error fetching %s", key)
+            result = NoSpace() if no_space else self._unexpected(key, exc)
         finally:
             for _, mm in held:
                 with contextlib.suppress(BufferError):
                     mm.close()
-        if not isinstance(result, Staged):
-            for slot, _ in held:
-                staging.discard(slot.name)
-        self._done.append((key, result))
+            if not isinstance(result, Staged):
+                for slot, _ in held:
+                    staging.discard(slot)
+            if isinstance(result, NoSpace):
+                self._counters.inc("staging_no_space")
+            self._done.append((key, result))

@@ -10,6 +10,14 @@ in front, so the buffer *is* the upload body) and uploads it with a conditional 
 Memory is bounded by ``max_inflight_bytes``: when full, ``block`` makes the step
 wait for room (backpressure slows the encoder to the store's pace) and ``drop``
 skips the upload and counts it.
+
+Every upload ends in one of: uploaded, already there, spooled, or dropped with a
+count and a log line, whatever the store raises; its bytes go back to the budget on
+every path, a task cancelled before it first ran and a loop that is gone included.
+
+Owns the in-flight budget and upload jobs. Does not own retries (the store), the
+outage spool's files (:mod:`ec_s3.transfer.spool`) or which key an output gets (the
+connector's key space).
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ class InflightBudget:
 
 
 class _Job:
-    __slots__ = ("identifier", "key", "layout", "host", "event", "source", "enqueued")
+    __slots__ = ("identifier", "key", "layout", "host", "event", "source", "enqueued", "settled")
 
     def __init__(self, identifier: str, key: str, layout: BlobLayout) -> None:
         self.identifier = identifier
@@ -83,6 +91,7 @@ class _Job:
         self.event: Any = None  # CUDA event: host copy done
         self.source: torch.Tensor | None = None  # CPU tensor to lay out on the loop
         self.enqueued = time.monotonic()
+        self.settled = False  # budget and pending count given back
 
 
 class BlobPublisher:
@@ -104,6 +113,7 @@ class BlobPublisher:
         self._pending = 0
         self._idle = threading.Condition()
         self._stream: Any = None
+        self._seen_unexpected: set[type[BaseException]] = set()
 
     # ------------------------------------------------------------ model-step side
     def publish(self, identifier: str, tensor: torch.Tensor, key: str) -> bool:
@@ -144,7 +154,14 @@ class BlobPublisher:
             self._pending += 1
         self._counters.inc("upload_started")
         self._counters.set_gauge("inflight_bytes", self.budget.used)
-        self._store.background.call_soon(self._spawn, job)
+        try:
+            self._store.background.call_soon(self._spawn, job)
+        except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown): never crash the step
+            self._forget(key)
+            self._settle(job)
+            self._counters.inc("upload_failed")
+            logger.warning("ec-s3: cannot upload %s: the I/O loop is not running (%s)", identifier[:64], exc)
+            return False
         return True
 
     def _reserve(self, nbytes: int, identifier: str) -> bool:
@@ -204,9 +221,32 @@ class BlobPublisher:
 
     # ------------------------------------------------------------ loop side
     def _spawn(self, job: _Job) -> None:
-        task = asyncio.ensure_future(self._upload(job))
+        try:
+            task = asyncio.ensure_future(self._upload(job))
+        except BaseException:
+            self._settle(job)
+            raise
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _task: self._on_done(job))
+
+    def _on_done(self, job: _Job) -> None:
+        # A task cancelled before its first step never ran _upload, finally included.
+        if not job.settled:
+            self._drop(job, "cancelled before it started", "upload_abandoned", quiet=False)
+            self._settle(job)
+
+    def _settle(self, job: _Job) -> None:
+        """Give ``job``'s bytes and pending count back, once."""
+        if job.settled:
+            return
+        job.settled = True
+        job.host = job.source = job.event = None
+        self.budget.release(job.layout.total_nbytes)
+        self._counters.set_gauge("inflight_bytes", self.budget.used)
+        with self._idle:
+            self._pending -= 1
+            self._idle.notify_all()
 
     async def _upload(self, job: _Job) -> None:
         nbytes = job.layout.total_nbytes
@@ -223,32 +263,40 @@ class BlobPublisher:
                 self._counters.inc("upload_already_present")
         except StoreUnavailable as exc:
             await self._spool_or_drop(job, body, exc.reason)
-        except (StoreError, OSError, RuntimeError, ValueError) as exc:
-            self._forget(job.key)
-            self._counters.inc("upload_failed")
-            logger.warning("ec-s3: upload of %s to %s failed: %s", job.identifier[:64], job.key, exc)
+        except StoreError as exc:
+            # The store answered and refused (403, a bad request): retrying the same
+            # bytes later would be refused again.
+            self._drop(job, str(exc), "upload_failed", quiet=False)
         except asyncio.CancelledError:
             # Shutting down with the upload unfinished: keep it in the spool if any.
             await self._spool_or_drop(job, body, "shutdown", cancelled=True)
             raise
+        except Exception as exc:  # noqa: BLE001 - whatever the store or the copy raises, the job ends here
+            kind = type(exc)
+            first = kind not in self._seen_unexpected
+            self._seen_unexpected.add(kind)
+            logger.warning("ec-s3: unexpected error uploading %s: %r", job.key, exc, exc_info=first)
+            await self._spool_or_drop(job, body, f"{kind.__name__}: {exc}")
         finally:
-            job.host = job.source = job.event = None
-            self.budget.release(nbytes)
-            self._counters.set_gauge("inflight_bytes", self.budget.used)
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+            self._settle(job)
 
     async def _spool_or_drop(
         self, job: _Job, body: memoryview | BufferChain | None, reason: str, *, cancelled: bool = False
     ) -> None:
         """Retries are spent (or we are shutting down): spool the blob, else drop it."""
-        if self._spool is not None and body is not None and await self._spool.save(job.key, body):
-            return  # still in _seen: the spool will deliver it
-        self._forget(job.key)
-        self._counters.inc("upload_abandoned" if cancelled else "upload_failed")
+        if self._spool is not None and body is not None:
+            try:
+                if await self._spool.save(job.key, body):
+                    return  # still in _seen: the spool will deliver it
+            except Exception as exc:  # noqa: BLE001 - the blob is dropped below, counted
+                logger.warning("ec-s3: cannot spool %s: %r", job.key, exc)
         # During an outage the breaker logs once; per-item lines would flood the log.
-        log = logger.debug if self._store.breaker.is_open else logger.warning
+        self._drop(job, reason, "upload_abandoned" if cancelled else "upload_failed", quiet=self._store.breaker.is_open)
+
+    def _drop(self, job: _Job, reason: str, counter: str, *, quiet: bool) -> None:
+        self._forget(job.key)
+        self._counters.inc(counter)
+        log = logger.debug if quiet else logger.warning
         log("ec-s3: upload of %s to %s dropped: %s", job.identifier[:64], job.key, reason)
 
     async def _body(self, job: _Job) -> memoryview | BufferChain:

@@ -8,38 +8,79 @@ the network, and the bytes are copied once from the socket to their final place.
 The area is bounded in bytes. A slot is pinned while a request needs it; unpinned
 slots stay as a cache and are evicted least-recently-used when space is needed. A
 slot is unlinked only a few engine steps after it was last handed to workers, so a
-step already dispatched (async scheduling) can still open it. Directories left by a
-crashed process (dead pid) are removed at start-up.
+step already dispatched (async scheduling) can still open it. Every slot file has a
+name of its own (``<name>.<generation>.blob``): a key staged again after an eviction
+never lands at a path a slow worker may still be reading.
+
+Slot files are reserved with ``posix_fallocate`` before anything writes them through
+``mmap``: on a full tmpfs a write to an unreserved page is a SIGBUS that kills the
+engine, while a failed reservation is an ordinary "no space" answer.
+
+Each process owns one directory ``ec-s3-<pid>-<random>``, marked by an ``flock`` on
+its ``.owner.lock`` held for the life of the process. At start-up a directory is
+removed only if its lock can be taken: its owner is gone. PIDs cannot tell that,
+since containers sharing ``/dev/shm`` (``ipc: host``) do not share a PID namespace.
+
+Owns slot files, their bytes bookkeeping and their lifetimes. Does not own what goes
+into a slot (the fetcher), which requests need which slot (the scheduler) or reading
+a slot on the worker side (:mod:`ec_s3.transfer.slot_reader`).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
+import errno
+import fcntl
 import mmap
 import os
+import re
 import secrets
 import shutil
+import stat
 import threading
+import time
 from pathlib import Path
 
 from ec_s3.log import logger
+from ec_s3.transfer.fsutil import UnsafeDirectory, create_exclusive, ensure_private_dir, open_nofollow
 
-__all__ = ["StagingArea", "StagingSlot", "open_slot_view"]
+__all__ = ["NoStagingSpace", "StagingArea", "StagingSlot", "open_slot_view"]
 
 _DIR_PREFIX = "ec-s3-"
+_LOCK_NAME = ".owner.lock"
 # Steps a slot survives after it was last sent to workers in connector metadata.
 _UNLINK_GRACE_STEPS = 3
+# Slot names become file names: keep them to one harmless path component.
+_SLOT_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# Errors of a reservation that mean "the file system is full", not "something broke".
+_NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_NO_SPACE_LOG_EVERY_S = 60.0
 
 
-@dataclasses.dataclass
+class NoStagingSpace(Exception):
+    """The staging file system has no room for a slot (ENOSPC, EDQUOT or EFBIG).
+
+    Unlike ``allocate`` returning None (``staging_bytes`` is held by pinned slots),
+    this is the host running out of shared memory below ``staging_bytes``.
+    """
+
+    def __init__(self, path: str, nbytes: int, code: int) -> None:
+        super().__init__(f"no room for {nbytes} bytes in {path}: {os.strerror(code)}")
+        self.path, self.nbytes, self.code = path, nbytes, code
+
+
+@dataclasses.dataclass(eq=False)
 class StagingSlot:
-    """One staged blob: a file of exactly ``nbytes`` bytes."""
+    """One staged blob: a file of exactly ``nbytes`` bytes.
+
+    Compared by identity: two generations of one name are different slots.
+    """
 
     name: str
     path: str
     nbytes: int
+    generation: int = 0
     pins: int = 0
     last_dispatch_step: int = -1_000_000
     # Step in which the scheduler last told vLLM this slot is a hit: it must
@@ -59,16 +100,17 @@ class StagingArea:
 
     def __init__(self, root: str, capacity_bytes: int) -> None:
         self.capacity = capacity_bytes
-        base = Path(root)
-        base.mkdir(parents=True, exist_ok=True)
-        _remove_dead_dirs(base)
-        self.dir = base / f"{_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        self.dir.mkdir(mode=0o700)
+        base = ensure_private_dir(root, key="staging_dir", shared_ok=True)
+        _remove_orphaned_dirs(base)
+        self.dir, self._owner_fd = _create_owned_dir(base)
         self._slots: collections.OrderedDict[str, StagingSlot] = collections.OrderedDict()
         self._doomed: list[StagingSlot] = []
         self.used = 0
         self.step = 0
+        self._generation = 0
+        self._no_space_logged_at = -_NO_SPACE_LOG_EVERY_S
         self._lock = threading.RLock()
+        _warn_if_too_small(self.dir, capacity_bytes)
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -83,16 +125,20 @@ class StagingArea:
     def allocate(self, name: str, nbytes: int) -> StagingSlot | None:
         """Reserve ``nbytes`` for a new slot, evicting unpinned slots if needed.
 
-        Returns None when pinned slots hold the space: the caller retries later. The
-        bookkeeping happens under the lock, the file system calls after it, so the
-        scheduler thread never waits on a syscall the I/O thread is making.
+        Returns None when pinned slots hold the space: the caller retries later.
+        Raises :class:`NoStagingSpace` when the file system itself is full, and any
+        other ``OSError`` of creating the file; either way nothing stays booked.
+        The bookkeeping happens under the lock, the file system calls after it, so
+        the scheduler thread never waits on a syscall the I/O thread is making.
         """
+        if not _SLOT_NAME_RE.fullmatch(name):
+            raise ValueError(f"slot name {name!r} is not 1-128 of [A-Za-z0-9_-]")
         with self._lock:
             if name in self._slots:
                 raise ValueError(f"slot {name} already exists")
             if nbytes > self.capacity:
                 return None
-            victims: list[tuple[StagingSlot, str | None]] = []
+            victims: list[tuple[StagingSlot, bool]] = []
             if self.used + nbytes > self.capacity:
                 for victim in [s for s in self._slots.values() if self._evictable(s)]:
                     victims.append(self._evict(victim))
@@ -101,29 +147,75 @@ class StagingArea:
             if self.used + nbytes > self.capacity:
                 self._finish_evictions(victims)
                 return None
-            slot = StagingSlot(name=name, path=str(self.dir / f"{name}.blob"), nbytes=nbytes)
+            self._generation += 1
+            slot = StagingSlot(
+                name=name, path=str(self.dir / f"{name}.{self._generation}.blob"), nbytes=nbytes,
+                generation=self._generation,
+            )
             self._slots[name] = slot
             self.used += nbytes
-        self._finish_evictions(victims)
-        fd = os.open(slot.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            self._finish_evictions(victims)
+            self._create_file(slot)
+        except BaseException:
+            self._rollback(slot)
+            raise
+        return slot
+
+    def _create_file(self, slot: StagingSlot) -> None:
+        fd = create_exclusive(slot.path)
+        try:
+            if slot.nbytes:
+                # Reserve every page now; writing an unreserved page of a full tmpfs
+                # through mmap is a SIGBUS, not an error.
+                os.posix_fallocate(fd, 0, slot.nbytes)
+        except OSError as exc:
+            _unlink(slot.path)
+            if exc.errno in _NO_SPACE_ERRNOS:
+                self._log_no_space(slot.nbytes)
+                raise NoStagingSpace(str(self.dir), slot.nbytes, exc.errno) from exc
+            raise
         finally:
             os.close(fd)
-        return slot
+
+    def _rollback(self, slot: StagingSlot) -> None:
+        with self._lock:
+            if self._slots.get(slot.name) is slot:
+                del self._slots[slot.name]
+                self.used -= slot.nbytes
+            slot.evicted = True
+        _unlink(slot.path)
+
+    def _log_no_space(self, nbytes: int) -> None:
+        now = time.monotonic()
+        if now - self._no_space_logged_at < _NO_SPACE_LOG_EVERY_S:
+            return
+        self._no_space_logged_at = now
+        logger.warning(
+            "ec-s3: staging_dir %s is full (no room for %d bytes, %d of staging_bytes=%d in use by ec-s3): "
+            "items are encoded locally instead. Give the host or container more shared memory "
+            "(docker --shm-size / compose shm_size, or a larger host /dev/shm with ipc: host) or lower staging_bytes.",
+            self.dir.parent, nbytes, self.used, self.capacity,
+        )
 
     def _evictable(self, slot: StagingSlot) -> bool:
         return slot.ready and slot.pins == 0 and slot.touched_step < self.step
 
-    def discard(self, name: str) -> None:
-        """Drop a slot now (failed or invalid download: nobody was handed it)."""
+    def discard(self, slot: StagingSlot | str) -> None:
+        """Drop a slot now (failed or invalid download: nobody was handed it).
+
+        Given a slot, only that generation is dropped; given a name, whichever
+        generation holds it now.
+        """
         with self._lock:
-            slot = self._slots.pop(name, None)
-            if slot is None:
+            name = slot if isinstance(slot, str) else slot.name
+            current = self._slots.get(name)
+            if current is None or (isinstance(slot, StagingSlot) and current is not slot):
                 return
-            slot.evicted = True
-            self.used -= slot.nbytes
-        _unlink(slot.path)
+            del self._slots[name]
+            current.evicted = True
+            self.used -= current.nbytes
+        _unlink(current.path)
 
     def mark_ready(self, slot: StagingSlot) -> None:
         with self._lock:
@@ -164,27 +256,24 @@ class StagingArea:
         for slot in expired:
             _unlink(slot.path)
 
-    def _evict(self, slot: StagingSlot) -> tuple[StagingSlot, str | None]:
-        """Take ``slot`` out (lock held). Returns it with the path to rename it to if a
-        worker may still open it (dispatched recently), else None (unlink it)."""
+    def _evict(self, slot: StagingSlot) -> tuple[StagingSlot, bool]:
+        """Take ``slot`` out (lock held). Returns it and whether to unlink it now; a
+        slot dispatched recently stays on disk (a worker may still open it) until
+        :meth:`advance_step` ends its grace. Its path is its own, so the name can be
+        staged again at once without touching it."""
         slot.evicted = True
         self._slots.pop(slot.name, None)
         self.used -= slot.nbytes
         if self.step - slot.last_dispatch_step > _UNLINK_GRACE_STEPS:
-            return slot, None
-        # Renamed out of the way so the name can be staged again at once.
-        doomed = dataclasses.replace(slot, path=f"{slot.path}.evicted-{self.step}")
-        self._doomed.append(doomed)
-        return slot, doomed.path
+            return slot, True
+        self._doomed.append(slot)
+        return slot, False
 
     @staticmethod
-    def _finish_evictions(victims: list[tuple[StagingSlot, str | None]]) -> None:
-        for slot, rename_to in victims:
-            if rename_to is None:
+    def _finish_evictions(victims: list[tuple[StagingSlot, bool]]) -> None:
+        for slot, unlink_now in victims:
+            if unlink_now:
                 _unlink(slot.path)
-            else:
-                with contextlib.suppress(OSError):
-                    os.rename(slot.path, rename_to)
 
     def close(self) -> None:
         with self._lock:
@@ -192,41 +281,98 @@ class StagingArea:
             self._slots.clear()
             self._doomed.clear()
             self.used = 0
+            if self._owner_fd >= 0:
+                os.close(self._owner_fd)
+                self._owner_fd = -1
 
 
 def open_slot_view(path: str, writable: bool = False) -> mmap.mmap:
-    """Map a slot file. Copy-on-write when read-only, so torch can view it without a
-    read-only-buffer warning and without ever writing back to the shared file."""
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    """Map a slot file (never through a symlink). Copy-on-write when read-only, so
+    torch can view it without a read-only-buffer warning and without ever writing
+    back to the shared file."""
+    fd = open_nofollow(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
-        return mmap.mmap(fd, size, access=access)
+        return mmap.mmap(fd, st.st_size, access=access)
     finally:
         os.close(fd)
 
 
 def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def _remove_dead_dirs(base: Path) -> None:
-    for entry in base.glob(f"{_DIR_PREFIX}*"):
-        try:
-            pid = int(entry.name[len(_DIR_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not _pid_alive(pid):
-            logger.info("ec-s3: removing staging left by dead process %d: %s", pid, entry)
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the bytes stay booked elsewhere only until the dir goes
+        logger.warning("ec-s3: cannot remove staging file %s: %s", path, exc)
+
+
+def _create_owned_dir(base: Path) -> tuple[Path, int]:
+    """Make this process's directory and take its owner lock (kept until exit)."""
+    path = base / f"{_DIR_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.mkdir(path, 0o700)
+        fd = create_exclusive(path / _LOCK_NAME)
+    except OSError as exc:
+        raise UnsafeDirectory("staging_dir", str(base), f"does not let this user create {path.name} ({exc.strerror})") from exc
+    # Never blocks: nobody else knows the directory yet. Without the lock a clean-up
+    # could take the directory for a dead one between mkdir and here; it finds no
+    # lock file then and leaves the directory alone.
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return path, fd
+
+
+def _remove_orphaned_dirs(base: Path) -> None:
+    """Remove staging directories of this user whose owner lock is free (owner dead)."""
+    me = os.geteuid()
+    try:
+        entries = list(os.scandir(base))
+    except OSError as exc:
+        logger.warning("ec-s3: cannot list staging_dir %s for leftovers: %s", base, exc)
+        return
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
+            continue  # another user's, or not a directory: not ours to judge
+        try:
+            fd = open_nofollow(os.path.join(entry.path, _LOCK_NAME))
+        except FileNotFoundError:
+            # Being created right now, or left by an ec-s3 without owner locks.
+            logger.info("ec-s3: leaving %s in staging_dir: it has no owner lock (remove it by hand if "
+                        "no ec-s3 process uses it)", entry.path)
+            continue
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live owner, possibly in another PID namespace
+            logger.info("ec-s3: removing staging left by a process that exited: %s", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _warn_if_too_small(directory: Path, capacity: int) -> None:
+    """Say at start-up, not at the first full tmpfs, that staging_bytes cannot fit."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < capacity:
+        logger.warning(
+            "ec-s3: staging_dir %s has %d bytes free but staging_bytes=%d: downloads that do not fit will be "
+            "skipped and their items encoded locally. Give the host or container more shared memory "
+            "(docker --shm-size / compose shm_size, or a larger host /dev/shm with ipc: host) or lower staging_bytes.",
+            directory.parent, free, capacity,
+        )

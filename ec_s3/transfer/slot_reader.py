@@ -1,0 +1,65 @@
+"""Worker side of staging: map a staged blob and prove it is the one the scheduler meant.
+
+A ``LoadSpec`` names a slot file by path, and the worker opens it a step or more
+after the scheduler validated it. Between the two the slot may have been evicted and
+its name staged again, or the file replaced, so before a byte of tensor data is
+used this checks, on the mapped file itself: it was opened without following a
+symlink and is a regular file; its size is the blob's; its safetensors header
+parses and names the expected identifier (by digest), dtype, shape and data offset.
+A half-written slot of another generation fails the header (zeros or another
+identifier) instead of being read as data.
+
+Owns that check. Does not own slot lifetimes (:mod:`ec_s3.transfer.staging`) or
+copying the tensor to a device (the connector's worker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+
+from ec_s3.blob.codec import BlobError, identifier_digest, read_header
+from ec_s3.transfer.staging import open_slot_view
+
+__all__ = ["StagedBlobMismatch", "open_staged_blob"]
+
+
+class StagedBlobMismatch(BlobError):
+    """The staging file is not (or no longer) the blob the load spec describes."""
+
+
+def open_staged_blob(
+    path: str, *, identifier: str, nbytes: int, data_offset: int, dtype: str, shape: tuple[int, ...],
+) -> mmap.mmap:
+    """Map ``path`` read-only (copy-on-write) after checking it is the expected blob.
+
+    Raises ``OSError`` if it cannot be opened (gone, a symlink, not a regular file)
+    and :class:`StagedBlobMismatch` (a ``ValueError``) if it is another blob.
+    """
+    mm = open_slot_view(path)
+    try:
+        _check(mm, identifier=identifier, nbytes=nbytes, data_offset=data_offset, dtype=dtype, shape=shape)
+    except BaseException:
+        with contextlib.suppress(BufferError):
+            mm.close()
+        raise
+    return mm
+
+
+def _check(
+    mm: mmap.mmap, *, identifier: str, nbytes: int, data_offset: int, dtype: str, shape: tuple[int, ...],
+) -> None:
+    if len(mm) != nbytes:
+        raise StagedBlobMismatch("size", f"staging file is {len(mm)} bytes, expected {nbytes}")
+    try:
+        entry, metadata, offset = read_header(mm, max_bytes=max(nbytes, 1))
+    except BlobError as exc:
+        raise StagedBlobMismatch("header", f"staging file has no valid blob header ({exc})") from None
+    if metadata.get("identifier_sha256") != identifier_digest(identifier):
+        raise StagedBlobMismatch("identifier", "staging file holds another item's blob")
+    found_dtype = str(entry["dtype"]).removeprefix("torch.")
+    if offset != data_offset or found_dtype != dtype or tuple(entry["shape"]) != tuple(shape):
+        raise StagedBlobMismatch(
+            "layout", f"staging file is {found_dtype}{list(entry['shape'])}@{offset}, "
+            f"expected {dtype}{list(shape)}@{data_offset}",
+        )
