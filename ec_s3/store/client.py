@@ -23,7 +23,7 @@ import enum
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 import aiohttp
@@ -220,7 +220,9 @@ class S3Store:
                 stack = contextlib.AsyncExitStack()
                 self._client = await open_client(self.config, stack)
                 self._exit_stack = stack
-                self._sem = asyncio.Semaphore(self.config.max_concurrency)
+                # Requests queue here, not in aiohttp's pool: a pool wait is bounded
+                # (connection.py) and must only ever mean a held-up connection.
+                self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
         return self._client
 
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
@@ -340,9 +342,7 @@ class S3Store:
 
                 return await self._call("UploadPart", key, _upload)
 
-            parts = await asyncio.gather(
-                *(_part(i + 1, start) for i, start in enumerate(range(0, len(view), part)))
-            )
+            parts = await _all_or_none([_part(i + 1, start) for i, start in enumerate(range(0, len(view), part))])
 
             async def _complete(client: Any) -> PutOutcome:
                 await client.complete_multipart_upload(
@@ -387,28 +387,27 @@ class S3Store:
 
         async def _first(client: Any) -> int:
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
-            stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
-            length = int(resp["ContentLength"])
-            total = _content_range_total(resp.get("ContentRange"))
-            if total is None:  # a 200 with the whole object (servers may ignore Range)
-                total = length
-            if total > self.config.max_blob_bytes:
-                resp["Body"].close()
-                raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
-            if not holder:
-                holder.append(alloc(total))
-            out = holder[0]
-            if len(out) != total:
-                resp["Body"].close()
-                raise StoreUnavailable("GET", key, "object size changed between attempts")
-            await _read_into(resp["Body"], out[:length], key)
-            return length
+            with _closing(resp["Body"]) as body:
+                stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
+                length = int(resp["ContentLength"])
+                total = _content_range_total(resp.get("ContentRange"))
+                if total is None:  # a 200 with the whole object (servers may ignore Range)
+                    total = length
+                if total > self.config.max_blob_bytes:
+                    raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
+                if not holder:
+                    holder.append(alloc(total))
+                out = holder[0]
+                if len(out) != total:
+                    raise StoreUnavailable("GET", key, "object size changed between attempts")
+                await _read_into(body, out[:length], key)
+                return length
 
         first = await self._call("GET", key, _first)
         out = holder[0]
         if first < len(out):
-            await asyncio.gather(
-                *(self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part))
+            await _all_or_none(
+                [self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part)]
             )
         self.stats.bytes_downloaded += len(out)
         if self.config.checksum_algorithm != "none" and stored_crc and stored_crc[0]:
@@ -421,11 +420,11 @@ class S3Store:
     async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
         async def _get(client: Any) -> None:
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-            total = _content_range_total(resp.get("ContentRange"))
-            if total != len(out):
-                resp["Body"].close()
-                raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
-            await _read_into(resp["Body"], out[start:end], key)
+            with _closing(resp["Body"]) as body:
+                total = _content_range_total(resp.get("ContentRange"))
+                if total != len(out):
+                    raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
+                await _read_into(body, out[start:end], key)
 
         await self._call("GET", key, _get)
 
@@ -526,18 +525,42 @@ class S3Store:
         return {} if algo == "none" else {"ChecksumAlgorithm": algo}
 
 
-async def _read_into(body: Any, out: memoryview, key: str) -> None:
-    """Copy a streaming body into ``out``; a short or long body is a transient error."""
-    pos = 0
+@contextlib.contextmanager
+def _closing(body: Any) -> Iterator[Any]:
+    """Close a response body on every way out (errors of ours or the caller's allocator,
+    cancellation). An unclosed body pins its pooled connection: once all are pinned,
+    every later request of the process waits for one. Closing a body read to its end
+    is a no-op (aiohttp has already returned the connection to the pool)."""
     try:
-        async for chunk in body.iter_chunks(1 << 20):
-            n = len(chunk)
-            if pos + n > len(out):
-                raise StoreUnavailable("GET", key, "body longer than Content-Length")
-            out[pos : pos + n] = chunk
-            pos += n
+        yield body
     finally:
         body.close()
+
+
+async def _all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently; on the first failure (or cancellation) cancel the
+    others and wait for them, so none still writes into a caller's buffer, or uploads a
+    part of an aborted upload, after this returns."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _read_into(body: Any, out: memoryview, key: str) -> None:
+    """Copy a streaming body into ``out``; a short or long body is a transient error.
+    The caller closes the body."""
+    pos = 0
+    async for chunk in body.iter_chunks(1 << 20):
+        n = len(chunk)
+        if pos + n > len(out):
+            raise StoreUnavailable("GET", key, "body longer than Content-Length")
+        out[pos : pos + n] = chunk
+        pos += n
     if pos != len(out):
         raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
 

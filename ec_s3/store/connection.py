@@ -14,11 +14,32 @@ import contextlib
 from typing import Any
 
 import aioboto3
+import aiohttp
 from aiobotocore.config import AioConfig
+from aiobotocore.httpsession import AIOHTTPSession
 
 from ec_s3.config import ECS3Config
 
 __all__ = ["open_client"]
+
+
+class BoundedPoolSession(AIOHTTPSession):
+    """aiobotocore's aiohttp session with a deadline on getting a connection.
+
+    aiobotocore hands aiohttp only ``sock_connect`` and ``sock_read`` timeouts. aiohttp
+    bounds its wait for a free pooled connection (and DNS) by ``ClientTimeout.connect``
+    alone, which stays unset: once every pooled connection is held, the next request
+    waits forever, and so does every request after it. Here that wait is bounded by
+    connect + read timeout; running out raises aiohttp's ``ConnectionTimeoutError``,
+    which the store reports as :class:`~ec_s3.store.errors.StoreUnreachable`.
+    """
+
+    def __init__(self, *args: Any, timeout: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, timeout=timeout, **kwargs)
+        connect, read = timeout if isinstance(timeout, (list, tuple)) else (timeout, timeout)
+        if connect is not None and read is not None:
+            # _timeout is what aiobotocore passes to its aiohttp.ClientSession.
+            self._timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read, connect=connect + read)
 
 
 async def open_client(config: ECS3Config, stack: contextlib.AsyncExitStack) -> Any:
@@ -40,6 +61,7 @@ async def open_client(config: ECS3Config, stack: contextlib.AsyncExitStack) -> A
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         tcp_keepalive=True,
+        http_session_cls=BoundedPoolSession,
     )
     return await stack.enter_async_context(
         session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=config.verify_tls)
