@@ -81,3 +81,30 @@ def test_failed_part_stops_the_other_parts(make_store: Callable[..., S3Store], f
     assert err.value.status == 400
     time.sleep(2.0)  # part 3 (2 MiB) would have arrived by now
     assert not any(buffers[0][10 * MiB :]), "part 3 was written after get_async had failed"
+
+
+def test_probe_ending_in_a_caller_error_does_not_keep_the_breaker_open(
+    make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    """Open the breaker with 503s, let it cool down, and let the probe end in the
+    caller's allocator raising: the store is healthy, so HEADs must work again."""
+    store = make_store(fault_proxy.endpoint_url, max_attempts=1, breaker_threshold=1, breaker_cooldown_s=0.2)
+    store.run(store.put_async("k", b"x" * 1000), timeout=30)
+    fault_proxy.set_error_rate(1.0, 503)
+    with pytest.raises(StoreUnavailable):
+        store.run(store.head_async("k"), timeout=30)
+    assert store.breaker.is_open
+    fault_proxy.clear()
+    time.sleep(0.3)  # the cooldown
+    with pytest.raises(Refused):
+        store.run(store.get_async("k", allocate=_refuse), timeout=30)  # the probe
+    deadline = time.monotonic() + 10.0
+    while True:
+        try:
+            assert store.run(store.head_async("k"), timeout=30) is not None
+            break
+        except StoreUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert not store.breaker.is_open

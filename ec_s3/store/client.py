@@ -226,11 +226,18 @@ class S3Store:
         return self._client
 
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-        """Run one S3 request with the retry budget and the concurrency bound."""
-        cfg = self.config
-        if not self.breaker.allow():
+        """Run one S3 request with the retry budget, the concurrency bound and the breaker."""
+        ticket = self.breaker.allow()
+        if ticket is None:
             self.stats.short_circuited += 1
             raise CircuitOpen(op, key, "the store failed repeatedly, not trying")
+        try:
+            return await self._attempts(op, key, fn, ticket)
+        finally:
+            self.breaker.release(ticket)  # however it ended, a probe must not stay pending
+
+    async def _attempts(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]], ticket: int) -> T:
+        cfg = self.config
         client = await self._get_client()
         assert self._sem is not None
         for attempt in range(1, cfg.max_attempts + 1):
@@ -244,11 +251,11 @@ class S3Store:
                 mapped = to_store_error(op, key, exc)
                 assert mapped is not None
                 error = mapped
-            if not isinstance(error, StoreUnavailable) or attempt == cfg.max_attempts:
+            if not error.transient or attempt == cfg.max_attempts:
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
-                if isinstance(error, StoreUnavailable):
-                    self.breaker.failure(error.reason)
-                else:
+                if error.transient:
+                    self.breaker.failure(error.reason, ticket)
+                elif error.status is not None:
                     self.breaker.success()  # the store answered: it is up
                 raise error
             self.stats.retries += 1
