@@ -26,9 +26,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
-import aiohttp
-from botocore import exceptions as boto_exc
-
 from ec_s3.blob.format import MAX_HEADER_BYTES
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
@@ -83,20 +80,16 @@ __all__ = [
 T = TypeVar("T")
 Allocator = Callable[[int], memoryview]
 
-# The exceptions the request loop turns into StoreErrors (the rest propagate).
-_STORE_EXC: tuple[type[BaseException], ...] = (
-    boto_exc.ClientError,
-    boto_exc.EndpointConnectionError,
-    boto_exc.ConnectionClosedError,
-    boto_exc.ReadTimeoutError,
-    boto_exc.ConnectTimeoutError,
-    boto_exc.ResponseStreamingError,
-    boto_exc.IncompleteReadError,
-    boto_exc.HTTPClientError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    ConnectionError,
-)
+
+
+class _CallerError(Exception):
+    """Carries an exception of the caller's own code (an allocator) through the request
+    loop, which would otherwise take an OSError for a network failure and retry it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
 
 CRC_METADATA_KEY = "ec-s3-crc32"
 
@@ -218,7 +211,17 @@ class S3Store:
         async with self._client_lock:
             if self._client is None:
                 stack = contextlib.AsyncExitStack()
-                self._client = await open_client(self.config, stack)
+                try:
+                    # Resolves the credential chain (profile, SSO, instance role) when
+                    # the config names no keys: that can fail, and must fail typed.
+                    self._client = await open_client(self.config, stack)
+                except Exception as exc:  # noqa: BLE001 - mapped below
+                    await stack.aclose()
+                    error = to_store_error("connect", "", exc)
+                    if error is None:
+                        error = StoreConfigError("connect", "", f"cannot create the S3 client: {type(exc).__name__}: {exc}")
+                        error.__cause__ = exc
+                    raise error from exc
                 self._exit_stack = stack
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
@@ -242,15 +245,21 @@ class S3Store:
         assert self._sem is not None
         for attempt in range(1, cfg.max_attempts + 1):
             self.stats.requests += 1
+            caller_error: Exception | None = None
             try:
                 async with self._sem:
                     result = await fn(client)
                 self.breaker.success()
                 return result
-            except _STORE_EXC as exc:
+            except _CallerError as wrapped:
+                caller_error = wrapped.error
+            except Exception as exc:  # noqa: BLE001 - every transport failure becomes a StoreError
                 mapped = to_store_error(op, key, exc)
-                assert mapped is not None
+                if mapped is None:
+                    raise  # not a store failure: a bug, shown as it is
                 error = mapped
+            if caller_error is not None:
+                raise caller_error  # outside the except block: its chain stays the caller's
             if not error.transient or attempt == cfg.max_attempts:
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
                 if error.transient:
@@ -383,7 +392,13 @@ class S3Store:
         ``allocate(size)`` says where the bytes go (e.g. a shared-memory staging slot),
         so the body is copied once, from the socket to its final place.
         """
-        alloc = allocate or (lambda n: memoryview(bytearray(n)))
+        def alloc(nbytes: int) -> memoryview:
+            if allocate is None:
+                return memoryview(bytearray(nbytes))
+            try:
+                return allocate(nbytes)
+            except Exception as exc:  # noqa: BLE001 - the caller's, re-raised unchanged by _call
+                raise _CallerError(exc) from exc
         part = self.config.multipart_part_bytes
         holder: list[memoryview] = []
 
@@ -569,7 +584,7 @@ async def _read_into(body: Any, out: memoryview, key: str) -> None:
         out[pos : pos + n] = chunk
         pos += n
     if pos != len(out):
-        raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
+        raise StoreUnavailable("GET", key, f"body ended after {pos} of {len(out)} bytes")
 
 
 def _content_range_total(value: str | None) -> int | None:
