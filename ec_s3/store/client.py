@@ -20,14 +20,17 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
+import hashlib
+import hmac
 import random
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ec_s3.blob.format import MAX_HEADER_BYTES
-from ec_s3.config import ECS3Config
+from ec_s3.config import ECS3Config, Secret
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
 from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
@@ -122,8 +125,30 @@ class StoreStats:
 
 
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
-_SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
+SharedKey = tuple[tuple[str, Any], ...]
+_SHARED: dict[SharedKey, list[Any]] = {}  # config identity -> [store, refcount]
 _SHARED_LOCK = threading.Lock()
+_KEY_SALT = secrets.token_bytes(16)  # per process: a shared key is no stable hash of a secret
+
+
+def _shared_key(config: ECS3Config) -> SharedKey:
+    """The identity of a configuration: every field, each secret as a keyed digest.
+
+    Two configs that differ only in credentials must get two clients (one client would
+    sign both with the first one's keys), yet the key must not hold a secret in clear
+    where a repr or a log could show it.
+    """
+
+    def ident(value: Any) -> Any:
+        if isinstance(value, Secret):
+            return "hmac-sha256:" + hmac.new(_KEY_SALT, value.reveal().encode(), hashlib.sha256).hexdigest()
+        try:
+            hash(value)
+        except TypeError:
+            return repr(value)
+        return value
+
+    return tuple((f.name, ident(getattr(config, f.name))) for f in dataclasses.fields(config))
 
 
 class S3Store:
@@ -143,7 +168,7 @@ class S3Store:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
         self._client_gone = False
-        self._shared_key: str | None = None
+        self._shared_key: SharedKey | None = None
         self.stats = StoreStats()
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
 
@@ -159,7 +184,7 @@ class S3Store:
         is logged once per process, not once per connector). Release with
         :meth:`close`.
         """
-        key = repr(dataclasses.astuple(config))
+        key = _shared_key(config)
         with _SHARED_LOCK:
             entry = _SHARED.get(key)
             if entry is None or entry[0]._closed or entry[0]._bg is not shared_loop():
