@@ -18,6 +18,7 @@ import pytest
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
+from ec_s3.store.diagnose import diagnose
 from ec_s3.store.errors import NoCredentials, StoreError, StoreUnreachable, TLSError
 
 MiB = 1 << 20
@@ -86,6 +87,7 @@ def test_no_credentials(op: str, s3_endpoint: Any, bucket: str, no_aws_env: None
         assert isinstance(exc, NoCredentials), repr(exc)
         assert not exc.transient and exc.status is None
         assert store.stats.retries == 0 and not store.breaker.is_open
+        assert diagnose(exc, store.config).kind == "no_credentials"
     finally:
         store.close(timeout=2)
 
@@ -99,6 +101,7 @@ def test_https_to_a_plain_http_port_is_a_tls_error(op: str, s3_endpoint: Any, bu
         exc = _failure(store, op)
         assert isinstance(exc, TLSError), repr(exc)
         assert exc.transient and exc.status is None
+        assert diagnose(exc, store.config).kind == "tls"
     finally:
         store.close(timeout=2)
 
@@ -116,6 +119,7 @@ def test_proxy_on_a_closed_port_is_unreachable(
         assert exc.transient
         assert "proxy-secret-pw" not in str(exc) and "proxy-secret-pw" not in repr(exc)
         assert creds.secret_access_key not in str(exc)
+        assert diagnose(exc, store.config).kind == "endpoint"
     finally:
         store.close(timeout=2)
 
@@ -126,6 +130,7 @@ def test_dead_port_is_unreachable(op: str, bucket: str, no_aws_env: None) -> Non
     try:
         exc = _failure(store, op)
         assert isinstance(exc, StoreUnreachable) and exc.transient, repr(exc)
+        assert "cannot reach" in diagnose(exc, store.config).cause
     finally:
         store.close(timeout=2)
 

@@ -29,15 +29,16 @@ from ec_s3.blob.format import BLOB_NAME_RE
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.store.diagnose import Diagnosis, credential_source, diagnose
+from ec_s3.store.errors import to_store_error
 from ec_s3.store.client import (
     DELETE_BATCH,
     AccessDenied,
+    IntegrityError,
     ObjectInfo,
     ObjectNotFound,
     S3Store,
     StoreError,
     StoreRequestError,
-    StoreUnavailable,
 )
 
 __all__ = [
@@ -697,16 +698,14 @@ async def install_lifecycle_async(store: S3Store, days: int, *, prefix: str | No
                 report.supported = False
                 report.diagnosis = _lifecycle_unsupported(status, code, config)
                 return report
-            if status in (401, 403):
-                exc = AccessDenied(op, store.bucket, f"{status} {code}")
-            elif status == 404 and code == "NoSuchBucket":
-                exc = StoreRequestError(op, store.bucket, f"{status} {code}")
+            if status in (401, 403) or (status == 404 and code == "NoSuchBucket"):
+                exc = to_store_error(op, store.bucket, exc) or exc
             else:
                 report.diagnosis = Diagnosis("other", f"{op} failed: {status} {code} {message}".strip(),
                                              "check the rule and the server's lifecycle support")
                 return report
         elif isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or isinstance(exc, (boto_exc.BotoCoreError, OSError)):
-            exc = StoreUnavailable(op, store.bucket, f"{type(exc).__name__}: {exc}")
+            exc = to_store_error(op, store.bucket, exc) or exc
         report.diagnosis = diagnose(exc, config, op=op)
         return report
 
@@ -802,7 +801,7 @@ async def inspect_blob_async(store: S3Store, key: str, *, identifier: str | None
     try:
         buf = await store.get_async(key)
     except StoreError as exc:
-        if type(exc).__name__ == "IntegrityError":  # stored checksum does not match the bytes
+        if isinstance(exc, IntegrityError):  # stored checksum does not match the bytes
             report.error_reason = "integrity"
             report.problems.append(f"checksum mismatch: {exc.reason}")
             return report
