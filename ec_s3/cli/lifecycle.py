@@ -20,7 +20,8 @@ from botocore import exceptions as boto_exc
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, err, json_out, out, print_diagnosis
 from ec_s3.cli.listing import key_root
 from ec_s3.config import ECS3Config
-from ec_s3.store.client import AccessDenied, S3Store, StoreRequestError, StoreUnavailable
+from ec_s3.store.client import S3Store
+from ec_s3.store.errors import to_store_error
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
 __all__ = ["LifecycleReport", "install_lifecycle", "install_lifecycle_async", "lifecycle_rule", "run"]
@@ -88,16 +89,14 @@ async def install_lifecycle_async(store: S3Store, days: int, *, prefix: str | No
                 report.supported = False
                 report.diagnosis = _lifecycle_unsupported(status, code, config)
                 return report
-            if status in (401, 403):
-                exc = AccessDenied(op, store.bucket, f"{status} {code}")
-            elif status == 404 and code == "NoSuchBucket":
-                exc = StoreRequestError(op, store.bucket, f"{status} {code}")
+            if status in (401, 403) or (status == 404 and code == "NoSuchBucket"):
+                exc = to_store_error(op, store.bucket, exc) or exc
             else:
                 report.diagnosis = Diagnosis("other", f"{op} failed: {status} {code} {message}".strip(),
                                              "check the rule and the server's lifecycle support")
                 return report
         elif isinstance(exc, (asyncio.TimeoutError, TimeoutError, boto_exc.BotoCoreError, OSError)):
-            exc = StoreUnavailable(op, store.bucket, f"{type(exc).__name__}: {exc}")
+            exc = to_store_error(op, store.bucket, exc) or exc
         report.diagnosis = diagnose(exc, config, op=op)
         return report
 

@@ -1,5 +1,7 @@
-"""The S3 store: operations with retries, typed errors, the circuit breaker, request
-bodies and diagnoses (cause + fix).
+"""The S3 store: operations with retries (:mod:`.client`), typed errors and their one
+mapping from transport exceptions (:mod:`.errors`), the circuit breaker
+(:mod:`.breaker`), request bodies (:mod:`.body`), the aiobotocore client
+(:mod:`.connection`) and diagnoses, a cause and a fix (:mod:`.diagnose`).
 
 Imports neither torch nor vLLM, and nothing of ec-s3 above it: it moves opaque bytes
 to and from keys it is given, and does not know what a blob or a request is.

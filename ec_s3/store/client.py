@@ -1,16 +1,17 @@
-"""An async S3 blob store tuned for encoder-cache traffic.
+"""The S3 store: blob operations on one bucket, with retries and a concurrency bound.
 
 All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
 ``*_async`` coroutines are for code already on that loop, and :meth:`S3Store.submit`
-hands one to it from any thread without blocking.
-
-Why not botocore's defaults: over plain HTTP botocore SHA-256-signs every body and
-computes CRC checksums on every PUT and GET, which triples client CPU on the 2-core
-hosts this runs on; retries are ours (exponential back-off with full jitter, only on
-throttling, 5xx and connection errors, never on 4xx) so that a budget bounds the
-time a caller can wait. Concurrency is bounded by ``max_concurrency`` requests;
-since single requests carry at most ``multipart_threshold_bytes`` and parts at most
-``multipart_part_bytes``, that also bounds the bytes in flight.
+hands one to it from any thread without blocking. Owns the operations (HEAD, PUT,
+multipart, ranged GET, DELETE, LIST), the retry loop (exponential back-off with full
+jitter, only on throttling, 5xx and connection errors, never on 4xx, so that a budget
+bounds the time a caller can wait), the concurrency bound (``max_concurrency``
+requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
+at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
+process-wide cache of shared stores. Does not own building the client
+(:mod:`.connection`), the error types and their mapping (:mod:`.errors`), the circuit
+breaker (:mod:`.breaker`) or request bodies (:mod:`.body`); their names are re-exported
+here for importers of this module.
 """
 
 from __future__ import annotations
@@ -19,91 +20,78 @@ import asyncio
 import contextlib
 import dataclasses
 import enum
-import io
+import hashlib
+import hmac
 import random
+import secrets
 import threading
 import time
-import zlib
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
-import aioboto3
-import aiohttp
-from aiobotocore.config import AioConfig
-from botocore import exceptions as boto_exc
-
-from ec_s3.loop import BackgroundLoop, shared_loop
 from ec_s3.blob.format import MAX_HEADER_BYTES
-from ec_s3.config import ECS3Config
+from ec_s3.config import ECS3Config, Secret
 from ec_s3.log import logger
+from ec_s3.loop import BackgroundLoop, shared_loop
+from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
+from ec_s3.store.breaker import CircuitBreaker
+from ec_s3.store.connection import open_client
+from ec_s3.store.errors import (
+    AccessDenied,
+    BucketNotFound,
+    CircuitOpen,
+    IntegrityError,
+    NoCredentials,
+    ObjectNotFound,
+    StoreClosed,
+    StoreConfigError,
+    StoreError,
+    StoreRequestError,
+    StoreTimeout,
+    StoreUnavailable,
+    StoreUnreachable,
+    TLSError,
+    to_store_error,
+)
 
 __all__ = [
     "AccessDenied",
+    "Body",
+    "BucketNotFound",
+    "BufferChain",
+    "CRC_METADATA_KEY",
+    "CircuitBreaker",
+    "CircuitOpen",
+    "DELETE_BATCH",
+    "IntegrityError",
+    "NoCredentials",
     "ObjectInfo",
     "ObjectNotFound",
     "PutOutcome",
     "S3Store",
-    "CRC_METADATA_KEY",
-    "CircuitBreaker",
-    "IntegrityError",
     "StoreClosed",
+    "StoreConfigError",
     "StoreError",
     "StoreRequestError",
     "StoreStats",
+    "StoreTimeout",
     "StoreUnavailable",
+    "StoreUnreachable",
+    "TLSError",
 ]
 
 T = TypeVar("T")
 Allocator = Callable[[int], memoryview]
 
-_RETRYABLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-     "ServiceUnavailable", "RequestLimitExceeded", "ConditionalRequestConflict"}
-)
-_TRANSIENT_EXC: tuple[type[BaseException], ...] = (
-    boto_exc.EndpointConnectionError,
-    boto_exc.ConnectionClosedError,
-    boto_exc.ReadTimeoutError,
-    boto_exc.ConnectTimeoutError,
-    boto_exc.ResponseStreamingError,
-    boto_exc.IncompleteReadError,
-    boto_exc.HTTPClientError,
-    aiohttp.ClientError,
-    asyncio.TimeoutError,
-    ConnectionError,
-)
 
 
-class StoreError(Exception):
-    """An S3 operation failed; ``op`` and ``key`` say which, ``reason`` why."""
+class _CallerError(Exception):
+    """Carries an exception of the caller's own code (an allocator) through the request
+    loop, which would otherwise take an OSError for a network failure and retry it."""
 
-    def __init__(self, op: str, key: str, reason: str) -> None:
-        super().__init__(f"S3 {op} {key!r} failed: {reason}")
-        self.op, self.key, self.reason = op, key, reason
-
-
-class ObjectNotFound(StoreError):
-    """The key does not exist (404). A normal answer, not a fault."""
-
-
-class AccessDenied(StoreError):
-    """401/403: credentials or bucket policy refuse this operation. Never retried."""
-
-
-class StoreRequestError(StoreError):
-    """Any other 4xx: the request itself is wrong. Never retried."""
-
-
-class StoreUnavailable(StoreError):
-    """Throttling, 5xx, timeouts or connection errors outlasted the retry budget."""
-
-
-class StoreClosed(StoreError):
-    """The store was closed."""
-
-
-class IntegrityError(StoreError):
-    """The object's bytes do not match the checksum its writer stored with it."""
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 CRC_METADATA_KEY = "ec-s3-crc32"
@@ -136,146 +124,31 @@ class StoreStats:
     bytes_downloaded: int = 0
 
 
-class BufferChain:
-    """Bytes held in several buffers, sent as one body without joining them.
-
-    A producer's blob is a small header plus the encoder output's own memory; joining
-    them would copy the whole tensor (and double the memory held while it uploads).
-    """
-
-    __slots__ = ("views", "nbytes")
-
-    def __init__(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
-        self.views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
-        self.nbytes = sum(len(v) for v in self.views)
-
-    def __len__(self) -> int:
-        return self.nbytes
-
-    def slice(self, start: int, end: int) -> BufferChain:
-        out, pos = [], 0
-        for view in self.views:
-            lo, hi = max(start - pos, 0), min(end - pos, len(view))
-            if lo < hi:
-                out.append(view[lo:hi])
-            pos += len(view)
-        return BufferChain(out)
-
-
-Body = bytes | bytearray | memoryview | BufferChain
-
-
-class _ChainReader(io.RawIOBase):
-    """A seekable file over a :class:`BufferChain`: what botocore needs as a body
-    (it accepts bytes or file objects, not memoryviews), without copying."""
-
-    def __init__(self, chain: BufferChain) -> None:
-        super().__init__()
-        self._views = chain.views
-        self._len = chain.nbytes
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return self._len
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + offset))
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        written, pos, base = 0, self._pos, 0
-        for view in self._views:
-            if written == len(out):
-                break
-            if pos < base + len(view):
-                lo = pos - base
-                n = min(len(view) - lo, len(out) - written)
-                out[written : written + n] = view[lo : lo + n]
-                written += n
-                pos += n
-            base += len(view)
-        self._pos = pos
-        return written
-
-    def read(self, size: int = -1) -> bytes:
-        n = self._len - self._pos if size is None or size < 0 else min(size, self._len - self._pos)
-        buf = bytearray(n)
-        return bytes(buf[: self.readinto(buf)])
-
-
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
-_SHARED: dict[str, list[Any]] = {}  # config key -> [store, refcount]
+SharedKey = tuple[tuple[str, Any], ...]
+_SHARED: dict[SharedKey, list[Any]] = {}  # config identity -> [store, refcount]
 _SHARED_LOCK = threading.Lock()
+_KEY_SALT = secrets.token_bytes(16)  # per process: a shared key is no stable hash of a secret
 
 
-class CircuitBreaker:
-    """Stops hammering a store that is down.
+def _shared_key(config: ECS3Config) -> SharedKey:
+    """The identity of a configuration: every field, each secret as a keyed digest.
 
-    After ``threshold`` consecutive requests exhaust their retries, the breaker opens
-    for ``cooldown_s`` (doubling on each failed probe, up to ``max_cooldown_s``):
-    requests then fail at once, so producers spool or drop and consumers encode
-    locally instead of each waiting out timeouts. After the cooldown one probe
-    request goes through; its success closes the breaker. One log line per
-    transition, never one per request.
+    Two configs that differ only in credentials must get two clients (one client would
+    sign both with the first one's keys), yet the key must not hold a secret in clear
+    where a repr or a log could show it.
     """
 
-    def __init__(self, threshold: int, cooldown_s: float, max_cooldown_s: float = 60.0) -> None:
-        self.threshold = threshold
-        self.base_cooldown_s = cooldown_s
-        self.max_cooldown_s = max(max_cooldown_s, cooldown_s)
-        self.cooldown_s = cooldown_s
-        self.failures = 0
-        self.opened_at: float | None = None
-        self.probing = False
-        self.transitions = 0
+    def ident(value: Any) -> Any:
+        if isinstance(value, Secret):
+            return "hmac-sha256:" + hmac.new(_KEY_SALT, value.reveal().encode(), hashlib.sha256).hexdigest()
+        try:
+            hash(value)
+        except TypeError:
+            return repr(value)
+        return value
 
-    @property
-    def is_open(self) -> bool:
-        return self.opened_at is not None
-
-    def allow(self) -> bool:
-        """May a request go to the network now? (Loop thread only.)"""
-        if self.opened_at is None:
-            return True
-        if self.probing or time.monotonic() - self.opened_at < self.cooldown_s:
-            return False
-        self.probing = True
-        return True
-
-    def success(self) -> None:
-        self.failures = 0
-        if self.opened_at is not None:
-            logger.warning("ec-s3: S3 store is answering again; circuit closed after %.1fs", time.monotonic() - self.opened_at)
-            self.transitions += 1
-        self.opened_at, self.probing, self.cooldown_s = None, False, self.base_cooldown_s
-
-    def failure(self, reason: str) -> None:
-        self.failures += 1
-        if self.opened_at is not None:
-            if self.probing:  # the probe failed: stay open, longer
-                self.probing = False
-                self.opened_at = time.monotonic()
-                self.cooldown_s = min(self.max_cooldown_s, self.cooldown_s * 2)
-            return
-        if self.failures >= self.threshold:
-            self.opened_at = time.monotonic()
-            self.transitions += 1
-            logger.warning(
-                "ec-s3: S3 store unavailable (%d requests failed in a row, last: %s); circuit open: "
-                "producers spool or drop, consumers encode locally; next probe in %.1fs",
-                self.failures, reason, self.cooldown_s,
-            )
+    return tuple((f.name, ident(getattr(config, f.name))) for f in dataclasses.fields(config))
 
 
 class S3Store:
@@ -295,7 +168,7 @@ class S3Store:
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
         self._client_gone = False
-        self._shared_key: str | None = None
+        self._shared_key: SharedKey | None = None
         self.stats = StoreStats()
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
 
@@ -311,7 +184,7 @@ class S3Store:
         is logged once per process, not once per connector). Release with
         :meth:`close`.
         """
-        key = repr(dataclasses.astuple(config))
+        key = _shared_key(config)
         with _SHARED_LOCK:
             entry = _SHARED.get(key)
             if entry is None or entry[0]._closed or entry[0]._bg is not shared_loop():
@@ -362,59 +235,61 @@ class S3Store:
             self._client_lock = asyncio.Lock()
         async with self._client_lock:
             if self._client is None:
-                cfg = self.config
-                session = aioboto3.Session(
-                    aws_access_key_id=cfg.access_key_id.reveal() if cfg.access_key_id else None,
-                    aws_secret_access_key=cfg.secret_access_key.reveal() if cfg.secret_access_key else None,
-                    aws_session_token=cfg.session_token.reveal() if cfg.session_token else None,
-                    region_name=cfg.region,
-                )
-                boto_config = AioConfig(
-                    region_name=cfg.region,
-                    signature_version="s3v4",
-                    s3={"addressing_style": cfg.addressing_style, "payload_signing_enabled": False},
-                    retries={"total_max_attempts": 1, "mode": "standard"},
-                    connect_timeout=cfg.connect_timeout_s,
-                    read_timeout=cfg.read_timeout_s,
-                    max_pool_connections=cfg.max_pool_connections,
-                    request_checksum_calculation="when_required",
-                    response_checksum_validation="when_required",
-                    tcp_keepalive=True,
-                )
                 stack = contextlib.AsyncExitStack()
-                self._client = await stack.enter_async_context(
-                    session.client(
-                        "s3", endpoint_url=cfg.endpoint_url, config=boto_config, verify=cfg.verify_tls
-                    )
-                )
+                try:
+                    # Resolves the credential chain (profile, SSO, instance role) when
+                    # the config names no keys: that can fail, and must fail typed.
+                    self._client = await open_client(self.config, stack)
+                except Exception as exc:  # noqa: BLE001 - mapped below
+                    await stack.aclose()
+                    error = to_store_error("connect", "", exc)
+                    if error is None:
+                        error = StoreConfigError("connect", "", f"cannot create the S3 client: {type(exc).__name__}: {exc}")
+                        error.__cause__ = exc
+                    raise error from exc
                 self._exit_stack = stack
-                self._sem = asyncio.Semaphore(cfg.max_concurrency)
+                # Requests queue here, not in aiohttp's pool: a pool wait is bounded
+                # (connection.py) and must only ever mean a held-up connection.
+                self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
         return self._client
 
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-        """Run one S3 request with the retry budget and the concurrency bound."""
-        cfg = self.config
-        if not self.breaker.allow():
+        """Run one S3 request with the retry budget, the concurrency bound and the breaker."""
+        ticket = self.breaker.allow()
+        if ticket is None:
             self.stats.short_circuited += 1
-            raise StoreUnavailable(op, key, "circuit open: the store failed repeatedly, not trying")
+            raise CircuitOpen(op, key, "the store failed repeatedly, not trying")
+        try:
+            return await self._attempts(op, key, fn, ticket)
+        finally:
+            self.breaker.release(ticket)  # however it ended, a probe must not stay pending
+
+    async def _attempts(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]], ticket: int) -> T:
+        cfg = self.config
         client = await self._get_client()
         assert self._sem is not None
         for attempt in range(1, cfg.max_attempts + 1):
             self.stats.requests += 1
+            caller_error: Exception | None = None
             try:
                 async with self._sem:
                     result = await fn(client)
                 self.breaker.success()
                 return result
-            except boto_exc.ClientError as exc:
-                error = _classify(op, key, exc)
-            except _TRANSIENT_EXC as exc:
-                error = StoreUnavailable(op, key, f"{type(exc).__name__}: {exc}")
-            if not isinstance(error, StoreUnavailable) or attempt == cfg.max_attempts:
+            except _CallerError as wrapped:
+                caller_error = wrapped.error
+            except Exception as exc:  # noqa: BLE001 - every transport failure becomes a StoreError
+                mapped = to_store_error(op, key, exc)
+                if mapped is None:
+                    raise  # not a store failure: a bug, shown as it is
+                error = mapped
+            if caller_error is not None:
+                raise caller_error  # outside the except block: its chain stays the caller's
+            if not error.transient or attempt == cfg.max_attempts:
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
-                if isinstance(error, StoreUnavailable):
-                    self.breaker.failure(error.reason)
-                else:
+                if error.transient:
+                    self.breaker.failure(error.reason, ticket)
+                elif error.status is not None:
                     self.breaker.success()  # the store answered: it is up
                 raise error
             self.stats.retries += 1
@@ -448,7 +323,7 @@ class S3Store:
         if len(view) > self.config.max_blob_bytes:
             raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
         if self.config.checksum_algorithm != "none":
-            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{await _crc32(view):08x}"}
+            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{await crc32_of(view):08x}"}
         if len(view) >= self.config.multipart_threshold_bytes:
             # One HEAD is cheap next to uploading every part only to meet a 412.
             if await self.head_async(key) is not None:
@@ -465,7 +340,7 @@ class S3Store:
 
         async def _put(client: Any) -> PutOutcome:
             await client.put_object(
-                Bucket=self.bucket, Key=key, Body=_ChainReader(view), ContentLength=len(view),
+                Bucket=self.bucket, Key=key, Body=ChainReader(view), ContentLength=len(view),
                 IfNoneMatch="*", Metadata=metadata, ContentType="application/octet-stream", **extra,
             )
             return PutOutcome.CREATED
@@ -476,7 +351,7 @@ class S3Store:
         try:
             return await self._call(op, key, fn)
         except StoreRequestError as exc:
-            if exc.reason.startswith("412"):
+            if exc.status == 412:
                 return PutOutcome.ALREADY_EXISTS
             raise
 
@@ -498,7 +373,7 @@ class S3Store:
                 async def _upload(client: Any) -> dict[str, Any]:
                     resp = await client.upload_part(
                         Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                        Body=_ChainReader(chunk), ContentLength=len(chunk), **extra,
+                        Body=ChainReader(chunk), ContentLength=len(chunk), **extra,
                     )
                     done = {"PartNumber": number, "ETag": resp["ETag"]}
                     for field in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA256"):
@@ -508,9 +383,7 @@ class S3Store:
 
                 return await self._call("UploadPart", key, _upload)
 
-            parts = await asyncio.gather(
-                *(_part(i + 1, start) for i, start in enumerate(range(0, len(view), part)))
-            )
+            parts = await _all_or_none([_part(i + 1, start) for i, start in enumerate(range(0, len(view), part))])
 
             async def _complete(client: Any) -> PutOutcome:
                 await client.complete_multipart_upload(
@@ -544,7 +417,13 @@ class S3Store:
         ``allocate(size)`` says where the bytes go (e.g. a shared-memory staging slot),
         so the body is copied once, from the socket to its final place.
         """
-        alloc = allocate or (lambda n: memoryview(bytearray(n)))
+        def alloc(nbytes: int) -> memoryview:
+            if allocate is None:
+                return memoryview(bytearray(nbytes))
+            try:
+                return allocate(nbytes)
+            except Exception as exc:  # noqa: BLE001 - the caller's, re-raised unchanged by _call
+                raise _CallerError(exc) from exc
         part = self.config.multipart_part_bytes
         holder: list[memoryview] = []
 
@@ -555,32 +434,31 @@ class S3Store:
 
         async def _first(client: Any) -> int:
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
-            stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
-            length = int(resp["ContentLength"])
-            total = _content_range_total(resp.get("ContentRange"))
-            if total is None:  # a 200 with the whole object (servers may ignore Range)
-                total = length
-            if total > self.config.max_blob_bytes:
-                resp["Body"].close()
-                raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
-            if not holder:
-                holder.append(alloc(total))
-            out = holder[0]
-            if len(out) != total:
-                resp["Body"].close()
-                raise StoreUnavailable("GET", key, "object size changed between attempts")
-            await _read_into(resp["Body"], out[:length], key)
-            return length
+            with _closing(resp["Body"]) as body:
+                stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
+                length = int(resp["ContentLength"])
+                total = _content_range_total(resp.get("ContentRange"))
+                if total is None:  # a 200 with the whole object (servers may ignore Range)
+                    total = length
+                if total > self.config.max_blob_bytes:
+                    raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
+                if not holder:
+                    holder.append(alloc(total))
+                out = holder[0]
+                if len(out) != total:
+                    raise StoreUnavailable("GET", key, "object size changed between attempts")
+                await _read_into(body, out[:length], key)
+                return length
 
         first = await self._call("GET", key, _first)
         out = holder[0]
         if first < len(out):
-            await asyncio.gather(
-                *(self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part))
+            await _all_or_none(
+                [self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part)]
             )
         self.stats.bytes_downloaded += len(out)
         if self.config.checksum_algorithm != "none" and stored_crc and stored_crc[0]:
-            actual = f"{await _crc32(out):08x}"
+            actual = f"{await crc32_of(out):08x}"
             if actual != stored_crc[0]:
                 self.stats.integrity_failures += 1
                 raise IntegrityError("GET", key, f"CRC32 {actual} != stored {stored_crc[0]}")
@@ -589,11 +467,11 @@ class S3Store:
     async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
         async def _get(client: Any) -> None:
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-            total = _content_range_total(resp.get("ContentRange"))
-            if total != len(out):
-                resp["Body"].close()
-                raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
-            await _read_into(resp["Body"], out[start:end], key)
+            with _closing(resp["Body"]) as body:
+                total = _content_range_total(resp.get("ContentRange"))
+                if total != len(out):
+                    raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
+                await _read_into(body, out[start:end], key)
 
         await self._call("GET", key, _get)
 
@@ -649,7 +527,7 @@ class S3Store:
         try:
             await self._call("CreateBucket", self.bucket, _create)
         except StoreRequestError as exc:
-            if "BucketAlreadyOwnedByYou" not in exc.reason and "BucketAlreadyExists" not in exc.reason:
+            if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
 
     # ------------------------------------------------------------------ lifecycle
@@ -694,33 +572,44 @@ class S3Store:
         return {} if algo == "none" else {"ChecksumAlgorithm": algo}
 
 
-async def _read_into(body: Any, out: memoryview, key: str) -> None:
-    """Copy a streaming body into ``out``; a short or long body is a transient error."""
-    pos = 0
+@contextlib.contextmanager
+def _closing(body: Any) -> Iterator[Any]:
+    """Close a response body on every way out (errors of ours or the caller's allocator,
+    cancellation). An unclosed body pins its pooled connection: once all are pinned,
+    every later request of the process waits for one. Closing a body read to its end
+    is a no-op (aiohttp has already returned the connection to the pool)."""
     try:
-        async for chunk in body.iter_chunks(1 << 20):
-            n = len(chunk)
-            if pos + n > len(out):
-                raise StoreUnavailable("GET", key, "body longer than Content-Length")
-            out[pos : pos + n] = chunk
-            pos += n
+        yield body
     finally:
         body.close()
+
+
+async def _all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently; on the first failure (or cancellation) cancel the
+    others and wait for them, so none still writes into a caller's buffer, or uploads a
+    part of an aborted upload, after this returns."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _read_into(body: Any, out: memoryview, key: str) -> None:
+    """Copy a streaming body into ``out``; a short or long body is a transient error.
+    The caller closes the body."""
+    pos = 0
+    async for chunk in body.iter_chunks(1 << 20):
+        n = len(chunk)
+        if pos + n > len(out):
+            raise StoreUnavailable("GET", key, "body longer than Content-Length")
+        out[pos : pos + n] = chunk
+        pos += n
     if pos != len(out):
-        raise boto_exc.IncompleteReadError(actual_bytes=pos, expected_bytes=len(out))
-
-
-async def _crc32(body: memoryview | BufferChain) -> int:
-    """zlib CRC32 (~4 GB/s); large buffers off the loop thread."""
-    chain = body if isinstance(body, BufferChain) else BufferChain([body])
-
-    def crc() -> int:
-        value = 0
-        for view in chain.views:
-            value = zlib.crc32(view, value)
-        return value
-
-    return crc() if len(chain) < (1 << 20) else await asyncio.to_thread(crc)
+        raise StoreUnavailable("GET", key, f"body ended after {pos} of {len(out)} bytes")
 
 
 def _content_range_total(value: str | None) -> int | None:
@@ -739,19 +628,3 @@ def _info(key: str, resp: dict[str, Any]) -> ObjectInfo:
         last_modified=modified.timestamp() if modified else time.time(),
         metadata=dict(resp.get("Metadata") or {}),
     )
-
-
-def _classify(op: str, key: str, exc: boto_exc.ClientError) -> StoreError:
-    error = exc.response.get("Error", {}) or {}
-    code = str(error.get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    reason = f"{status} {code}".strip()
-    if status == 404 or code in ("NoSuchKey", "NotFound", "404", "NoSuchBucket"):
-        if code == "NoSuchBucket":
-            return StoreRequestError(op, key, f"{reason}: bucket does not exist")
-        return ObjectNotFound(op, key, reason)
-    if status in (401, 403) or code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-        return AccessDenied(op, key, f"{reason}: check the credentials and the bucket policy")
-    if status >= 500 or status == 429 or code in _RETRYABLE_CODES:
-        return StoreUnavailable(op, key, reason)
-    return StoreRequestError(op, key, reason)

@@ -1,8 +1,10 @@
 """Diagnoses: a failed S3 call in an operator's words, a cause and a fix.
 
 Used by the connector's start-up checks (:mod:`ec_s3.connector.preflight`) and by
-``ec-s3 check`` so both word a failure the same way. Owns the wording only; it does
-not retry, log or decide whether a failure is fatal.
+``ec-s3 check`` so both word a failure the same way. Owns the wording only, read off
+the error's class and its ``status``/``code`` fields; it does not classify exceptions
+(:func:`ec_s3.store.errors.to_store_error` does), retry, log or decide whether a
+failure is fatal.
 """
 
 from __future__ import annotations
@@ -12,10 +14,21 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from botocore import exceptions as boto_exc
-
 from ec_s3.config import ECS3Config
-from ec_s3.store.client import AccessDenied, ObjectNotFound, StoreError, StoreRequestError, StoreUnavailable
+from ec_s3.store.errors import (
+    AccessDenied,
+    BucketNotFound,
+    CircuitOpen,
+    NoCredentials,
+    ObjectNotFound,
+    StoreConfigError,
+    StoreRequestError,
+    StoreTimeout,
+    StoreUnavailable,
+    StoreUnreachable,
+    TLSError,
+    to_store_error,
+)
 
 __all__ = ["Diagnosis", "credential_source", "diagnose"]
 
@@ -53,117 +66,138 @@ _PERMISSION_FOR_OP = {
 }
 
 
-def _error_code(reason: str) -> str:
-    """The S3 error code in a store error's reason (``"403 InvalidAccessKeyId: ..."``)."""
-    head = reason.split(":", 1)[0].split()
-    return head[1] if len(head) >= 2 else ""
+_REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException"})
+_TOKEN_CODES = frozenset({"InvalidToken", "ExpiredToken", "TokenRefreshRequired"})
 
 
 def diagnose(exc: BaseException, config: ECS3Config, *, op: str = "") -> Diagnosis:
-    """Map a failed S3 call to a cause and a fix."""
-    endpoint = config.endpoint_url or f"AWS S3 ({config.region})"
-    bucket = config.bucket
-    if isinstance(exc, (boto_exc.NoCredentialsError, boto_exc.PartialCredentialsError)):
+    """Map a failed S3 call to a cause and a fix.
+
+    Takes a :class:`StoreError` or a raw transport exception (from code that used the
+    client directly), which goes through the store's one mapping first; it reads the
+    error's class and its ``status``/``code`` fields, never its text.
+    """
+    error = to_store_error(op, "", exc)
+    if error is None:
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            return Diagnosis("endpoint", f"no answer from {_endpoint(config)} in time", "check the endpoint and the network")
+        return Diagnosis("other", f"{type(exc).__name__}: {exc}", "check the config and the S3 server")
+    if isinstance(error, NoCredentials):
         return Diagnosis(
             "no_credentials",
-            f"no S3 credentials found ({type(exc).__name__})",
+            f"no S3 credentials found ({error.message})",
             "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or set "
             "access_key_id/secret_access_key in ec_connector_extra_config",
         )
-    if isinstance(exc, StoreUnavailable):
-        reason = exc.reason
-        if reason.startswith("circuit open"):
-            return Diagnosis(
-                "endpoint",
-                f"{endpoint} failed repeatedly, so further requests were not tried (circuit breaker open)",
-                "run `ec-s3 check` to see the first failure; check the endpoint and retry",
-            )
-        if "SSL" in reason or "CERTIFICATE" in reason.upper():
-            return Diagnosis(
-                "tls",
-                f"TLS handshake with {endpoint} failed ({reason})",
-                "use the endpoint's correct https URL and a trusted CA (AWS_CA_BUNDLE), or "
-                "--set verify_tls=false for a test endpoint only",
-            )
-        if any(s in reason for s in ("EndpointConnectionError", "ConnectTimeout", "ConnectionError",
-                                      "Connection refused", "Cannot connect", "ClientConnectorError",
-                                      "Name or service not known")):
-            return Diagnosis(
-                "endpoint",
-                f"cannot reach the S3 endpoint {endpoint} ({reason.split(':', 1)[0]})",
-                "check endpoint_url (--endpoint-url or EC_S3_ENDPOINT_URL): host, port and "
-                "http/https, that the S3 server is running, and that no firewall blocks this host",
-            )
-        if "Timeout" in reason:
-            return Diagnosis(
-                "endpoint",
-                f"the S3 endpoint {endpoint} did not answer in time ({reason.split(':', 1)[0]})",
-                "check that endpoint_url points at an S3 server (not another service) and that it is "
-                "healthy; raise read_timeout_s/connect_timeout_s for a slow link",
-            )
+    if isinstance(error, StoreUnavailable):
+        return _unavailable(error, config)
+    if isinstance(error, AccessDenied):
+        return _denied(error, config, op or error.op)
+    if isinstance(error, (StoreRequestError, ObjectNotFound)):
+        return _request(error, config)
+    return Diagnosis("other", str(error), "check the config and the S3 server")
+
+
+def _endpoint(config: ECS3Config) -> str:
+    return config.endpoint_url or f"AWS S3 ({config.region})"
+
+
+def _unavailable(error: StoreUnavailable, config: ECS3Config) -> Diagnosis:
+    endpoint = _endpoint(config)
+    if isinstance(error, CircuitOpen):
         return Diagnosis(
-            "server",
-            f"the S3 server kept failing ({reason}) after {config.max_attempts} attempts",
-            "check the S3 server's health and logs, then retry",
+            "endpoint",
+            f"{endpoint} failed repeatedly, so further requests were not tried (circuit breaker open)",
+            "run `ec-s3 check` to see the first failure; check the endpoint and retry",
         )
-    if isinstance(exc, AccessDenied):
-        code = _error_code(exc.reason)
-        if code == "InvalidAccessKeyId":
-            return Diagnosis(
-                "credentials",
-                "wrong credentials: the endpoint does not know this access key id (403 InvalidAccessKeyId)",
-                "set the access key of an account on this endpoint (AWS_ACCESS_KEY_ID / "
-                "access_key_id); check that the endpoint URL is the one the key belongs to",
-            )
-        if code == "SignatureDoesNotMatch":
-            return Diagnosis(
-                "credentials",
-                "wrong credentials: the secret key does not match the access key (403 SignatureDoesNotMatch)",
-                "set the matching secret key (AWS_SECRET_ACCESS_KEY / secret_access_key); also check "
-                "the region and that no proxy rewrites the request",
-            )
-        if code in ("RequestTimeTooSkewed",):
-            return Diagnosis("clock", "this host's clock is too far off the server's (403 RequestTimeTooSkewed)",
-                             "sync the clock (NTP) and retry")
-        if code in ("InvalidToken", "ExpiredToken", "TokenRefreshRequired"):
-            return Diagnosis("credentials", f"the session token is invalid or expired (403 {code})",
-                             "refresh the temporary credentials (AWS_SESSION_TOKEN / session_token)")
-        permission = _PERMISSION_FOR_OP.get(op or exc.op, f"the permission for {exc.op}")
-        if code in ("", "403"):  # a HEAD answer carries no body, hence no code
-            return Diagnosis(
-                "permission",
-                f"{exc.op} was refused with a bare 403: wrong credentials or missing {permission}"
-                + (" / s3:ListBucket" if exc.op == "HEAD" else ""),
-                f"check the credentials, then grant {permission} on arn:aws:s3:::{bucket}/{config.prefix}/*"
-                + (" and s3:ListBucket on the bucket (without it a missing key answers 403, not 404)"
-                   if exc.op == "HEAD" else ""),
-            )
+    if isinstance(error, TLSError):
+        return Diagnosis(
+            "tls",
+            f"TLS handshake with {endpoint} failed ({error.message})",
+            "use the endpoint's correct https URL and a trusted CA (AWS_CA_BUNDLE), or "
+            "--set verify_tls=false for a test endpoint only",
+        )
+    if isinstance(error, StoreUnreachable):
+        return Diagnosis(
+            "endpoint",
+            f"cannot reach the S3 endpoint {endpoint} ({error.message})",
+            "check endpoint_url (--endpoint-url or EC_S3_ENDPOINT_URL): host, port and "
+            "http/https, that the S3 server is running, and that no firewall or proxy "
+            "(HTTP_PROXY/HTTPS_PROXY) blocks this host",
+        )
+    if isinstance(error, StoreTimeout):
+        return Diagnosis(
+            "endpoint",
+            f"the S3 endpoint {endpoint} did not answer in time ({error.message})",
+            "check that endpoint_url points at an S3 server (not another service) and that it is "
+            "healthy; raise read_timeout_s/connect_timeout_s for a slow link",
+        )
+    return Diagnosis(
+        "server",
+        f"the S3 server kept failing ({error.reason}) after {config.max_attempts} attempts",
+        "check the S3 server's health and logs, then retry",
+    )
+
+
+def _denied(error: AccessDenied, config: ECS3Config, op: str) -> Diagnosis:
+    code, bucket = error.code, config.bucket
+    if code == "InvalidAccessKeyId":
+        return Diagnosis(
+            "credentials",
+            "wrong credentials: the endpoint does not know this access key id (403 InvalidAccessKeyId)",
+            "set the access key of an account on this endpoint (AWS_ACCESS_KEY_ID / "
+            "access_key_id); check that the endpoint URL is the one the key belongs to",
+        )
+    if code == "SignatureDoesNotMatch":
+        return Diagnosis(
+            "credentials",
+            "wrong credentials: the secret key does not match the access key (403 SignatureDoesNotMatch)",
+            "set the matching secret key (AWS_SECRET_ACCESS_KEY / secret_access_key); also check "
+            "the region and that no proxy rewrites the request",
+        )
+    if code == "RequestTimeTooSkewed":
+        return Diagnosis("clock", "this host's clock is too far off the server's (403 RequestTimeTooSkewed)",
+                         "sync the clock (NTP) and retry")
+    if code in _TOKEN_CODES:
+        return Diagnosis("credentials", f"the session token is invalid or expired ({error.status} {code})",
+                         "refresh the temporary credentials (AWS_SESSION_TOKEN / session_token)")
+    permission = _PERMISSION_FOR_OP.get(op, f"the permission for {error.op}")
+    if code is None:  # a HEAD answer carries no body, hence no code
         return Diagnosis(
             "permission",
-            f"permission missing: {exc.op} was refused (403 {code or 'AccessDenied'}); it needs {permission}",
-            f"grant {permission} on "
-            + (f"arn:aws:s3:::{bucket}" if permission == "s3:ListBucket" else f"arn:aws:s3:::{bucket}/{config.prefix}/*")
-            + " to these credentials"
-            + (" (or run `ec-s3 check --read-only` if this host only consumes)" if permission == "s3:PutObject" else ""),
+            f"{error.op} was refused with a bare {error.status or 403}: wrong credentials or missing {permission}"
+            + (" / s3:ListBucket" if error.op == "HEAD" else ""),
+            f"check the credentials, then grant {permission} on arn:aws:s3:::{bucket}/{config.prefix}/*"
+            + (" and s3:ListBucket on the bucket (without it a missing key answers 403, not 404)"
+               if error.op == "HEAD" else ""),
         )
-    if isinstance(exc, (StoreRequestError, ObjectNotFound)):
-        code = _error_code(exc.reason)
-        if code == "NoSuchBucket" or (exc.op == "HeadBucket" and isinstance(exc, ObjectNotFound)):
-            return Diagnosis(
-                "bucket",
-                f"missing bucket: {bucket!r} does not exist at {endpoint} (404 NoSuchBucket)",
-                f"create it (e.g. `aws s3 mb s3://{bucket}" + (f" --endpoint-url {config.endpoint_url}`)" if config.endpoint_url else "`)")
-                + " or fix the bucket name (--bucket / EC_S3_BUCKET / bucket in the config)",
-            )
-        if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException") or code == "301":
-            return Diagnosis("region", f"the bucket lives in another region ({exc.reason})",
-                             "set the bucket's region (--region / region in the config)")
-        if code in ("InvalidBucketName",):
-            return Diagnosis("bucket", f"the server rejects the bucket name {bucket!r} ({exc.reason})",
-                             "use a valid bucket name")
-        return Diagnosis("other", f"{exc.op} failed: {exc.reason}", "see the S3 error code above; check the config")
-    if isinstance(exc, StoreError):
-        return Diagnosis("other", str(exc), "check the config and the S3 server")
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return Diagnosis("endpoint", f"no answer from {endpoint} in time", "check the endpoint and the network")
-    return Diagnosis("other", f"{type(exc).__name__}: {exc}", "check the config and the S3 server")
+    return Diagnosis(
+        "permission",
+        f"permission missing: {error.op} was refused ({error.status or 403} {code}); it needs {permission}",
+        f"grant {permission} on "
+        + (f"arn:aws:s3:::{bucket}" if permission == "s3:ListBucket" else f"arn:aws:s3:::{bucket}/{config.prefix}/*")
+        + " to these credentials"
+        + (" (or run `ec-s3 check --read-only` if this host only consumes)" if permission == "s3:PutObject" else ""),
+    )
+
+
+def _request(error: StoreRequestError | ObjectNotFound, config: ECS3Config) -> Diagnosis:
+    bucket = config.bucket
+    if isinstance(error, BucketNotFound) or (error.op == "HeadBucket" and isinstance(error, ObjectNotFound)):
+        return Diagnosis(
+            "bucket",
+            f"missing bucket: {bucket!r} does not exist at {_endpoint(config)} (404 NoSuchBucket)",
+            f"create it (e.g. `aws s3 mb s3://{bucket}"
+            + (f" --endpoint-url {config.endpoint_url}`)" if config.endpoint_url else "`)")
+            + " or fix the bucket name (--bucket / EC_S3_BUCKET / bucket in the config)",
+        )
+    if error.code in _REGION_CODES or error.status == 301:
+        return Diagnosis("region", f"the bucket lives in another region ({error.reason})",
+                         "set the bucket's region (--region / region in the config)")
+    if error.code == "InvalidBucketName":
+        return Diagnosis("bucket", f"the server rejects the bucket name {bucket!r} ({error.reason})",
+                         "use a valid bucket name")
+    if isinstance(error, StoreConfigError):
+        return Diagnosis("other", f"the S3 client cannot build the request ({error.message})",
+                         "check endpoint_url, region and addressing_style in the config")
+    return Diagnosis("other", f"{error.op} failed: {error.reason}", "see the S3 error code above; check the config")
