@@ -17,7 +17,6 @@ caller expects raises :class:`BlobError`, never a crash and never a wrong tensor
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import struct
