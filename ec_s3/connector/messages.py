@@ -1,7 +1,8 @@
 """Messages between the scheduler-role and worker-role parts (one engine step each).
 
 vLLM pickles connector metadata from the scheduler to every worker each step, and
-worker metadata back, so these are small plain dataclasses.
+worker metadata back (merged across workers with ``aggregate``), so these are small
+plain dataclasses. Owns their fields; does not own what either side does with them.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ TP/PP), which fetches from S3 itself, synchronously, and says so once in the log
 Saving: ``save_caches`` hands the encoder output to :class:`BlobPublisher` and
 returns; only the first tensor-parallel rank publishes, since every rank holds the
 same encoder output.
+
+Owns the worker side of each step. Does not own transfers in the background
+(:mod:`ec_s3.transfer`), the S3 protocol (:mod:`ec_s3.store`) or admission decisions
+(:mod:`ec_s3.connector.scheduler`).
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.model import ModelInfo, host_id
+from ec_s3.connector.metrics import ECS3Stats, register_worker_counters, unregister_worker_counters, worker_stats
+from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
 from ec_s3.transfer.staging import open_slot_view
@@ -66,6 +72,8 @@ class ECS3Worker:
                 self._get_store(), config, namespace=model.keyspace.namespace,
                 producer=model.engine_id, counters=counters, spool=spool,
             )
+        register_worker_counters(counters)
+        describe_role("worker", vllm_config, config, model)
 
     def _get_store(self) -> S3Store:
         if self._store is None:
@@ -73,24 +81,33 @@ class ECS3Worker:
         return self._store
 
     # ------------------------------------------------------------------ saving
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECS3ConnectorMetadata | None) -> None:
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECConnectorMetadata | None
+    ) -> None:
         if self._publisher is None:
             return
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
-        key = (metadata.save_keys.get(mm_hash) if metadata else None) or self._model.keyspace.key_for(mm_hash)
+        save_keys = metadata.save_keys if isinstance(metadata, ECS3ConnectorMetadata) else {}
+        key = save_keys.get(mm_hash) or self._model.keyspace.key_for(mm_hash)
         self._publisher.publish(mm_hash, tensor, key)
 
-    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+    def start_save_caches(
+        self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None
+    ) -> None:
         """Publish items of this step that vLLM already had cached (it will not call
         ``save_caches`` for them); the publisher skips what it already sent."""
+        if encoder_cache is None or not isinstance(metadata, ECS3ConnectorMetadata):
+            return
         for ident in metadata.save_keys:
             if ident in encoder_cache:
                 self.save_caches(encoder_cache, ident, metadata)
 
     # ------------------------------------------------------------------ loading
-    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECConnectorMetadata | None) -> None:
+        if not isinstance(metadata, ECS3ConnectorMetadata):
+            return
         for spec in metadata.loads:
             if spec.identifier in encoder_cache:
                 continue
@@ -193,8 +210,12 @@ class ECS3Worker:
         failed, self._failed_loads = self._failed_loads, set()
         return ECS3WorkerMetadata(failed_loads=failed)
 
+    def take_stats(self) -> ECS3Stats | None:
+        return worker_stats(self._counters)
+
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
+        unregister_worker_counters(self._counters)
         if self._publisher is not None:
             pending, abandoned = self._publisher.shutdown(self._config.shutdown_timeout_s)
             if pending:

@@ -5,6 +5,8 @@ through vLLM's factory, from ``ec_connector_module_path="ec_s3"``) with a
 worker-role connector run by ``ECWorkerSim`` between ``schedule()`` and
 ``update_from_output()``. ``drive`` steps it by wall-clock time, since lookups take
 milliseconds while a step takes microseconds (EngineCore spins the same way).
+
+Importing it makes illegal item state transitions raise (``items.STRICT``).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ from typing import Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
+from ec_s3.connector import items
 from ec_s3.connector.facade import ECS3Connector
 from support.vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+
+items.STRICT = True
 
 
 @dataclasses.dataclass
