@@ -1,5 +1,6 @@
-"""The scheduler side's item state machine as a unit (no S3, no vLLM engine): every
-fetch result maps to one state, and only the transitions in the table happen."""
+"""The scheduler side's item state machine and its bounded table as units (no S3, no
+vLLM engine): every fetch result maps to one state, only the transitions in the table
+happen, and the LRU bound never drops what a request holds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ from typing import Any
 import pytest
 
 from ec_s3.connector import items
-from ec_s3.connector.items import TRANSITIONS, IllegalTransition, Item, ItemState, RequestState
+from ec_s3.connector.items import (
+    PRODUCER_CAPACITY,
+    TRANSITIONS,
+    IllegalTransition,
+    Item,
+    ItemState,
+    ItemTable,
+    RequestState,
+    consumer_capacity,
+)
 from ec_s3.transfer.fetcher import Failed, Invalid, Missing, NoSpace, Present, Staged
 from ec_s3.transfer.staging import StagingSlot
 
@@ -68,6 +78,41 @@ def test_transition_table_is_closed() -> None:
     assert TRANSITIONS[ItemState.DROPPED] == frozenset()
 
 
+def test_table_evicts_least_recently_used_but_never_what_is_held() -> None:
+    table = ItemTable(capacity=4)
+    held_slot = StagingSlot(name="live", path="/x/live", nbytes=10)
+    request = SimpleNamespace(request_id="r1")
+    state = RequestState(request=request, promises={})  # type: ignore[arg-type]
+
+    used = table.add("used", "id-used")
+    used.start_lookup()
+    used.apply(Missing(), now=0.0)
+    state.use("id-used", used)
+    looking = table.add("looking", "id-looking")
+    looking.start_lookup()
+    staged = table.add("staged", "id-staged")
+    staged.start_lookup()
+    staged.apply(Staged(slot=held_slot, data_offset=0, dtype="bfloat16", shape=(1, 5)), now=0.0)
+    for i in range(20):
+        item = table.add(f"k{i}", f"id-{i}")
+        item.start_lookup()
+        item.apply(Missing(), now=0.0)
+        table.point(f"id-{i}", item)
+    assert len(table) == 4
+    assert table.get("used") is used and table.get("looking") is looking and table.get("staged") is staged
+    assert table.get("k19") is not None and table.get("k0") is None
+    assert table.current("id-0") is None and table.current("id-19") is not None  # no dangling pointers
+    assert len(table._current) <= len(table)
+
+    # Released, finished, or its slot gone: evictable again.
+    state.release()
+    looking.apply(Missing(), now=0.0)
+    held_slot.evicted = True
+    for key in ("new1", "new2", "new3"):
+        table.add(key, f"id-{key}").start_lookup()
+    assert len(table) == 4 and {"used", "looking", "staged"}.isdisjoint(table._items)
+
+
 def test_request_state_tracks_users_across_item_replacement() -> None:
     state = RequestState(request=SimpleNamespace(request_id="r1"), promises={})  # type: ignore[arg-type]
     first, second = Item(key="k", identifier="i"), Item(key="k", identifier="i")
@@ -78,3 +123,10 @@ def test_request_state_tracks_users_across_item_replacement() -> None:
     assert first.users == set() and second.users == {"r1"}
     state.release()
     assert second.users == set() and state.items == {}
+
+
+def test_capacities() -> None:
+    assert consumer_capacity(1 << 20) == 4096  # floor
+    assert consumer_capacity(4 << 30) == 16384  # 4 GiB of staging / 256 KiB
+    assert consumer_capacity(1 << 40) == 65536  # ceiling
+    assert PRODUCER_CAPACITY == 4096

@@ -2,9 +2,9 @@
 :class:`RequestState` per request, and the bounded table that holds the items.
 
 Owns the item state machine (its states, the allowed transitions in one table, and the
-one mapping from a lookup's result to a state), the table of remembered items, and what
-one request holds while it is admitted (checked promises, deadlines, pinned staging
-slots, items to encode locally).
+one mapping from a lookup's result to a state), the LRU bound on how many items are
+remembered, and what one request holds while it is admitted (checked promises,
+deadlines, pinned staging slots, items to encode locally).
 
 Does not own when to look an item up, retry or give up, nor what to answer vLLM
 (:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
@@ -37,6 +37,8 @@ __all__ = [
     "RETRYABLE",
     "RequestState",
     "TRANSITIONS",
+    "consumer_capacity",
+    "PRODUCER_CAPACITY",
 ]
 
 # Raise on an illegal transition instead of logging it. The test harness turns it on;
@@ -141,14 +143,35 @@ class Item:
         return self.staged.slot if self.staged is not None else None
 
 
-class ItemTable:
-    """Items by key, least recently used first."""
+# Producers remember PRESENT answers and misses only to save HEADs: a fixed count.
+PRODUCER_CAPACITY = 4096
+# Consumers: at least as many entries as staging holds blobs of a modest size, so the
+# table never forgets a staged blob sooner than staging would evict it.
+_CONSUMER_MIN_CAPACITY = 4096
+_CONSUMER_BYTES_PER_ENTRY = 256 * 1024  # a small image: 64 tokens x 2048 wide x bf16
+_CONSUMER_MAX_CAPACITY = 65536  # ~1 KB each: at most ~64 MB of bookkeeping
 
-    def __init__(self) -> None:
+
+def consumer_capacity(staging_bytes: int) -> int:
+    return min(_CONSUMER_MAX_CAPACITY, max(_CONSUMER_MIN_CAPACITY, staging_bytes // _CONSUMER_BYTES_PER_ENTRY))
+
+
+class ItemTable:
+    """Items by key, least recently used first, bounded to ``capacity`` entries.
+
+    Never evicted: items in use by a live request (``users``), lookups in flight, and
+    staged items whose slot is still in staging (forgetting one would orphan the slot
+    under its name until staging evicts it). Beyond ``capacity`` the table therefore
+    holds only those; staging's byte bound and vLLM's request limit bound them.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
         self._items: collections.OrderedDict[str, Item] = collections.OrderedDict()
         # identifier -> the item last admitted for it: has_cache_item gets only the
         # identifier, and asks right after ensure_cache_available admitted it.
         self._current: dict[str, Item] = {}
+        self.evicted = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -181,6 +204,8 @@ class ItemTable:
         if old is not None:
             self._forget(old)
         self._items[key] = item
+        if len(self._items) > self.capacity:
+            self._evict()
         return item
 
     def drop(self, item: Item) -> None:
@@ -193,6 +218,24 @@ class ItemTable:
         item.drop()
         if self._current.get(item.identifier) is item:
             del self._current[item.identifier]
+
+    def _evictable(self, item: Item) -> bool:
+        if item.users or item.state in (ItemState.NEW, ItemState.LOOKING):
+            return False
+        slot = item.slot
+        return slot is None or slot.evicted
+
+    def _evict(self) -> None:
+        excess = len(self._items) - self.capacity
+        victims = []
+        for item in self._items.values():  # least recently used first
+            if self._evictable(item):
+                victims.append(item)
+                if len(victims) >= excess:
+                    break
+        for item in victims:
+            self.drop(item)
+        self.evicted += len(victims)
 
 
 @dataclasses.dataclass(eq=False)

@@ -27,7 +27,15 @@ from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataR
 
 from ec_s3.blob.codec import BlobExpectation
 from ec_s3.config import ECS3Config
-from ec_s3.connector.items import RETRYABLE, Item, ItemState, ItemTable, RequestState
+from ec_s3.connector.items import (
+    PRODUCER_CAPACITY,
+    RETRYABLE,
+    Item,
+    ItemState,
+    ItemTable,
+    RequestState,
+    consumer_capacity,
+)
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.connector.metrics import ECS3Stats, scheduler_stats
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
@@ -74,7 +82,7 @@ class ECS3Scheduler:
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._host = host_id()
 
-        self._items = ItemTable()
+        self._items = ItemTable(consumer_capacity(config.staging_bytes) if self._is_consumer else PRODUCER_CAPACITY)
         self._requests: dict[str, RequestState] = {}
         # This step's hits: identifier -> the item answered for (until build_connector_meta).
         self._hits: dict[str, Item] = {}
@@ -356,11 +364,16 @@ class ECS3Scheduler:
 
     # ------------------------------------------------------------------ upkeep
     def _prune(self) -> None:
-        """Forget old misses and errors so the table stays small."""
+        """Forget old misses and errors, and staged items whose slot staging evicted;
+        the table's LRU bound does the rest."""
         now = time.monotonic()
         horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S) * 4
         for item in self._items:
-            if not item.users and item.state in RETRYABLE and now - item.checked_at > horizon:
+            if item.users:
+                continue
+            stale = item.state in RETRYABLE and now - item.checked_at > horizon
+            gone = item.slot is not None and item.slot.evicted
+            if stale or gone:
                 self._items.drop(item)
 
     def close(self) -> None:
