@@ -59,6 +59,11 @@ __all__ = ["ECS3Scheduler"]
 _PROMISE_POLL_MAX_S = 1.0
 # A promise usually arrives before its upload is visible: re-poll soon, then back off.
 _PROMISE_POLL_BASE_S = 0.005
+# Staging had no room (pinned slots hold it, or the blob is larger than it): that
+# lasts, so back off further. Each attempt is a GET, and the failed allocation evicts
+# unpinned staged blobs that other requests may be about to use.
+_NO_SPACE_BASE_S = 0.05
+_NO_SPACE_MAX_S = 2.0
 _PRUNE_EVERY_STEPS = 256
 
 
@@ -136,6 +141,7 @@ class ECS3Scheduler:
                 state.deadlines.pop(ident, None)
                 return True
             item = None  # its slot is gone: look it up again
+        self._check_fits(promise)
         budget = self._config.promised_wait_s if promise else self._config.lookup_wait_s
         deadline = state.deadlines.setdefault(ident, now + budget)
         if item is None:
@@ -163,6 +169,13 @@ class ECS3Scheduler:
             return False
         raise _Unavailable(f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s")
 
+    def _check_fits(self, promise: Promise | None) -> None:
+        if self._staging is not None and promise is not None and promise.size_bytes is not None:
+            if promise.size_bytes > self._staging.capacity:
+                raise _Unavailable(
+                    f"the blob ({promise.size_bytes} bytes) is larger than staging_bytes={self._staging.capacity}"
+                )
+
     def _usable(self, item: Item) -> bool:
         if self._is_consumer:
             return item.state is ItemState.STAGED
@@ -189,7 +202,7 @@ class ECS3Scheduler:
 
     def _retry_after(self, item: Item, promise: Promise | None) -> float:
         if item.state is ItemState.NO_SPACE:
-            return _PROMISE_POLL_BASE_S
+            return min(_NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.attempts - 1))
         if promise is not None:
             return min(_PROMISE_POLL_MAX_S, _PROMISE_POLL_BASE_S * 2 ** max(0, item.attempts - 1))
         return self._config.negative_cache_ttl_s
@@ -254,6 +267,13 @@ class ECS3Scheduler:
                 self._counters.inc("lookups_hit")
             elif isinstance(result, Missing):
                 self._counters.inc("lookups_miss")  # one per 404, polls of a promise included
+            if isinstance(result, Staged):
+                # Pin it for the requests waiting on it now, so that no other
+                # allocation evicts it before they are admitted again.
+                for req_id in list(item.users):
+                    state = self._requests.get(req_id)
+                    if state is not None and not self._hold(state, item.identifier, item):
+                        break
         if self._staging is not None:
             self._counters.set_gauge("staged_bytes", self._staging.used)
 
@@ -367,7 +387,7 @@ class ECS3Scheduler:
         """Forget old misses and errors, and staged items whose slot staging evicted;
         the table's LRU bound does the rest."""
         now = time.monotonic()
-        horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S) * 4
+        horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S, _NO_SPACE_MAX_S) * 4
         for item in self._items:
             if item.users:
                 continue
