@@ -1,6 +1,6 @@
-"""The scheduler side's item state machine and its bounded table as units (no S3, no
-vLLM engine): every fetch result maps to one state, only the transitions in the table
-happen, and the LRU bound never drops what a request holds."""
+"""The scheduler side's item state machine, its bounded table and the topology belief,
+as units (no S3, no vLLM engine): every fetch result maps to one state, only the
+transitions in the table happen, and the LRU bound never drops what a request holds."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ec_s3.connector.items import (
     RequestState,
     consumer_capacity,
 )
+from ec_s3.connector.topology import Topology, WorkerReach
 from ec_s3.transfer.fetcher import Failed, Invalid, Missing, NoSpace, Present, Staged
 from ec_s3.transfer.staging import StagingSlot
 
@@ -130,3 +131,35 @@ def test_capacities() -> None:
     assert consumer_capacity(4 << 30) == 16384  # 4 GiB of staging / 256 KiB
     assert consumer_capacity(1 << 40) == 65536  # ceiling
     assert PRODUCER_CAPACITY == 4096
+
+
+def _vllm_config(backend: Any, nnodes: int = 1, world_size: int = 1) -> Any:
+    return SimpleNamespace(parallel_config=SimpleNamespace(
+        distributed_executor_backend=backend, nnodes_within_dp=nnodes, world_size=world_size))
+
+
+@pytest.mark.parametrize(("backend", "nnodes", "reach"), [
+    ("uni", 1, WorkerReach.LOCAL),
+    ("mp", 1, WorkerReach.LOCAL),
+    ("external_launcher", 1, WorkerReach.LOCAL),
+    ("mp", 2, WorkerReach.REMOTE),
+    ("ray", 1, WorkerReach.UNKNOWN),
+    (object, 1, WorkerReach.UNKNOWN),  # a custom executor class
+])
+def test_topology_from_config(backend: Any, nnodes: int, reach: WorkerReach) -> None:
+    assert Topology.from_vllm(_vllm_config(backend, nnodes, world_size=2), "h").reach is reach
+
+
+def test_topology_learns_from_worker_reports() -> None:
+    unknown = Topology(WorkerReach.UNKNOWN, "h")
+    unknown.learn(set())
+    assert unknown.reach is WorkerReach.UNKNOWN
+    unknown.learn({"h"})
+    assert unknown.workers_read_staging
+    unknown.learn({"h", "other"})
+    assert unknown.reach is WorkerReach.REMOTE
+    unknown.learn({"h"})  # one remote worker is enough: it stays remote
+    assert not unknown.workers_read_staging
+    local = Topology(WorkerReach.LOCAL, "h")
+    local.learn({"other"})  # the config was wrong: believe the worker
+    assert local.reach is WorkerReach.REMOTE

@@ -10,7 +10,9 @@ A request is deferred while an item it needs is being looked up, within a per-it
 wait budget; when the budget runs out or the blob is bad it falls back to local
 encoding if it still carries the media, or is reported through
 ``take_unavailable_requests`` so vLLM fails just that request. A consumer answers "hit"
-only for a blob staged on this host and pinned.
+only for a blob staged on this host, pinned, and only while its workers can read the
+staging area (:mod:`ec_s3.connector.topology`): vLLM gathers a hit's embedding in the
+same step, and a worker that cannot deliver it would stop the engine.
 
 Owns admission and hit decisions, retry timing and the per-step load list. Does not own
 the item state machine and its bounded table (:mod:`ec_s3.connector.items`), the
@@ -40,6 +42,7 @@ from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, 
 from ec_s3.connector.metrics import ECS3Stats, scheduler_stats
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
+from ec_s3.connector.topology import Topology, WorkerReach
 from ec_s3.connector.transfer_params import Promise, build_transfer_params, read_promises
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
@@ -86,6 +89,10 @@ class ECS3Scheduler:
         self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._host = host_id()
+        # Producers never send loads to their workers: only a consumer must know.
+        self._topology = (
+            Topology.from_vllm(vllm_config, self._host) if self._is_consumer else Topology(WorkerReach.LOCAL, self._host)
+        )
 
         self._items = ItemTable(consumer_capacity(config.staging_bytes) if self._is_consumer else PRODUCER_CAPACITY)
         self._requests: dict[str, RequestState] = {}
@@ -129,6 +136,11 @@ class ECS3Scheduler:
         encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept."""
         request, ident = state.request, feature.identifier
         promise = state.promises.get(ident)
+        if self._is_consumer and not self._topology.workers_read_staging:
+            self._items.point(ident, None)
+            if promise is None and feature.data is not None:
+                return True  # nobody promised it: vLLM encodes it, as for a miss
+            raise _Unavailable("this engine's workers cannot read its staging area (they run on another host)")
         key = promise.key if promise else self._model.keyspace.key_for(ident, cache_salt=request.cache_salt)
         item = self._items.get(key)
         self._items.point(ident, item)
@@ -231,7 +243,8 @@ class ECS3Scheduler:
         if feature.data is not None:
             state.local.add(ident)
             self._counters.inc("fallbacks_local")
-            (logger.debug if self._store.breaker.is_open else logger.warning)(
+            quiet = self._store.breaker.is_open or not self._topology.workers_read_staging
+            (logger.debug if quiet else logger.warning)(
                 "ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why
             )
             return True
@@ -284,6 +297,8 @@ class ECS3Scheduler:
             return False
         if self._is_consumer:
             assert self._staging is not None and item.slot is not None
+            if not self._topology.workers_read_staging:
+                return False
             if not self._staging.touch(item.slot):
                 self._items.drop(item)
                 return False
@@ -341,6 +356,7 @@ class ECS3Scheduler:
         meta = connector_output.ec_connector_worker_meta
         if not isinstance(meta, ECS3WorkerMetadata):
             return
+        self._topology.learn(meta.hosts)
         for ident in meta.failed_loads:
             item = self._items.current(ident)
             if item is not None and item.slot is not None and self._staging is not None:

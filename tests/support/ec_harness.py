@@ -56,17 +56,28 @@ def make_node(
     *,
     encode_fn: Callable[[str, int], torch.Tensor] | None = None,
     log_stats: bool = False,
+    worker_extra: dict[str, Any] | None = None,
+    executor_backend: str | None = None,
     **engine_kwargs: Any,
 ) -> Node:
-    ec = {
-        "ec_connector": "ECS3Connector",
-        "ec_connector_module_path": "ec_s3",
-        "ec_role": role,
-        "ec_connector_extra_config": extra,
-    }
-    vllm_config = make_vllm_config(model_dir, ec, **engine_kwargs)
+    """``worker_extra`` gives the worker-role connector its own extra config (e.g. a
+    faulty endpoint); ``executor_backend`` is what the scheduler side is told vLLM's
+    executor is (e.g. ``"ray"``: workers may be on other hosts)."""
+
+    def ec(extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "ec_connector": "ECS3Connector",
+            "ec_connector_module_path": "ec_s3",
+            "ec_role": role,
+            "ec_connector_extra_config": extra,
+        }
+
+    vllm_config = make_vllm_config(model_dir, ec(extra), **engine_kwargs)
+    if executor_backend is not None:
+        vllm_config.parallel_config.distributed_executor_backend = executor_backend
     scheduler = make_scheduler(vllm_config, log_stats=log_stats)
-    worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
+    worker_config = vllm_config if worker_extra is None else make_vllm_config(model_dir, ec(worker_extra), **engine_kwargs)
+    worker = ECS3Connector(worker_config, ECConnectorRole.WORKER)
     sim = ECWorkerSim(worker, encode_fn=encode_fn)
     return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
 
