@@ -182,12 +182,13 @@ def test_abort_frees_staged_memory(
         node.driver.add("r1", ["img-a", "img-late"], ec_transfer_params={**params, "img-late": late})
         sched = node.scheduler_connector._scheduler
         assert sched is not None
-        drive(node.driver, until=lambda d: bool(sched._pins.get("r1")), timeout_s=20)
-        slot = sched._pins["r1"]["img-a"]
+        drive(node.driver, until=lambda d: "r1" in sched._requests and bool(sched._requests["r1"].pins), timeout_s=20)
+        state = sched._requests["r1"]
+        slot = state.pins["img-a"]
         assert slot.pins == 1 and node.driver.encoder_inputs_scheduled("r1") == []
+        assert "img-late" in state.deadlines
         node.driver.abort("r1")
-        assert slot.pins == 0 and "r1" not in sched._pins and "r1" not in sched._requests
-        assert ("r1", "img-late") not in sched._deadlines
+        assert slot.pins == 0 and not state.pins and "r1" not in sched._requests
         drive(node.driver)
     finally:
         node.close()
@@ -221,7 +222,7 @@ def test_failed_lookup_is_retried_after_outage(
         while sched._items[key].state.value == "looking" and time.monotonic() < deadline:
             time.sleep(0.01)
             sched._apply_results()
-        assert sched._items[key].state.value == "error"
+        assert sched._items[key].state.value == "failed"
         node.driver.abort("r1")  # gone before vLLM encoded it
         fault_proxy.set_down(False)
         time.sleep(0.6)  # past the TTL and the breaker's cooldown

@@ -49,7 +49,9 @@ def test_worker_on_another_host_fetches_from_s3(worker: ECS3Connector, make_stor
     cache = _load(worker, spec)
     assert torch.equal(cache["img-remote"], x)
     assert worker.counters.get("remote_loads") == 1
-    assert worker.build_connector_worker_meta() is None  # expected path, not a failure
+    meta = worker.build_connector_worker_meta()  # no failure, but where it runs: not the scheduler's host
+    assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == set() and meta.hosts == {host_id()}
+    assert worker.build_connector_worker_meta() is None  # said once
 
 
 def test_unreadable_staging_falls_back_and_is_reported(worker: ECS3Connector, make_store: Callable[..., S3Store]) -> None:

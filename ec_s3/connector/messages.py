@@ -1,7 +1,8 @@
 """Messages between the scheduler-role and worker-role parts (one engine step each).
 
 vLLM pickles connector metadata from the scheduler to every worker each step, and
-worker metadata back, so these are small plain dataclasses.
+worker metadata back (merged across workers with ``aggregate``), so these are small
+plain dataclasses. Owns their fields; does not own what either side does with them.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ class ECS3WorkerMetadata(ECConnectorWorkerMetadata):
     # Identifiers whose staged blob a worker could not use; the scheduler stops
     # trusting those slots.
     failed_loads: set[str] = dataclasses.field(default_factory=set)
+    # host_id() of the reporting workers: sent with a worker's first metadata and with
+    # any failure, so the scheduler learns whether workers can read its staging.
+    hosts: set[str] = dataclasses.field(default_factory=set)
 
     def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
         if isinstance(other, ECS3WorkerMetadata):
-            return ECS3WorkerMetadata(failed_loads=self.failed_loads | other.failed_loads)
+            return ECS3WorkerMetadata(
+                failed_loads=self.failed_loads | other.failed_loads, hosts=self.hosts | other.hosts
+            )
         return self

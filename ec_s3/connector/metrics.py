@@ -8,7 +8,15 @@ class (``observe``). The payload is a plain dict, so it survives vLLM's IPC::
     {"counters": {name: increment}, "gauges": {name: value}, "samples": {name: [s]}}
 
 Counter names below are ec-s3's internal counter names (see the modules that
-increment them); ``FAMILIES`` maps them to Prometheus metrics.
+increment them); ``COUNTERS``, ``GAUGES`` and ``HISTOGRAMS`` map them to Prometheus metrics.
+
+vLLM's V1 model runner never asks a worker-role connector for stats, so the
+scheduler-role connector of the same process (single-process executor) reports the
+worker-role counters too, until vLLM collects them itself (model runner V2 "claims"
+them): :func:`worker_stats` and :func:`scheduler_stats`.
+
+Owns the payload, its aggregation and the Prometheus families. Does not own the counting
+(:class:`ec_s3.transfer.counters.Counters`) or when vLLM collects.
 """
 
 from __future__ import annotations
@@ -18,12 +26,23 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
-from ec_s3.transfer.counters import MAX_SAMPLES
+from ec_s3.transfer.counters import MAX_SAMPLES, Counters
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["COUNTERS", "ECS3PromMetrics", "ECS3Stats", "GAUGES", "HISTOGRAMS", "LOOKUP_OUTCOMES"]
+__all__ = [
+    "COUNTERS",
+    "ECS3PromMetrics",
+    "ECS3Stats",
+    "GAUGES",
+    "HISTOGRAMS",
+    "LOOKUP_OUTCOMES",
+    "register_worker_counters",
+    "scheduler_stats",
+    "unregister_worker_counters",
+    "worker_stats",
+]
 
 # Prometheus counter -> (documentation, internal counter name)
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -157,3 +176,37 @@ class ECS3PromMetrics(ECConnectorPromMetrics):
             if key in self._histograms:
                 for value in values:
                     self._histograms[key][engine_idx].observe(value)
+
+
+# Worker-role counters of this process, for the scheduler-role connector to report
+# while vLLM does not collect them itself (see the module docstring).
+_WORKER_COUNTERS: list[Counters] = []
+
+
+def register_worker_counters(counters: Counters) -> None:
+    _WORKER_COUNTERS.append(counters)
+
+
+def unregister_worker_counters(counters: Counters) -> None:
+    if counters in _WORKER_COUNTERS:
+        _WORKER_COUNTERS.remove(counters)
+
+
+def worker_stats(counters: Counters) -> ECS3Stats | None:
+    """A worker-role connector's stats, asked by vLLM itself: from now on the
+    scheduler side leaves these counters alone."""
+    counters.claimed = True
+    stats = ECS3Stats(data=counters.take_delta())
+    return None if stats.is_empty() else stats
+
+
+def scheduler_stats(counters: Counters, store_retries: int) -> ECS3Stats | None:
+    """The scheduler-role connector's stats, plus this process's unclaimed worker-role
+    counters and the store's retries since the last call."""
+    stats = ECS3Stats(data=counters.take_delta())
+    if store_retries:
+        stats.data["counters"]["retries"] = store_retries
+    for worker in _WORKER_COUNTERS:
+        if not worker.claimed:
+            stats.aggregate(ECS3Stats(data=worker.take_delta()))
+    return None if stats.is_empty() else stats

@@ -3,6 +3,10 @@
 Both sides must agree on where a model's blobs live (the namespace) and on what an
 encoder output looks like (dtype, row width), without exchanging anything: the
 producer and every consumer derive the same answers from the same model.
+
+Owns those derived facts (and this host's identity, which the roles compare). Does not
+own keys or the blob format (:mod:`ec_s3.blob`) or the parsing of ec-s3's own config
+(:mod:`ec_s3.config`).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import torch
 
 from ec_s3.config import ECS3Config
 from ec_s3.blob.keys import KeySpace, model_namespace
+from ec_s3.log import logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["ModelInfo", "host_id"]
+__all__ = ["ModelInfo", "describe_role", "host_id"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,3 +95,13 @@ def host_id() -> str:
         raw = f"{socket.gethostname()}\0{boot}\0{os.environ.get('EC_S3_HOST_ID', '')}"
         _HOST_ID = hashlib.sha256(raw.encode()).hexdigest()[:16]
     return _HOST_ID
+
+
+def describe_role(role: str, vllm_config: VllmConfig, config: ECS3Config, model: ModelInfo) -> None:
+    """The one start-up line per connector part: which role, which bucket and namespace."""
+    ec_config = vllm_config.ec_transfer_config
+    logger.info(
+        "ec-s3: %s connector (%s) for s3://%s/%s endpoint=%s",
+        role, ec_config.ec_role if ec_config else "?", config.bucket, model.keyspace.root,
+        config.endpoint_url or "aws",
+    )

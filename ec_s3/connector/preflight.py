@@ -14,11 +14,17 @@ Failures are worded by :func:`ec_s3.store.diagnose.diagnose`, as ``ec-s3 check``
 Misconfiguration raises :class:`StartupCheckError` (``startup_check="fatal"``, the
 default) or logs an error (``"warn"``); an unreachable or failing endpoint only warns:
 the circuit breaker keeps the engine serving (encoding locally) until it answers.
+
+:func:`check_engine_start` is what the scheduler role runs once per engine: these
+checks plus warnings about vLLM settings that defeat ec-s3 (``--shutdown-timeout 0``
+on a producer). Owns the checks and their wording; does not own the store client
+(:mod:`ec_s3.store.client`) or the diagnosis (:mod:`ec_s3.store.diagnose`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from ec_s3.loop import BackgroundLoop
 from ec_s3.config import ECS3Config
@@ -27,7 +33,10 @@ from ec_s3.log import logger
 from ec_s3.store.diagnose import diagnose
 from ec_s3.store.client import ObjectNotFound, S3Store, StoreError
 
-__all__ = ["StartupCheckError", "run_startup_checks"]
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["StartupCheckError", "check_engine_start", "run_startup_checks"]
 
 _PROBE_BODY = b"ec-s3 write probe\n"
 # Diagnoses that mean "the store is not answering", not "the configuration is wrong".
@@ -36,6 +45,20 @@ _DEGRADED_KINDS = frozenset({"endpoint", "server"})
 
 class StartupCheckError(RuntimeError):
     """ec-s3 cannot work with this store configuration; the message says how to fix it."""
+
+
+def check_engine_start(vllm_config: VllmConfig, config: ECS3Config, *, producer: bool, consumer: bool) -> None:
+    """Once per engine, before any traffic: a bad bucket or credentials fail here with
+    a message that says what to fix; settings that lose data are warned about."""
+    run_startup_checks(config, producer=producer, consumer=consumer)
+    if producer and not getattr(vllm_config, "shutdown_timeout", 0):
+        logger.warning(
+            "ec-s3: vLLM runs with --shutdown-timeout 0, so on SIGTERM it kills the engine at "
+            "once and uploads still pending are lost%s; start producers with "
+            "--shutdown-timeout %d (and VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS >= that)",
+            " (spool_dir keeps only what already failed)" if config.spool_dir else "",
+            int(config.shutdown_timeout_s) + 2,
+        )
 
 
 def run_startup_checks(config: ECS3Config, *, producer: bool, consumer: bool, loop: BackgroundLoop | None = None) -> list[str]:

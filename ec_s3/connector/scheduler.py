@@ -1,4 +1,4 @@
-"""Scheduler-role part of ECS3Connector.
+"""Scheduler-role part of ECS3Connector: which items a request waits for, which are hits.
 
 Every method here runs on vLLM's engine loop and answers from memory: lookups,
 downloads and validation run on ec-s3's I/O loop (:mod:`ec_s3.transfer.fetcher`), and their
@@ -6,35 +6,49 @@ results are picked up at the next call. That is also why transfers are driven fr
 here and not from the workers: a step that schedules no tokens never reaches the
 worker-side connector, so a deferred request would otherwise wait forever.
 
-Per item (one key in the bucket) the state moves LOOKING → STAGED (consumer: blob
-fetched into shared staging and validated), PRESENT (producer: it exists), MISSING,
-INVALID, ERROR or NO_SPACE. A request is deferred while an item it needs is being
-looked up, within a per-item wait budget; when the budget runs out or the blob is
-bad it falls back to local encoding if it still carries the media, or is reported
-through ``take_unavailable_requests`` so vLLM fails just that request.
+A request is deferred while an item it needs is being looked up, within a per-item
+wait budget; when the budget runs out or the blob is bad it falls back to local
+encoding if it still carries the media, or is reported through
+``take_unavailable_requests`` so vLLM fails just that request. A consumer answers "hit"
+only for a blob staged on this host, pinned, and only while its workers can read the
+staging area (:mod:`ec_s3.connector.topology`): vLLM gathers a hit's embedding in the
+same step, and a worker that cannot deliver it would stop the engine.
+
+Owns admission and hit decisions, retry timing and the per-step load list. Does not own
+the item state machine and its bounded table (:mod:`ec_s3.connector.items`), the
+``ec_transfer_params`` format (:mod:`ec_s3.connector.transfer_params`), transfers
+(:mod:`ec_s3.transfer`) or the S3 protocol (:mod:`ec_s3.store`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.ec_transfer.ec_connector.utils import (
-    PlaceholderMetadataResolver,
-    collect_ec_item_metadata,
-)
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-from ec_s3.blob.codec import BlobExpectation, BlobLayout, BlobMeta
+from ec_s3.blob.codec import BlobExpectation
 from ec_s3.config import ECS3Config
-from ec_s3.transfer.fetcher import Failed, FetchResult, Invalid, ItemFetcher, Missing, NoSpace, Present, Staged
-from ec_s3.log import logger
+from ec_s3.connector.items import (
+    PRODUCER_CAPACITY,
+    RETRYABLE,
+    Item,
+    ItemState,
+    ItemTable,
+    RequestState,
+    consumer_capacity,
+)
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.model import ModelInfo, host_id
-from ec_s3.transfer.staging import StagingArea, StagingSlot
-from ec_s3.transfer.counters import Counters
+from ec_s3.connector.metrics import ECS3Stats, scheduler_stats
+from ec_s3.connector.model import ModelInfo, describe_role, host_id
+from ec_s3.connector.preflight import check_engine_start
+from ec_s3.connector.topology import Topology, WorkerReach
+from ec_s3.connector.transfer_params import Promise, build_transfer_params, read_promises
+from ec_s3.log import logger
 from ec_s3.store.client import S3Store
+from ec_s3.transfer.counters import Counters
+from ec_s3.transfer.fetcher import Failed, ItemFetcher, Missing, Present, Staged
+from ec_s3.transfer.staging import StagingArea, StagingSlot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,40 +62,12 @@ __all__ = ["ECS3Scheduler"]
 _PROMISE_POLL_MAX_S = 1.0
 # A promise usually arrives before its upload is visible: re-poll soon, then back off.
 _PROMISE_POLL_BASE_S = 0.005
+# Staging had no room (pinned slots hold it, or the blob is larger than it): that
+# lasts, so back off further. Each attempt is a GET, and the failed allocation evicts
+# unpinned staged blobs that other requests may be about to use.
+_NO_SPACE_BASE_S = 0.05
+_NO_SPACE_MAX_S = 2.0
 _PRUNE_EVERY_STEPS = 256
-
-
-class ItemState(enum.Enum):
-    LOOKING = "looking"
-    STAGED = "staged"
-    PRESENT = "present"
-    MISSING = "missing"
-    INVALID = "invalid"
-    ERROR = "error"
-    NO_SPACE = "no_space"
-
-
-_RETRYABLE = (ItemState.MISSING, ItemState.ERROR, ItemState.NO_SPACE, ItemState.INVALID)
-
-
-@dataclasses.dataclass
-class _Item:
-    key: str
-    identifier: str
-    state: ItemState = ItemState.LOOKING
-    checked_at: float = 0.0
-    attempts: int = 0
-    reason: str = ""
-    staged: Staged | None = None
-    outage: bool = False  # last lookup failed because the store is down
-
-
-@dataclasses.dataclass(frozen=True)
-class _Promise:
-    """What a producer's ``ec_transfer_params`` says about one item, once checked."""
-
-    key: str
-    size_bytes: int | None
 
 
 class _Unavailable(Exception):
@@ -92,119 +78,149 @@ class ECS3Scheduler:
     def __init__(self, vllm_config: VllmConfig, config: ECS3Config, model: ModelInfo, counters: Counters) -> None:
         ec_config = vllm_config.ec_transfer_config
         assert ec_config is not None
+        self._is_producer = bool(ec_config.is_ec_producer)
+        self._is_consumer = bool(ec_config.is_ec_consumer)
+        check_engine_start(vllm_config, config, producer=self._is_producer, consumer=self._is_consumer)
         self._config = config
         self._model = model
         self._counters = counters
-        self._is_producer = bool(ec_config.is_ec_producer)
-        self._is_consumer = bool(ec_config.is_ec_consumer)
         self._store = S3Store.shared(config)
         self._staging = StagingArea(config.staging_dir, config.staging_bytes) if self._is_consumer else None
         self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._host = host_id()
+        # Producers never send loads to their workers: only a consumer must know.
+        self._topology = (
+            Topology.from_vllm(vllm_config, self._host) if self._is_consumer else Topology(WorkerReach.LOCAL, self._host)
+        )
 
-        self._items: dict[str, _Item] = {}
-        self._key_of: dict[str, str] = {}  # identifier -> key of the request being scheduled
-        self._hits: set[str] = set()  # identifiers answered True by has_cache_item this step
-        self._deadlines: dict[tuple[str, str], float] = {}
-        self._local: dict[str, set[str]] = {}  # req_id -> identifiers to encode locally
-        self._pins: dict[str, dict[str, StagingSlot]] = {}
-        self._promises: dict[str, dict[str, _Promise]] = {}
-        self._requests: dict[str, Request] = {}
-        self._loads: list[LoadSpec] = []
+        self._items = ItemTable(consumer_capacity(config.staging_bytes) if self._is_consumer else PRODUCER_CAPACITY)
+        self._requests: dict[str, RequestState] = {}
+        # This step's hits: identifier -> the item answered for (until build_connector_meta).
+        self._hits: dict[str, Item] = {}
+        self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
+        self._looking = 0  # lookups running on the I/O loop
         self._steps = 0
         self._retries_reported = 0
-        self._in_flight: set[str] = set()  # keys with a lookup running on the I/O loop
+        describe_role("scheduler", vllm_config, config, model)
 
     # ------------------------------------------------------------------ admission
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         self._apply_results()
         now = time.monotonic()
-        req_id = request.request_id
-        self._requests[req_id] = request
-        promises = self._promises_of(request)
+        state = self._state_of(request)
         ready = True
         for feature in request.mm_features:
             pos = feature.mm_position
             if pos.offset + pos.length <= num_computed_tokens:
                 continue
-            if feature.identifier in self._local.get(req_id, ()):
+            if feature.identifier in state.local:
                 continue
             try:
-                ready &= self._admit(request, feature, promises.get(feature.identifier), now)
+                ready &= self._admit(state, feature, now)
             except _Unavailable as exc:
-                if not self._fall_back(request, feature, str(exc)):
+                if not self._fall_back(state, feature, str(exc)):
                     return False
         return ready
 
-    def _admit(self, request: Request, feature: MultiModalFeatureSpec, promise: _Promise | None, now: float) -> bool:
+    def _state_of(self, request: Request) -> RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            promises = read_promises(request, self._model, self._config.max_blob_bytes, self._counters)
+            state = self._requests[request.request_id] = RequestState(request=request, promises=promises)
+        return state
+
+    def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> bool:
         """True when ``feature`` needs no more waiting: staged, present, or to be
         encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept."""
-        ident, req_id = feature.identifier, request.request_id
+        request, ident = state.request, feature.identifier
+        promise = state.promises.get(ident)
+        if self._is_consumer and not self._topology.workers_read_staging:
+            self._items.point(ident, None)
+            if promise is None and feature.data is not None:
+                return True  # nobody promised it: vLLM encodes it, as for a miss
+            raise _Unavailable("this engine's workers cannot read its staging area (they run on another host)")
         key = promise.key if promise else self._model.keyspace.key_for(ident, cache_salt=request.cache_salt)
-        self._key_of[ident] = key
+        item = self._items.get(key)
+        self._items.point(ident, item)
+        if item is not None:
+            state.use(ident, item)
         if promise is None and self._config.lookup == "promised":
             return True
-        item = self._items.get(key)
-        if item is not None and self._usable(item) and self._hold(req_id, ident, item):
-            self._deadlines.pop((req_id, ident), None)
-            return True
+        if item is not None and self._usable(item):
+            if self._hold(state, ident, item):
+                state.deadlines.pop(ident, None)
+                return True
+            item = None  # its slot is gone: look it up again
+        self._check_fits(promise)
         budget = self._config.promised_wait_s if promise else self._config.lookup_wait_s
-        deadline = self._deadlines.setdefault((req_id, ident), now + budget)
-        if item is None or (item.state in _RETRYABLE and now >= item.checked_at + self._retry_after(item, promise)):
-            item = self._start(key, feature, item)
-        if item.state is ItemState.LOOKING:
+        deadline = state.deadlines.setdefault(ident, now + budget)
+        if item is None:
+            item = self._items.add(key, ident)
+            self._items.point(ident, item)
+            state.use(ident, item)
+            self._start(item, feature)
+        elif item.state in RETRYABLE and now >= item.checked_at + self._retry_after(item, promise):
+            self._start(item, feature)
+        if item.looking:
             if now < deadline:
                 return False
             if promise:
                 raise _Unavailable(f"the blob did not arrive within promised_wait_s={budget:g}s")
             self._counters.inc("lookup_timeouts")
-            self._local.setdefault(req_id, set()).add(ident)
+            state.local.add(ident)
             return True
         if promise is None:
             return True  # a miss (or a failed lookup): the encoder runs locally
         if item.state is ItemState.INVALID:
             raise _Unavailable(f"the stored blob is invalid ({item.reason})")
-        if item.state is ItemState.ERROR and item.outage:
+        if item.state is ItemState.FAILED and item.outage:
             raise _Unavailable(f"the store is unavailable ({item.reason})")
         if now < deadline:
             return False
         raise _Unavailable(f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s")
 
-    def _usable(self, item: _Item) -> bool:
+    def _check_fits(self, promise: Promise | None) -> None:
+        if self._staging is not None and promise is not None and promise.size_bytes is not None:
+            if promise.size_bytes > self._staging.capacity:
+                raise _Unavailable(
+                    f"the blob ({promise.size_bytes} bytes) is larger than staging_bytes={self._staging.capacity}"
+                )
+
+    def _usable(self, item: Item) -> bool:
         if self._is_consumer:
             return item.state is ItemState.STAGED
         return item.state is ItemState.PRESENT
 
-    def _hold(self, req_id: str, ident: str, item: _Item) -> bool:
-        """Pin a staged item's slot for this request (once); False if it was evicted."""
+    def _hold(self, state: RequestState, ident: str, item: Item) -> bool:
+        """Pin ``item``'s staging slot for this request (consumers); False, and the
+        item is forgotten, if staging evicted it meanwhile."""
         if not self._is_consumer:
             return True
-        assert self._staging is not None and item.staged is not None
-        pins = self._pins.setdefault(req_id, {})
-        if ident in pins:
-            return not pins[ident].evicted or self._forget(item)
-        if not self._staging.pin(item.staged.slot):
-            return self._forget(item)
-        pins[ident] = item.staged.slot
-        return True
-
-    def _forget(self, item: _Item) -> bool:
-        self._items.pop(item.key, None)
+        assert self._staging is not None
+        slot = item.slot
+        assert slot is not None
+        pinned = state.pins.get(ident)
+        if pinned is slot and not slot.evicted:
+            return True
+        if pinned is not None:  # evicted, or a slot of an earlier lookup of this item
+            self._staging.unpin(state.pins.pop(ident))
+        if self._staging.pin(slot):
+            state.pins[ident] = slot
+            return True
+        self._items.drop(item)
         return False
 
-    def _retry_after(self, item: _Item, promise: _Promise | None) -> float:
+    def _retry_after(self, item: Item, promise: Promise | None) -> float:
         if item.state is ItemState.NO_SPACE:
-            return _PROMISE_POLL_BASE_S
+            return min(_NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.attempts - 1))
         if promise is not None:
             return min(_PROMISE_POLL_MAX_S, _PROMISE_POLL_BASE_S * 2 ** max(0, item.attempts - 1))
         return self._config.negative_cache_ttl_s
 
-    def _start(self, key: str, feature: MultiModalFeatureSpec, item: _Item | None) -> _Item:
-        if item is None:
-            item = self._items[key] = _Item(key=key, identifier=feature.identifier)
-        item.state = ItemState.LOOKING
+    def _start(self, item: Item, feature: MultiModalFeatureSpec) -> None:
+        item.start_lookup()
         expect = None
         if self._is_consumer:
             expect = BlobExpectation(
@@ -216,20 +232,21 @@ class ECS3Scheduler:
                 max_bytes=self._config.max_blob_bytes,
             )
         self._counters.inc("lookups_started")
-        self._in_flight.add(key)
-        self._fetcher.start(key, expect)
-        return item
+        self._looking += 1
+        self._fetcher.start(item.key, expect)
 
-    def _fall_back(self, request: Request, feature: MultiModalFeatureSpec, why: str) -> bool:
+    def _fall_back(self, state: RequestState, feature: MultiModalFeatureSpec, why: str) -> bool:
         """Encode locally if the request still carries the media (True); otherwise
         record it for ``take_unavailable_requests`` (False)."""
-        req_id, ident = request.request_id, feature.identifier
-        self._deadlines.pop((req_id, ident), None)
+        req_id, ident = state.request.request_id, feature.identifier
+        state.deadlines.pop(ident, None)
         if feature.data is not None:
-            self._local.setdefault(req_id, set()).add(ident)
+            state.local.add(ident)
             self._counters.inc("fallbacks_local")
-            log = logger.debug if self._store.breaker.is_open else logger.warning
-            log("ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why)
+            quiet = self._store.breaker.is_open or not self._topology.workers_read_staging
+            (logger.debug if quiet else logger.warning)(
+                "ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why
+            )
             return True
         self._unavailable.add(req_id)
         self._counters.inc("requests_unavailable")
@@ -239,60 +256,6 @@ class ECS3Scheduler:
         )
         return False
 
-    def _promises_of(self, request: Request) -> dict[str, _Promise]:
-        """Checked promises of ``ec_transfer_params``; anything malformed or pointing
-        outside this namespace is ignored with one warning per request."""
-        cached = self._promises.get(request.request_id)
-        if cached is not None:
-            return cached
-        promises: dict[str, _Promise] = {}
-        raw = getattr(request, "ec_transfer_params", None)
-        if raw is not None and not isinstance(raw, dict):
-            logger.warning("ec-s3: request %s: ignoring ec_transfer_params of type %s", request.request_id, type(raw).__name__)
-            raw = None
-        features = {f.identifier: f for f in request.mm_features}
-        problems: list[str] = []
-        for ident, entry in (raw or {}).items():
-            if not isinstance(entry, dict) or "key" not in entry:
-                continue  # not an ec-s3 promise (another connector's, or metadata only)
-            feature = features.get(ident) if isinstance(ident, str) else None
-            problem = self._check_promise(request, feature, entry)
-            if problem:
-                problems.append(f"{str(ident)[:32]!r}: {problem}")
-                continue
-            size = entry.get("size_bytes")
-            promises[ident] = _Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None)
-        if problems:
-            self._counters.inc("promises_ignored", len(problems))
-            logger.warning(
-                "ec-s3: request %s: ignoring invalid ec_transfer_params entries: %s",
-                request.request_id, "; ".join(problems[:5]),
-            )
-        self._promises[request.request_id] = promises
-        return promises
-
-    def _check_promise(self, request: Request, feature: MultiModalFeatureSpec | None, entry: dict[str, Any]) -> str:
-        if feature is None:
-            return "no such item in the request"
-        key = entry.get("key")
-        if key != self._model.keyspace.key_for(feature.identifier, cache_salt=request.cache_salt):
-            return "key is not this item's key in this namespace (producer uses another model, prefix or namespace?)"
-        shape = entry.get("shape")
-        if shape is not None:
-            rows, width = feature.mm_position.get_num_embeds(), self._model.width_for(feature.modality)
-            if (
-                not isinstance(shape, list) or len(shape) != 2 or not all(type(d) is int for d in shape)
-                or shape[0] != rows or (width is not None and shape[1] != width)
-            ):
-                return f"shape {shape!r} does not match ({rows}, {width})"
-        dtype = entry.get("dtype")
-        if dtype is not None and dtype != str(self._model.dtype).removeprefix("torch."):
-            return f"dtype {dtype!r} is not the model's"
-        size = entry.get("size_bytes")
-        if size is not None and (type(size) is not int or not 0 < size <= self._config.max_blob_bytes):
-            return "size_bytes out of range"
-        return ""
-
     # ------------------------------------------------------------------ results
     def _apply_results(self) -> None:
         results = self._fetcher.drain()
@@ -300,16 +263,13 @@ class ECS3Scheduler:
             return
         now = time.monotonic()
         for key, result in results:
-            self._in_flight.discard(key)
+            self._looking -= 1
             item = self._items.get(key)
-            if item is None:
+            if item is None or not item.looking:
                 if isinstance(result, Staged) and self._staging is not None:
                     self._staging.discard(result.slot.name)
                 continue
-            item.checked_at, item.attempts = now, item.attempts + 1
-            item.state, item.reason = _state_of(result)
-            item.staged = result if isinstance(result, Staged) else None
-            item.outage = isinstance(result, Failed) and result.outage
+            item.apply(result, now)
             if isinstance(result, Failed):
                 self._counters.inc("store_errors")
                 # Outages are logged once by the store's circuit breaker; other
@@ -320,67 +280,73 @@ class ECS3Scheduler:
                 self._counters.inc("lookups_hit")
             elif isinstance(result, Missing):
                 self._counters.inc("lookups_miss")  # one per 404, polls of a promise included
+            if isinstance(result, Staged):
+                # Pin it for the requests waiting on it now, so that no other
+                # allocation evicts it before they are admitted again.
+                for req_id in list(item.users):
+                    state = self._requests.get(req_id)
+                    if state is not None and not self._hold(state, item.identifier, item):
+                        break
         if self._staging is not None:
             self._counters.set_gauge("staged_bytes", self._staging.used)
 
     # ------------------------------------------------------------------ vLLM hooks
     def has_cache_item(self, identifier: str) -> bool:
-        key = self._key_of.get(identifier)
-        item = self._items.get(key) if key is not None else None
+        item = self._items.current(identifier)
         if item is None or not self._usable(item):
             return False
         if self._is_consumer:
-            assert self._staging is not None and item.staged is not None
-            if not self._staging.touch(item.staged.slot):
-                self._forget(item)
+            assert self._staging is not None and item.slot is not None
+            if not self._topology.workers_read_staging:
                 return False
-        self._hits.add(identifier)
+            if not self._staging.touch(item.slot):
+                self._items.drop(item)
+                return False
+        self._hits[identifier] = item
         return True
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         if not self._is_consumer:
             return
         ident = request.mm_features[index].identifier
-        if ident not in self._hits:
+        item = self._hits.get(ident)
+        if item is None:
             return  # vLLM encodes this one itself
-        item = self._items.get(self._key_of.get(ident, ""))
-        if item is None or item.staged is None or not self._hold(request.request_id, ident, item):
-            # has_cache_item said yes a moment ago, so the worker must still get it:
-            # it falls back to fetching from S3 itself.
-            logger.warning("ec-s3: staged item %s vanished before dispatch", ident[:64])
-            return
         staged = item.staged
-        self._loads.append(
-            LoadSpec(
-                identifier=ident, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
-                nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
-            )
+        assert staged is not None  # a hit is a staged item
+        state = self._requests.get(request.request_id)
+        if state is None or not self._hold(state, ident, item):
+            # has_cache_item said yes a moment ago (and touched the slot), so this
+            # should not happen; the load still goes out: a worker that cannot read
+            # the slot fetches the blob from S3 and reports it.
+            logger.warning("ec-s3: staged item %s could not be pinned before dispatch", ident[:64])
+        spec = LoadSpec(
+            identifier=ident, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
+            nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
         )
+        self._loads.append((spec, staged.slot))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECS3ConnectorMetadata:
-        if self._in_flight and not scheduler_output.total_num_scheduled_tokens:
+        if self._looking and not scheduler_output.total_num_scheduled_tokens:
             # The engine has nothing to run but our transfers, and its loop does not
             # sleep between steps: without this it would keep the GIL from the I/O
             # thread that runs them (measured: 5-14x longer time-to-schedulable).
             time.sleep(0)
-        meta = ECS3ConnectorMetadata(loads=self._loads)
+        meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
         if self._staging is not None:
-            slots = {p.identifier: p for p in self._loads}
-            for pins in self._pins.values():
-                for ident, slot in pins.items():
-                    if ident in slots:
-                        self._staging.mark_dispatched(slot)
+            for _, slot in self._loads:
+                self._staging.mark_dispatched(slot)
             self._staging.advance_step()
         self._loads = []
         self._hits.clear()
         if self._is_producer:
             for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
-                request = self._requests.get(req_id)
-                if request is None or not request.cache_salt:
+                state = self._requests.get(req_id)
+                if state is None or not state.request.cache_salt:
                     continue  # the worker derives unsalted keys itself
                 for index in input_ids:
-                    ident = request.mm_features[index].identifier
-                    meta.save_keys[ident] = self._model.keyspace.key_for(ident, cache_salt=request.cache_salt)
+                    ident = state.request.mm_features[index].identifier
+                    meta.save_keys[ident] = self._model.keyspace.key_for(ident, cache_salt=state.request.cache_salt)
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
@@ -390,16 +356,17 @@ class ECS3Scheduler:
         meta = connector_output.ec_connector_worker_meta
         if not isinstance(meta, ECS3WorkerMetadata):
             return
+        self._topology.learn(meta.hosts)
         for ident in meta.failed_loads:
-            item = self._items.get(self._key_of.get(ident, ""))
-            if item is not None and item.staged is not None and self._staging is not None:
+            item = self._items.current(ident)
+            if item is not None and item.slot is not None and self._staging is not None:
                 logger.error("ec-s3: a worker could not read staged item %s; dropping it", ident[:64])
-                self._staging.discard(item.staged.slot.name)
-                self._forget(item)
+                self._staging.discard(item.slot.name)
+                self._items.drop(item)
 
     def update_state_after_free(self, request: Request, index: int) -> None:
-        ident = request.mm_features[index].identifier
-        slot = self._pins.get(request.request_id, {}).pop(ident, None)
+        state = self._requests.get(request.request_id)
+        slot = state.pins.pop(request.mm_features[index].identifier, None) if state is not None else None
         if slot is not None and self._staging is not None:
             self._staging.unpin(slot)
 
@@ -410,38 +377,20 @@ class ECS3Scheduler:
         return failed
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        for slot in self._pins.pop(req_id, {}).values():
+        state = self._requests.pop(request.request_id, None)
+        if state is not None:
             if self._staging is not None:
-                self._staging.unpin(slot)
-        for feature in request.mm_features:
-            self._deadlines.pop((req_id, feature.identifier), None)
-        self._local.pop(req_id, None)
-        self._promises.pop(req_id, None)
-        self._requests.pop(req_id, None)
+                for slot in state.pins.values():
+                    self._staging.unpin(slot)
+            state.pins.clear()
+            state.release()
         if not self._is_producer:
             return False, None
-        return False, self._transfer_params(request) or None
+        return False, build_transfer_params(request, self._model, self._resolver) or None
 
-    def _transfer_params(self, request: Request) -> dict[str, dict[str, Any]]:
-        """vLLM's per-item metadata plus what a consumer needs to fetch and check
-        each blob: key, dtype, shape and the blob's size in bytes."""
-        items = collect_ec_item_metadata(request.mm_features, self._resolver)
-        dtype = self._model.dtype
-        for ident, entry in items.items():
-            feature = request.mm_features[entry["item_indices"][0]]
-            entry.setdefault("modality", feature.modality)  # vLLM 0.32 omits it; 0.33 adds it
-            entry["key"] = self._model.keyspace.key_for(ident, cache_salt=request.cache_salt)
-            entry["dtype"] = str(dtype).removeprefix("torch.")
-            width = self._model.width_for(feature.modality)
-            if width is not None:
-                shape = (feature.mm_position.get_num_embeds(), width)
-                entry["shape"] = list(shape)
-                layout = BlobLayout.plan(
-                    BlobMeta(ident, dtype, shape, self._model.keyspace.namespace, self._model.engine_id)
-                )
-                entry["size_bytes"] = layout.total_nbytes
-        return items
+    # ------------------------------------------------------------------ metrics
+    def take_stats(self) -> ECS3Stats | None:
+        return scheduler_stats(self._counters, self.take_store_retries())
 
     def take_store_retries(self) -> int:
         """Retries of this process's store since the last call (for metrics)."""
@@ -451,34 +400,19 @@ class ECS3Scheduler:
 
     # ------------------------------------------------------------------ upkeep
     def _prune(self) -> None:
-        """Forget old misses and errors so the table stays small."""
+        """Forget old misses and errors, and staged items whose slot staging evicted;
+        the table's LRU bound does the rest."""
         now = time.monotonic()
-        horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S) * 4
-        for key in [
-            k for k, it in self._items.items()
-            if it.state in _RETRYABLE and now - it.checked_at > horizon
-        ]:
-            del self._items[key]
-        live = {f.identifier for r in self._requests.values() for f in r.mm_features}
-        for ident in [i for i in self._key_of if i not in live and self._key_of[i] not in self._items]:
-            del self._key_of[ident]
+        horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S, _NO_SPACE_MAX_S) * 4
+        for item in self._items:
+            if item.users:
+                continue
+            stale = item.state in RETRYABLE and now - item.checked_at > horizon
+            gone = item.slot is not None and item.slot.evicted
+            if stale or gone:
+                self._items.drop(item)
 
     def close(self) -> None:
         if self._staging is not None:
             self._staging.close()
         self._store.close(timeout=1.0)
-
-
-def _state_of(result: FetchResult) -> tuple[ItemState, str]:
-    if isinstance(result, Staged):
-        return ItemState.STAGED, ""
-    if isinstance(result, Present):
-        return ItemState.PRESENT, ""
-    if isinstance(result, Missing):
-        return ItemState.MISSING, "not found"
-    if isinstance(result, Invalid):
-        return ItemState.INVALID, result.reason
-    if isinstance(result, NoSpace):
-        return ItemState.NO_SPACE, "staging area full"
-    assert isinstance(result, Failed)
-    return ItemState.ERROR, result.reason

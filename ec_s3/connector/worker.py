@@ -4,12 +4,24 @@ Loading: the scheduler side has already fetched and validated each blob into hos
 shared memory, so ``start_load_caches`` only maps the staging file and copies the
 tensor to the device (on CUDA through a pinned buffer and a side stream that the
 current stream waits on; the host never blocks on the copy). It never touches the
-network — except on a worker whose host cannot see the scheduler's staging (multi-node
-TP/PP), which fetches from S3 itself, synchronously, and says so once in the log.
+network, with one exception: when a staged file cannot be read (or a load names another
+host's staging), it fetches the blob from S3 itself, synchronously, within a bounded
+number of attempts, and reports the failure to the scheduler.
+
+Why a load must not fail: vLLM gathers the embeddings right after ``start_load_caches``,
+so an item it was told is a hit and that is missing from ``encoder_cache`` stops the
+engine (``RuntimeError("Encoder cache miss")``). The scheduler therefore answers "hit"
+only when every worker maps its staging area (:mod:`ec_s3.connector.topology`); this
+module makes sure no exception escapes a load, and tells the scheduler the host it runs
+on with its first metadata.
 
 Saving: ``save_caches`` hands the encoder output to :class:`BlobPublisher` and
 returns; only the first tensor-parallel rank publishes, since every rank holds the
 same encoder output.
+
+Owns the worker side of each step. Does not own transfers in the background
+(:mod:`ec_s3.transfer`), the S3 protocol (:mod:`ec_s3.store`) or admission decisions
+(:mod:`ec_s3.connector.scheduler`).
 """
 
 from __future__ import annotations
@@ -17,28 +29,37 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
 
-from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
+from ec_s3.blob.codec import BlobExpectation, decode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.model import ModelInfo, host_id
+from ec_s3.connector.metrics import ECS3Stats, register_worker_counters, unregister_worker_counters, worker_stats
+from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
 from ec_s3.transfer.slot_reader import open_staged_blob
 from ec_s3.transfer.counters import Counters
-from ec_s3.store.client import S3Store, StoreError
+from ec_s3.store.client import IntegrityError, S3Store, StoreUnavailable
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["ECS3Worker"]
 
-# How long a worker that cannot see the staging area waits for S3 itself.
-_REMOTE_FETCH_TIMEOUT_S = 60.0
+# A worker that cannot read a staged blob fetches it from S3 inside the model step:
+# at most this many attempts (each one already retries transient errors as the store
+# is configured) within this much time, so a failing store cannot hold the engine.
+_REMOTE_FETCH_ATTEMPTS = 3
+_REMOTE_FETCH_BUDGET_S = 60.0
+_REMOTE_RETRY_DELAY_S = 0.2
+# Failures worth another attempt: the store was down or slow, or the bytes arrived damaged.
+_RETRYABLE = (StoreUnavailable, IntegrityError, TimeoutError)
 
 
 class ECS3Worker:
@@ -54,6 +75,7 @@ class ECS3Worker:
         self._publisher: BlobPublisher | None = None
         self._failed_loads: set[str] = set()
         self._host = host_id()
+        self._host_reported = False
         self._warned_remote = False
         self._device: torch.device | None = None
         self._load_stream: Any = None
@@ -67,6 +89,8 @@ class ECS3Worker:
                 self._get_store(), config, namespace=model.keyspace.namespace,
                 producer=model.engine_id, counters=counters, spool=spool,
             )
+        register_worker_counters(counters)
+        describe_role("worker", vllm_config, config, model)
 
     def _get_store(self) -> S3Store:
         if self._store is None:
@@ -74,29 +98,44 @@ class ECS3Worker:
         return self._store
 
     # ------------------------------------------------------------------ saving
-    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECS3ConnectorMetadata | None) -> None:
+    def save_caches(
+        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECConnectorMetadata | None
+    ) -> None:
         if self._publisher is None:
             return
         tensor = encoder_cache.get(mm_hash)
         if tensor is None:
             return
-        key = (metadata.save_keys.get(mm_hash) if metadata else None) or self._model.keyspace.key_for(mm_hash)
+        save_keys = metadata.save_keys if isinstance(metadata, ECS3ConnectorMetadata) else {}
+        key = save_keys.get(mm_hash) or self._model.keyspace.key_for(mm_hash)
         self._publisher.publish(mm_hash, tensor, key)
 
-    def start_save_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+    def start_save_caches(
+        self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None
+    ) -> None:
         """Publish items of this step that vLLM already had cached (it will not call
         ``save_caches`` for them); the publisher skips what it already sent."""
+        if encoder_cache is None or not isinstance(metadata, ECS3ConnectorMetadata):
+            return
         for ident in metadata.save_keys:
             if ident in encoder_cache:
                 self.save_caches(encoder_cache, ident, metadata)
 
     # ------------------------------------------------------------------ loading
-    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECS3ConnectorMetadata) -> None:
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECConnectorMetadata | None) -> None:
+        if not isinstance(metadata, ECS3ConnectorMetadata):
+            return
         for spec in metadata.loads:
             if spec.identifier in encoder_cache:
                 continue
             tensor = self._load(spec)
             if tensor is None:
+                logger.error(
+                    "ec-s3: item %s could not be loaded from staging or S3; vLLM will stop on an encoder "
+                    "cache miss for it. The scheduler only answers hits its workers can read, so check "
+                    "that nothing else deletes files in staging_dir and that the store is reachable",
+                    spec.identifier[:64],
+                )
                 continue
             encoder_cache[spec.identifier] = tensor
             self._counters.inc("blobs_loaded")
@@ -104,25 +143,35 @@ class ECS3Worker:
                 self._publisher.mark_present(spec.key)
 
     def _load(self, spec: LoadSpec) -> torch.Tensor | None:
-        device = self._target_device()
-        if spec.host == self._host:
-            try:
-                return self._load_staged(spec, device)
-            except (OSError, ValueError, RuntimeError) as exc:
-                self._failed_loads.add(spec.identifier)
-                self._counters.inc("staging_read_failures")
-                logger.error(
-                    "ec-s3: cannot read staged item %s from %s (%s); fetching it from S3 instead. "
-                    "This should not happen: check that staging_dir is not cleaned by another process.",
-                    spec.identifier[:64], spec.path, exc,
-                )
-        elif not self._warned_remote:
-            self._warned_remote = True
-            logger.warning(
-                "ec-s3: this worker is on another host than its scheduler, so it fetches encoder "
-                "outputs from S3 itself, blocking the model step for each (one GET per item per host)"
-            )
-        return self._load_remote(spec, device)
+        """The tensor for ``spec``, or None when neither staging nor S3 gave it. Never raises."""
+        try:
+            device = self._target_device()
+            if spec.host == self._host:
+                try:
+                    return self._load_staged(spec, device)
+                except Exception as exc:  # noqa: BLE001 - any failure here has the S3 fallback
+                    self._failed_loads.add(spec.identifier)
+                    self._counters.inc("staging_read_failures")
+                    logger.error(
+                        "ec-s3: cannot read staged item %s from %s (%s); fetching it from S3 instead. "
+                        "This should not happen: check that staging_dir is not cleaned by another process.",
+                        spec.identifier[:64], spec.path, exc,
+                    )
+            else:
+                # The scheduler believed its workers share its host: tell it otherwise.
+                self._host_reported = False
+                if not self._warned_remote:
+                    self._warned_remote = True
+                    logger.warning(
+                        "ec-s3: this worker is on another host than its scheduler, so it fetches encoder "
+                        "outputs from S3 itself inside the model step; the scheduler stops answering hits "
+                        "once it hears of it"
+                    )
+            return self._load_remote(spec, device)
+        except Exception:  # noqa: BLE001 - an exception here would stop the engine
+            self._failed_loads.add(spec.identifier)
+            logger.exception("ec-s3: unexpected error loading %s", spec.identifier[:64])
+            return None
 
     def _load_staged(self, spec: LoadSpec, device: torch.device) -> torch.Tensor:
         dtype = getattr(torch, spec.dtype)
@@ -141,23 +190,35 @@ class ECS3Worker:
                 mm.close()
 
     def _load_remote(self, spec: LoadSpec, device: torch.device) -> torch.Tensor | None:
+        """GET and validate the blob, retrying what may pass (outage, damaged bytes)
+        within :data:`_REMOTE_FETCH_ATTEMPTS` and :data:`_REMOTE_FETCH_BUDGET_S`."""
         store = self._get_store()
-        try:
-            buf = store.run(store.get_async(spec.key), timeout=_REMOTE_FETCH_TIMEOUT_S)
-            decoded = decode_blob(
-                buf,
-                BlobExpectation(
-                    identifier=spec.identifier, namespace=self._model.keyspace.namespace,
-                    dtype=getattr(torch, spec.dtype), rows=spec.shape[0], width=spec.shape[-1],
-                    max_bytes=self._config.max_blob_bytes,
-                ),
-            )
-        except (StoreError, BlobError, TimeoutError) as exc:
-            self._failed_loads.add(spec.identifier)
-            logger.error("ec-s3: could not fetch %s for this worker: %s", spec.key, exc)
-            return None
-        self._counters.inc("remote_loads")
-        return self._to_device(decoded.tensor, device)
+        expect = BlobExpectation(
+            identifier=spec.identifier, namespace=self._model.keyspace.namespace,
+            dtype=getattr(torch, spec.dtype), rows=spec.shape[0], width=spec.shape[-1],
+            max_bytes=self._config.max_blob_bytes,
+        )
+        deadline = time.monotonic() + _REMOTE_FETCH_BUDGET_S
+        for attempt in range(1, _REMOTE_FETCH_ATTEMPTS + 1):
+            try:
+                buf = store.run(store.get_async(spec.key), timeout=max(0.1, deadline - time.monotonic()))
+                decoded = decode_blob(buf, expect)
+            except Exception as exc:  # noqa: BLE001 - TLS, credentials, anything: never into vLLM
+                left = deadline - time.monotonic()
+                if isinstance(exc, _RETRYABLE) and attempt < _REMOTE_FETCH_ATTEMPTS and left > _REMOTE_RETRY_DELAY_S:
+                    logger.warning("ec-s3: fetching %s for this worker failed (%s); retrying", spec.key, exc)
+                    time.sleep(_REMOTE_RETRY_DELAY_S * attempt)
+                    continue
+                self._failed_loads.add(spec.identifier)
+                self._counters.inc("remote_load_failures")
+                logger.error(
+                    "ec-s3: could not fetch %s for this worker after %d attempt(s): %s: %s",
+                    spec.key, attempt, type(exc).__name__, exc,
+                )
+                return None
+            self._counters.inc("remote_loads")
+            return self._to_device(decoded.tensor, device)
+        return None  # pragma: no cover - the loop always returns
 
     def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":
@@ -191,13 +252,18 @@ class ECS3Worker:
         return self._device
 
     def build_connector_worker_meta(self) -> ECS3WorkerMetadata | None:
-        if not self._failed_loads:
+        if not self._is_consumer or (self._host_reported and not self._failed_loads):
             return None
         failed, self._failed_loads = self._failed_loads, set()
-        return ECS3WorkerMetadata(failed_loads=failed)
+        self._host_reported = True
+        return ECS3WorkerMetadata(failed_loads=failed, hosts={self._host})
+
+    def take_stats(self) -> ECS3Stats | None:
+        return worker_stats(self._counters)
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
+        unregister_worker_counters(self._counters)
         if self._publisher is not None:
             pending, abandoned = self._publisher.shutdown(self._config.shutdown_timeout_s)
             if pending:

@@ -5,6 +5,8 @@ through vLLM's factory, from ``ec_connector_module_path="ec_s3"``) with a
 worker-role connector run by ``ECWorkerSim`` between ``schedule()`` and
 ``update_from_output()``. ``drive`` steps it by wall-clock time, since lookups take
 milliseconds while a step takes microseconds (EngineCore spins the same way).
+
+Importing it makes illegal item state transitions raise (``items.STRICT``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from typing import Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
+from ec_s3.connector import items
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.vllm_server import ec_transfer_config
 from support.vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+
+items.STRICT = True
 
 
 @dataclasses.dataclass
@@ -52,11 +57,19 @@ def make_node(
     *,
     encode_fn: Callable[[str, int], torch.Tensor] | None = None,
     log_stats: bool = False,
+    worker_extra: dict[str, Any] | None = None,
+    executor_backend: str | None = None,
     **engine_kwargs: Any,
 ) -> Node:
+    """``worker_extra`` gives the worker-role connector its own extra config (e.g. a
+    faulty endpoint); ``executor_backend`` is what the scheduler side is told vLLM's
+    executor is (e.g. ``"ray"``: workers may be on other hosts)."""
     vllm_config = make_vllm_config(model_dir, ec_transfer_config(role, extra), **engine_kwargs)
+    if executor_backend is not None:
+        vllm_config.parallel_config.distributed_executor_backend = executor_backend
     scheduler = make_scheduler(vllm_config, log_stats=log_stats)
-    worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
+    worker_config = vllm_config if worker_extra is None else make_vllm_config(model_dir, ec_transfer_config(role, worker_extra), **engine_kwargs)
+    worker = ECS3Connector(worker_config, ECConnectorRole.WORKER)
     sim = ECWorkerSim(worker, encode_fn=encode_fn)
     return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
 

@@ -1,0 +1,265 @@
+"""Admission state of the scheduler side: one :class:`Item` per key in the bucket, one
+:class:`RequestState` per request, and the bounded table that holds the items.
+
+Owns the item state machine (its states, the allowed transitions in one table, and the
+one mapping from a lookup's result to a state), the LRU bound on how many items are
+remembered, and what one request holds while it is admitted (checked promises,
+deadlines, pinned staging slots, items to encode locally).
+
+Does not own when to look an item up, retry or give up, nor what to answer vLLM
+(:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
+whose result classes it maps) and does not own staging memory
+(:mod:`ec_s3.transfer.staging`: an item only refers to a slot).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ec_s3.log import logger
+from ec_s3.transfer.fetcher import Failed, FetchResult, Invalid, Missing, NoSpace, Present, Staged
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from ec_s3.connector.transfer_params import Promise
+    from ec_s3.transfer.staging import StagingSlot
+
+__all__ = [
+    "IllegalTransition",
+    "Item",
+    "ItemState",
+    "ItemTable",
+    "RETRYABLE",
+    "RequestState",
+    "TRANSITIONS",
+    "consumer_capacity",
+    "PRODUCER_CAPACITY",
+]
+
+# Raise on an illegal transition instead of logging it. The test harness turns it on;
+# in an engine a bookkeeping slip must not take the engine down.
+STRICT = False
+
+
+class ItemState(enum.Enum):
+    NEW = "new"  # created, its first lookup not started yet
+    LOOKING = "looking"  # a lookup runs on the I/O loop
+    STAGED = "staged"  # consumer: fetched into staging and validated
+    PRESENT = "present"  # producer: the bucket has it (HEAD)
+    MISSING = "missing"
+    INVALID = "invalid"  # fetched, failed validation
+    FAILED = "failed"  # the store failed (``Item.outage``: it is down)
+    NO_SPACE = "no_space"  # staging had no room for it
+    DROPPED = "dropped"  # forgotten: evicted, or its staging slot is gone
+
+
+# The one mapping from the fetcher's result classes to states.
+_STATE_OF: dict[type, ItemState] = {
+    Staged: ItemState.STAGED,
+    Present: ItemState.PRESENT,
+    Missing: ItemState.MISSING,
+    Invalid: ItemState.INVALID,
+    Failed: ItemState.FAILED,
+    NoSpace: ItemState.NO_SPACE,
+}
+RETRYABLE = frozenset({ItemState.MISSING, ItemState.INVALID, ItemState.FAILED, ItemState.NO_SPACE})
+
+_S = ItemState
+TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
+    _S.NEW: frozenset({_S.LOOKING}),
+    # A lookup in flight is never dropped: its result must find the item (and a
+    # staged slot it brings is released through the item).
+    _S.LOOKING: frozenset(_STATE_OF.values()),
+    _S.STAGED: frozenset({_S.DROPPED}),  # slot evicted or unreadable: look up again as a new item
+    _S.PRESENT: frozenset({_S.DROPPED}),
+    **{s: frozenset({_S.LOOKING, _S.DROPPED}) for s in RETRYABLE},
+    _S.DROPPED: frozenset(),
+}
+
+
+class IllegalTransition(AssertionError):
+    """A transition not in :data:`TRANSITIONS` (a bookkeeping bug)."""
+
+
+@dataclasses.dataclass(eq=False)
+class Item:
+    """One key in the bucket, as far as this scheduler knows it."""
+
+    key: str
+    identifier: str
+    state: ItemState = ItemState.NEW
+    checked_at: float = 0.0  # when the last lookup finished
+    attempts: int = 0  # finished lookups
+    reason: str = ""
+    staged: Staged | None = None
+    outage: bool = False  # the last lookup failed because the store is down
+    # Ids of live requests that admitted this item: never evicted while there are any.
+    users: set[str] = dataclasses.field(default_factory=set)
+
+    def _move(self, to: ItemState) -> bool:
+        if to in TRANSITIONS[self.state]:
+            self.state = to
+            return True
+        message = f"ec-s3: illegal item transition {self.state.value} -> {to.value} for {self.key}"
+        if STRICT:
+            raise IllegalTransition(message)
+        logger.error("%s; ignored", message)
+        return False
+
+    def start_lookup(self) -> None:
+        self._move(ItemState.LOOKING)
+
+    def apply(self, result: FetchResult, now: float) -> None:
+        """Record a finished lookup."""
+        if not self._move(_STATE_OF[type(result)]):
+            return
+        self.checked_at, self.attempts = now, self.attempts + 1
+        self.staged = result if isinstance(result, Staged) else None
+        self.outage = isinstance(result, Failed) and result.outage
+        if isinstance(result, (Invalid, Failed)):
+            self.reason = result.reason
+        elif isinstance(result, Missing):
+            self.reason = "not found"
+        elif isinstance(result, NoSpace):
+            self.reason = "staging area full"
+        else:
+            self.reason = ""
+
+    def drop(self) -> None:
+        if self.state is not ItemState.DROPPED:
+            self._move(ItemState.DROPPED)
+
+    @property
+    def looking(self) -> bool:
+        return self.state is ItemState.LOOKING
+
+    @property
+    def slot(self) -> StagingSlot | None:
+        return self.staged.slot if self.staged is not None else None
+
+
+# Producers remember PRESENT answers and misses only to save HEADs: a fixed count.
+PRODUCER_CAPACITY = 4096
+# Consumers: at least as many entries as staging holds blobs of a modest size, so the
+# table never forgets a staged blob sooner than staging would evict it.
+_CONSUMER_MIN_CAPACITY = 4096
+_CONSUMER_BYTES_PER_ENTRY = 256 * 1024  # a small image: 64 tokens x 2048 wide x bf16
+_CONSUMER_MAX_CAPACITY = 65536  # ~1 KB each: at most ~64 MB of bookkeeping
+
+
+def consumer_capacity(staging_bytes: int) -> int:
+    return min(_CONSUMER_MAX_CAPACITY, max(_CONSUMER_MIN_CAPACITY, staging_bytes // _CONSUMER_BYTES_PER_ENTRY))
+
+
+class ItemTable:
+    """Items by key, least recently used first, bounded to ``capacity`` entries.
+
+    Never evicted: items in use by a live request (``users``), lookups in flight, and
+    staged items whose slot is still in staging (forgetting one would orphan the slot
+    under its name until staging evicts it). Beyond ``capacity`` the table therefore
+    holds only those; staging's byte bound and vLLM's request limit bound them.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, Item] = collections.OrderedDict()
+        # identifier -> the item last admitted for it: has_cache_item gets only the
+        # identifier, and asks right after ensure_cache_available admitted it.
+        self._current: dict[str, Item] = {}
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Item]:
+        return iter(list(self._items.values()))
+
+    def __getitem__(self, key: str) -> Item:
+        return self._items[key]
+
+    def get(self, key: str) -> Item | None:
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+        return item
+
+    def current(self, identifier: str) -> Item | None:
+        item = self._current.get(identifier)
+        return item if item is not None and item.state is not ItemState.DROPPED else None
+
+    def point(self, identifier: str, item: Item | None) -> None:
+        if item is None:
+            self._current.pop(identifier, None)
+        else:
+            self._current[identifier] = item
+
+    def add(self, key: str, identifier: str) -> Item:
+        item = Item(key=key, identifier=identifier)
+        old = self._items.pop(key, None)
+        if old is not None:
+            self._forget(old)
+        self._items[key] = item
+        if len(self._items) > self.capacity:
+            self._evict()
+        return item
+
+    def drop(self, item: Item) -> None:
+        """Forget ``item`` now (its staging slot is gone or unusable)."""
+        if self._items.get(item.key) is item:
+            del self._items[item.key]
+        self._forget(item)
+
+    def _forget(self, item: Item) -> None:
+        item.drop()
+        if self._current.get(item.identifier) is item:
+            del self._current[item.identifier]
+
+    def _evictable(self, item: Item) -> bool:
+        if item.users or item.state in (ItemState.NEW, ItemState.LOOKING):
+            return False
+        slot = item.slot
+        return slot is None or slot.evicted
+
+    def _evict(self) -> None:
+        excess = len(self._items) - self.capacity
+        victims = []
+        for item in self._items.values():  # least recently used first
+            if self._evictable(item):
+                victims.append(item)
+                if len(victims) >= excess:
+                    break
+        for item in victims:
+            self.drop(item)
+        self.evicted += len(victims)
+
+
+@dataclasses.dataclass(eq=False)
+class RequestState:
+    """What one admitted request holds, from its first ``ensure_cache_available``
+    to ``request_finished``."""
+
+    request: Request
+    promises: dict[str, Promise]
+    deadlines: dict[str, float] = dataclasses.field(default_factory=dict)  # identifier -> give up at
+    local: set[str] = dataclasses.field(default_factory=set)  # identifiers vLLM encodes itself
+    pins: dict[str, StagingSlot] = dataclasses.field(default_factory=dict)  # identifier -> pinned slot
+    items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses
+
+    def use(self, identifier: str, item: Item) -> None:
+        old = self.items.get(identifier)
+        if old is item:
+            return
+        if old is not None:
+            old.users.discard(self.request.request_id)
+        item.users.add(self.request.request_id)
+        self.items[identifier] = item
+
+    def release(self) -> None:
+        for item in self.items.values():
+            item.users.discard(self.request.request_id)
+        self.items.clear()

@@ -1,0 +1,120 @@
+"""``ec_transfer_params``, both ways: what a producer returns for a finished request, and
+what a consumer accepts of them.
+
+vLLM carries the params from the producer's ``request_finished`` through the client to
+the consumer's request unchanged, so they are untrusted by the time a consumer reads
+them: an entry is a :class:`Promise` only if its key is exactly the key this consumer
+derives for that item (same model namespace, same cache salt) and its shape, dtype and
+size agree with what the model expects.
+
+Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtype``,
+``shape``, ``size_bytes``) and its checks. Does not own when a promise is waited for
+(:mod:`ec_s3.connector.scheduler`), keys (:mod:`ec_s3.blob.keys`) or the blob layout
+(:mod:`ec_s3.blob.codec`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.ec_transfer.ec_connector.utils import (
+    PlaceholderMetadataResolver,
+    collect_ec_item_metadata,
+)
+
+from ec_s3.blob.codec import BlobLayout, BlobMeta
+from ec_s3.connector.model import ModelInfo
+from ec_s3.log import logger
+from ec_s3.transfer.counters import Counters
+
+if TYPE_CHECKING:
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    from vllm.v1.request import Request
+
+__all__ = ["Promise", "build_transfer_params", "check_promise", "read_promises"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Promise:
+    """What a producer's ``ec_transfer_params`` say about one item, once checked."""
+
+    key: str
+    size_bytes: int | None
+
+
+def build_transfer_params(
+    request: Request, model: ModelInfo, resolver: PlaceholderMetadataResolver
+) -> dict[str, dict[str, Any]]:
+    """Producer: vLLM's per-item metadata plus what a consumer needs to fetch and check
+    each blob: key, dtype, shape and the blob's size in bytes."""
+    items = collect_ec_item_metadata(request.mm_features, resolver)
+    dtype = model.dtype
+    for ident, entry in items.items():
+        feature = request.mm_features[entry["item_indices"][0]]
+        entry.setdefault("modality", feature.modality)  # vLLM 0.32 omits it; 0.33 adds it
+        entry["key"] = model.keyspace.key_for(ident, cache_salt=request.cache_salt)
+        entry["dtype"] = str(dtype).removeprefix("torch.")
+        width = model.width_for(feature.modality)
+        if width is not None:
+            shape = (feature.mm_position.get_num_embeds(), width)
+            entry["shape"] = list(shape)
+            layout = BlobLayout.plan(BlobMeta(ident, dtype, shape, model.keyspace.namespace, model.engine_id))
+            entry["size_bytes"] = layout.total_nbytes
+    return items
+
+
+def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, counters: Counters) -> dict[str, Promise]:
+    """Consumer: the checked promises of ``request.ec_transfer_params``. Anything
+    malformed or pointing outside this namespace is ignored, with one warning per
+    request; entries without a ``key`` belong to someone else and are skipped quietly."""
+    raw = getattr(request, "ec_transfer_params", None)
+    if raw is not None and not isinstance(raw, dict):
+        logger.warning("ec-s3: request %s: ignoring ec_transfer_params of type %s", request.request_id, type(raw).__name__)
+        raw = None
+    features = {f.identifier: f for f in request.mm_features}
+    promises: dict[str, Promise] = {}
+    problems: list[str] = []
+    for ident, entry in (raw or {}).items():
+        if not isinstance(entry, dict) or "key" not in entry:
+            continue  # not an ec-s3 promise (another connector's, or metadata only)
+        feature = features.get(ident) if isinstance(ident, str) else None
+        problem = check_promise(request, feature, entry, model, max_blob_bytes)
+        if problem:
+            problems.append(f"{str(ident)[:32]!r}: {problem}")
+            continue
+        size = entry.get("size_bytes")
+        promises[ident] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None)
+    if problems:
+        counters.inc("promises_ignored", len(problems))
+        logger.warning(
+            "ec-s3: request %s: ignoring invalid ec_transfer_params entries: %s",
+            request.request_id, "; ".join(problems[:5]),
+        )
+    return promises
+
+
+def check_promise(
+    request: Request, feature: MultiModalFeatureSpec | None, entry: dict[str, Any], model: ModelInfo, max_blob_bytes: int
+) -> str:
+    """Why ``entry`` cannot be a promise for ``feature`` of ``request`` ("" if it can)."""
+    if feature is None:
+        return "no such item in the request"
+    key = entry.get("key")
+    if key != model.keyspace.key_for(feature.identifier, cache_salt=request.cache_salt):
+        return "key is not this item's key in this namespace (producer uses another model, prefix or namespace?)"
+    shape = entry.get("shape")
+    if shape is not None:
+        rows, width = feature.mm_position.get_num_embeds(), model.width_for(feature.modality)
+        if (
+            not isinstance(shape, list) or len(shape) != 2 or not all(type(d) is int for d in shape)
+            or shape[0] != rows or (width is not None and shape[1] != width)
+        ):
+            return f"shape {shape!r} does not match ({rows}, {width})"
+    dtype = entry.get("dtype")
+    if dtype is not None and dtype != str(model.dtype).removeprefix("torch."):
+        return f"dtype {dtype!r} is not the model's"
+    size = entry.get("size_bytes")
+    if size is not None and (type(size) is not int or not 0 < size <= max_blob_bytes):
+        return "size_bytes out of range"
+    return ""

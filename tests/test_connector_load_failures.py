@@ -1,0 +1,173 @@
+"""A hit must be deliverable: vLLM gathers a loaded embedding in the same step, so a
+worker that cannot produce it stops the engine ("Encoder cache miss"). With vLLM's real
+Scheduler and a worker whose own S3 access fails, no exception reaches vLLM and every
+request finishes: served, encoded locally, or failed alone."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.v1.engine import FinishReason
+
+from ec_s3.blob.codec import BlobLayout, BlobMeta, encode_blob
+from ec_s3.connector.facade import ECS3Connector
+from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
+from ec_s3.connector.topology import WorkerReach
+from ec_s3.store.client import S3Store
+from support.ec_harness import Node, drive, make_node
+from support.faultproxy import FaultProxy
+from support.vllm_rig import fake_encoder_output, make_vllm_config
+from test_consumer import produce
+
+ROWS = 16
+
+
+def _other_host(node: Node) -> None:
+    node.worker._worker._host = "another-node"  # type: ignore[union-attr]
+
+
+def test_worker_on_another_node_with_failing_store_never_breaks_the_engine(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    """Ray may place workers on other nodes: until they report where they run, and
+    after one reports another host, items are encoded locally (or the request without
+    media fails alone); the worker never has to fetch inside a step."""
+    params = produce(tiny_model_dir, extra_config(), ["img-a", "img-b", "img-c"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(),
+                     worker_extra=extra_config(fault_proxy.endpoint_url, max_attempts=2), executor_backend="ray")
+    _other_host(node)
+    fault_proxy.set_down(True)  # the worker's own S3 access fails; the scheduler's works
+    try:
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]})
+        drive(node.driver)
+        node.driver.add("r2", ["img-b"], ec_transfer_params={"img-b": params["img-b"]}, with_media=False)
+        node.driver.add("r3", ["img-c"], ec_transfer_params={"img-c": params["img-c"]})
+        finished = drive(node.driver)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert finished["r2"].finish_reason == FinishReason.ERROR  # no media to encode: it alone fails
+        assert finished["r3"].finish_reason == FinishReason.LENGTH
+        assert sorted(node.sim.encoded) == ["img-a", "img-c"]
+        for ident in ("img-a", "img-c"):
+            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        sched = node.scheduler_connector._scheduler
+        assert sched is not None and sched._topology.reach is WorkerReach.REMOTE
+        assert node.worker.counters.get("blobs_loaded") == 0
+        assert fault_proxy.counters.down_refused == 0  # the worker was never sent to S3
+    finally:
+        node.close()
+
+
+def test_workers_reporting_this_host_load_from_staging(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
+) -> None:
+    """The same unknown executor, workers on this host: after their first report the
+    consumer loads from staging again."""
+    params = produce(tiny_model_dir, extra_config(), ["img-a", "img-b"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(), executor_backend="ray")
+    try:
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]})
+        drive(node.driver)
+        node.driver.add("r2", ["img-b"], ec_transfer_params={"img-b": params["img-b"]}, with_media=False)
+        finished = drive(node.driver)
+        assert node.sim.encoded == ["img-a"]  # before the workers reported
+        assert finished["r2"].finish_reason == FinishReason.LENGTH
+        assert torch.equal(node.sim.encoder_cache["img-b"], fake_encoder_output("img-b", ROWS))
+        assert node.worker.counters.get("blobs_loaded") == 1
+    finally:
+        node.close()
+
+
+# ---------------------------------------------------------------- the worker alone
+
+
+@pytest.fixture
+def make_worker(tiny_model_dir: Path) -> Iterator[Callable[[dict[str, Any]], ECS3Connector]]:
+    made: list[ECS3Connector] = []
+
+    def make(extra: dict[str, Any]) -> ECS3Connector:
+        cfg = make_vllm_config(tiny_model_dir, {
+            "ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3", "ec_role": "ec_consumer",
+            "ec_connector_extra_config": extra})
+        conn = ECS3Connector(cfg, ECConnectorRole.WORKER)
+        made.append(conn)
+        return conn
+
+    yield make
+    for conn in made:
+        conn.shutdown()
+
+
+def _remote_spec(conn: ECS3Connector, store: S3Store, ident: str) -> tuple[LoadSpec, torch.Tensor]:
+    x = fake_encoder_output(ident, ROWS)
+    meta = BlobMeta(ident, torch.bfloat16, (ROWS, 128), conn.model.keyspace.namespace, "p")
+    key = conn.model.keyspace.key_for(ident)
+    store.run(store.put_async(key, encode_blob(x, meta)))
+    layout = BlobLayout.plan(meta)
+    spec = LoadSpec(ident, key, "/nonexistent", layout.data_offset, layout.total_nbytes, "bfloat16", (ROWS, 128),
+                    "another-node")
+    return spec, x
+
+
+def _load(conn: ECS3Connector, spec: LoadSpec) -> dict[str, torch.Tensor]:
+    cache: dict[str, torch.Tensor] = {}
+    conn.bind_connector_metadata(ECS3ConnectorMetadata(loads=[spec]))
+    conn.start_load_caches(cache)  # must not raise, whatever the store does
+    conn.clear_connector_metadata()
+    return cache
+
+
+def test_worker_rides_out_a_short_outage(
+    make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
+    fault_proxy: FaultProxy, make_store: Callable[..., S3Store],
+) -> None:
+    """A fetch the store fails (retries spent) is tried again within the worker's bound."""
+    worker = make_worker(extra_config(fault_proxy.endpoint_url, max_attempts=2, breaker_threshold=50))
+    spec, x = _remote_spec(worker, make_store(), "img-x")
+    fault_proxy.error_next(3, 503, methods=["GET"])
+    cache = _load(worker, spec)
+    assert torch.equal(cache["img-x"], x)
+    assert [m for m, _ in fault_proxy.seen].count("GET") == 4  # 2 + 2: one more attempt after the first failed
+    meta = worker.build_connector_worker_meta()
+    assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == set()
+
+
+def test_worker_gives_up_within_its_bound_and_reports(
+    make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
+    fault_proxy: FaultProxy, make_store: Callable[..., S3Store],
+) -> None:
+    worker = make_worker(extra_config(fault_proxy.endpoint_url, max_attempts=2, breaker_threshold=50))
+    spec, _ = _remote_spec(worker, make_store(), "img-y")
+    fault_proxy.set_error_rate(1.0, 503, methods=["GET"])
+    started = time.monotonic()
+    cache = _load(worker, spec)
+    assert cache == {} and time.monotonic() - started < 30
+    assert [m for m, _ in fault_proxy.seen].count("GET") == 6  # 3 attempts x max_attempts, then it stops
+    meta = worker.build_connector_worker_meta()
+    assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == {"img-y"}
+    assert worker.counters.get("remote_load_failures") == 1
+
+
+def test_worker_without_credentials_does_not_raise_into_vllm(
+    make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
+    make_store: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    """botocore's NoCredentialsError is no StoreError: it used to escape start_load_caches."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    extra = extra_config()
+    del extra["access_key_id"], extra["secret_access_key"]
+    worker = make_worker(extra)
+    spec, _ = _remote_spec(worker, make_store(), "img-z")
+    assert _load(worker, spec) == {}
+    meta = worker.build_connector_worker_meta()
+    assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == {"img-z"}
