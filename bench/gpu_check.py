@@ -50,12 +50,9 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
-import importlib.util
 import logging
-import mmap
 import os
 import secrets
-import shutil
 import statistics
 import sys
 import tempfile
@@ -704,6 +701,7 @@ def main() -> int:
     mode_note = "CUDA" if cuda else ("CPU dry run (--dry-run-cpu)" if args.dry_run_cpu else "CPU fallback (no CUDA)")
     if not cuda:
         bl.log(f"{mode_note}: ec-s3's CUDA branches are NOT exercised and timings mean nothing")
+        torch.set_num_threads(1)  # OpenMP threads spinning on a shared host make a CPU run crawl
     torch.manual_seed(0)
 
     store_kind = "s3" if (args.endpoint_url or args.embedded_s3) else "shm"
