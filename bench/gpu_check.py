@@ -751,7 +751,9 @@ def main() -> int:
     for r in result.get("steps", []):
         rows.append([f"1. step time publishing / alone{suffix}", f"{r['size_mib']} MiB every step",
                      f"{r['ratio']:.4f}x [{r['ratio_min']:.3f}-{r['ratio_max']:.3f}] "
-                     f"({r['busy_s']['median'] * 1e3:.2f} vs {r['alone_s']['median'] * 1e3:.2f} ms)",
+                     f"({r['busy_s']['median'] * 1e3:.2f} vs {r['alone_s']['median'] * 1e3:.2f} ms)"
+                     + (f", saves blocked {r['counters']['save_blocked_seconds']:.2f} s"
+                        if r["counters"]["save_blocked_seconds"] else ""),
                      f"<= {STEP_GOAL}x", "yes" if r["ratio"] <= STEP_GOAL else "NO"])
     for r in result.get("h2d", []):
         rows.append([f"2. H2D worker / plain .to(){suffix}", f"{r['size_mib']} MiB bf16",
