@@ -22,6 +22,7 @@ def _collect(node: Node) -> ECS3Stats:
     one more collection as vLLM's next step would make (uploads finish after the last
     step)."""
     total = ECS3Stats()
+    node.flush_worker_stats()
     for step in node.driver.steps:
         for outputs in step.engine_core_outputs.values():
             stats = outputs.scheduler_stats
@@ -100,8 +101,8 @@ def test_stats_aggregate_across_workers() -> None:
 def test_worker_stats_reported_once_when_vllm_collects_them(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
 ) -> None:
-    """Model runner V2 collects worker stats itself: then the scheduler side stops
-    reporting them, so nothing is counted twice."""
+    """Model runner V2 asks workers for stats too: they answer nothing, and the
+    scheduler side reports their counters (from shared memory) once."""
     params = produce(tiny_model_dir, extra_config(), ["img-a"])
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(), log_stats=True)
     try:
@@ -111,7 +112,40 @@ def test_worker_stats_reported_once_when_vllm_collects_them(
         sched = _collect(node)
         worker = node.worker.get_ec_connector_stats()
         assert sched.data["counters"]["blobs_downloaded"] == 1
-        assert "blobs_loaded" not in sched.data["counters"]
-        assert worker is not None and worker.data["counters"]["blobs_loaded"] == 1
+        assert sched.data["counters"]["blobs_loaded"] == 1
+        assert worker is None
+        node.flush_worker_stats()
+        assert node.scheduler_connector.get_ec_connector_stats() is None  # never twice
     finally:
         node.close()
+
+
+def _counted_names() -> set[str]:
+    """Every counter, gauge and histogram name ec_s3 passes to Counters as a literal."""
+    import ast
+
+    names: set[str] = set()
+    root = Path(__file__).resolve().parents[1] / "ec_s3"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr in ("inc", "observe", "set_gauge") and node.args:
+                arg = node.args[0]
+            elif node.func.attr == "_drop" and len(node.args) >= 3:  # the publisher's counter argument
+                arg = node.args[2]
+            else:
+                continue
+            names |= {c.value for c in ast.walk(arg) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+    return names
+
+
+def test_every_counter_that_is_counted_is_exported() -> None:
+    from ec_s3.connector.metrics import exported_counter_names
+
+    counted = {n for n in _counted_names() if n.isidentifier() and n.islower()}
+    # The proxy's metrics are its own registry (ec_s3_proxy_*), not connector counters.
+    counted = {n for n in counted if not n.startswith("ec_s3_proxy_")}
+    assert len(counted) >= 30
+    missing = sorted(counted - exported_counter_names())
+    assert not missing, f"counted but never exported to Prometheus: {missing}"

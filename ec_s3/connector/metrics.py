@@ -10,10 +10,13 @@ class (``observe``). The payload is a plain dict, so it survives vLLM's IPC::
 Counter names below are ec-s3's internal counter names (see the modules that
 increment them); ``COUNTERS``, ``GAUGES`` and ``HISTOGRAMS`` map them to Prometheus metrics.
 
-vLLM's V1 model runner never asks a worker-role connector for stats, so the
-scheduler-role connector of the same process (single-process executor) reports the
-worker-role counters too, until vLLM collects them itself (model runner V2 "claims"
-them): :func:`worker_stats` and :func:`scheduler_stats`.
+Worker-role counters (uploads, loads) reach vLLM through the scheduler-role connector:
+vLLM's multiprocess executor never collects worker stats on its V1 model runner, and an
+encoder-only producer drops its worker metadata. The first worker of each engine (TP
+and PP rank 0, so nothing is counted twice) mirrors its counters into shared memory
+(:mod:`ec_s3.transfer.shared_stats`) and the scheduler side adds them to its own
+(:func:`scheduler_stats`). A worker-role connector therefore reports nothing itself,
+which also keeps vLLM's model runner V2, which does ask workers, from counting twice.
 
 Owns the payload, its aggregation and the Prometheus families. Does not own the counting
 (:class:`ec_s3.transfer.counters.Counters`) or when vLLM collects.
@@ -27,6 +30,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
 from ec_s3.transfer.counters import MAX_SAMPLES, Counters
+from ec_s3.config import ECS3Config
+from ec_s3.log import logger
+from ec_s3.loop import BackgroundLoop
+from ec_s3.transfer.fsutil import ensure_private_dir
+from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,10 +46,11 @@ __all__ = [
     "GAUGES",
     "HISTOGRAMS",
     "LOOKUP_OUTCOMES",
-    "register_worker_counters",
+    "exported_counter_names",
+    "open_stats_reader",
+    "open_stats_writer",
     "scheduler_stats",
-    "unregister_worker_counters",
-    "worker_stats",
+    "stats_identity",
 ]
 
 # Prometheus counter -> (documentation, internal counter name)
@@ -60,6 +69,22 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "retries"),
     "vllm:ec_s3_store_errors_total": ("Lookups that failed with a store error.", "store_errors"),
     "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign.", "promises_ignored"),
+    "vllm:ec_s3_lookups_started_total": ("Bucket lookups started (HEAD for producers, GET for consumers).", "lookups_started"),
+    "vllm:ec_s3_uploads_started_total": ("Uploads queued by save_caches.", "upload_started"),
+    "vllm:ec_s3_uploads_already_present_total": ("Uploads answered 412: another producer had written the same blob.", "upload_already_present"),
+    "vllm:ec_s3_uploads_abandoned_total": ("Uploads still pending when the producer shut down and could not be spooled.", "upload_abandoned"),
+    "vllm:ec_s3_save_blocked_seconds_total": ("Time save_caches waited for upload room (backpressure=block).", "save_blocked_seconds"),
+    "vllm:ec_s3_spool_uploaded_total": ("Spooled blobs uploaded once the store answered again.", "spool_uploaded"),
+    "vllm:ec_s3_spool_failed_total": ("Spooled blobs set aside after failing repeatedly.", "spool_failed"),
+    "vllm:ec_s3_spool_full_drops_total": ("Blobs dropped because the spool was full (spool_max_bytes).", "spool_full_drops"),
+    "vllm:ec_s3_spool_rejected_total": ("Files in spool_dir refused (malformed, or a key outside this namespace).", "spool_rejected"),
+    "vllm:ec_s3_spool_drain_errors_total": ("Unexpected errors of the spool's drain task (it keeps running).", "spool_drain_errors"),
+    "vllm:ec_s3_staging_no_space_total": ("Fetches refused because staging (staging_bytes or the tmpfs) had no room.", "staging_no_space"),
+    "vllm:ec_s3_staging_read_failures_total": ("Staged blobs a worker could not read (then fetched from S3 or failed).", "staging_read_failures"),
+    "vllm:ec_s3_remote_loads_total": ("Blobs a worker on another host than its scheduler fetched from S3 itself.", "remote_loads"),
+    "vllm:ec_s3_remote_load_failures_total": ("Such fetches that failed after their retries.", "remote_load_failures"),
+    "vllm:ec_s3_promises_withheld_total": ("Producer: items sent without a promise because the store was down (circuit open).", "promises_withheld"),
+    "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
 # lookups_total{outcome}
 LOOKUP_OUTCOMES: dict[str, str] = {"hit": "lookups_hit", "miss": "lookups_miss", "timeout": "lookup_timeouts"}
@@ -67,10 +92,14 @@ GAUGES: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_inflight_bytes": ("Producer bytes waiting for upload (bounded by max_inflight_bytes).", "inflight_bytes"),
     "vllm:ec_s3_staged_bytes": ("Consumer bytes held in the shared staging area.", "staged_bytes"),
     "vllm:ec_s3_spool_bytes": ("Producer bytes waiting in the outage spool.", "spool_bytes"),
+    "vllm:ec_s3_spool_blobs": ("Producer blobs waiting in the outage spool.", "spool_blobs"),
+    "vllm:ec_s3_breaker_open": ("1 while the circuit breaker skips requests to the store after repeated failures.", "breaker_open"),
 }
 HISTOGRAMS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_upload_seconds": ("Time to upload one blob (PUT or multipart).", "upload_seconds"),
     "vllm:ec_s3_download_seconds": ("Time to fetch and validate one blob.", "download_seconds"),
+    "vllm:ec_s3_promise_wait_seconds": (
+        "Time a request waited for a promised item, until it was staged or given up.", "promise_wait_seconds"),
 }
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -178,35 +207,59 @@ class ECS3PromMetrics(ECConnectorPromMetrics):
                     self._histograms[key][engine_idx].observe(value)
 
 
-# Worker-role counters of this process, for the scheduler-role connector to report
-# while vLLM does not collect them itself (see the module docstring).
-_WORKER_COUNTERS: list[Counters] = []
+def stats_identity(vllm_config: VllmConfig) -> str:
+    """What a scheduler and its own workers share, and no other engine does: vLLM's
+    engine id (passed to the workers with the config) and the data-parallel rank
+    (DP engines share one ec_transfer_config)."""
+    ec_config = vllm_config.ec_transfer_config
+    assert ec_config is not None
+    dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0
+    return f"{ec_config.engine_id}-dp{dp_rank}"
 
 
-def register_worker_counters(counters: Counters) -> None:
-    _WORKER_COUNTERS.append(counters)
-
-
-def unregister_worker_counters(counters: Counters) -> None:
-    if counters in _WORKER_COUNTERS:
-        _WORKER_COUNTERS.remove(counters)
-
-
-def worker_stats(counters: Counters) -> ECS3Stats | None:
-    """A worker-role connector's stats, asked by vLLM itself: from now on the
-    scheduler side leaves these counters alone."""
-    counters.claimed = True
-    stats = ECS3Stats(data=counters.take_delta())
-    return None if stats.is_empty() else stats
-
-
-def scheduler_stats(counters: Counters, store_retries: int) -> ECS3Stats | None:
-    """The scheduler-role connector's stats, plus this process's unclaimed worker-role
-    counters and the store's retries since the last call."""
+def scheduler_stats(counters: Counters, store_retries: int, workers: SharedStatsReader | None) -> ECS3Stats | None:
+    """The scheduler-role connector's stats, plus its workers' counters (from shared
+    memory) and the store's retries since the last call."""
     stats = ECS3Stats(data=counters.take_delta())
     if store_retries:
         stats.data["counters"]["retries"] = store_retries
-    for worker in _WORKER_COUNTERS:
-        if not worker.claimed:
-            stats.aggregate(ECS3Stats(data=worker.take_delta()))
+    if workers is not None:
+        stats.aggregate(ECS3Stats(data=workers.take_delta()))
     return None if stats.is_empty() else stats
+
+
+def exported_counter_names() -> set[str]:
+    """Every internal counter, gauge and histogram name that reaches Prometheus."""
+    names = {key for _, key in COUNTERS.values()} | set(LOOKUP_OUTCOMES.values())
+    return names | {key for _, key in GAUGES.values()} | {key for _, key in HISTOGRAMS.values()}
+
+
+def open_stats_writer(
+    config: ECS3Config, vllm_config: VllmConfig, counters: Counters, loop: BackgroundLoop
+) -> SharedStatsWriter | None:
+    """The worker side of the stats route (first worker of an engine only); None, with
+    one warning, when the shared directory cannot be used (metrics must never stop a
+    worker)."""
+    try:
+        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+        writer = SharedStatsWriter(str(directory), stats_identity(vllm_config), counters)
+    except (OSError, ValueError) as exc:
+        logger.warning(
+            "ec-s3: worker counters (uploads, loads) will not reach /metrics: cannot write them to %s (%s); "
+            "check staging_dir", config.staging_dir, exc,
+        )
+        return None
+    writer.flush_periodically(loop)
+    return writer
+
+
+def open_stats_reader(config: ECS3Config, vllm_config: VllmConfig) -> SharedStatsReader | None:
+    """The scheduler side of the stats route; removes files dead workers left."""
+    try:
+        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+    except (OSError, ValueError) as exc:
+        logger.warning("ec-s3: worker counters will not reach /metrics: %s", exc)
+        return None
+    reader = SharedStatsReader(str(directory), stats_identity(vllm_config))
+    reader.remove_dead()
+    return reader

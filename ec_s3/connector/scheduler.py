@@ -39,7 +39,7 @@ from ec_s3.connector.items import (
     consumer_capacity,
 )
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.metrics import ECS3Stats, scheduler_stats
+from ec_s3.connector.metrics import ECS3Stats, open_stats_reader, scheduler_stats
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.topology import Topology, WorkerReach
@@ -103,6 +103,7 @@ class ECS3Scheduler:
         self._looking = 0  # lookups running on the I/O loop
         self._steps = 0
         self._retries_reported = 0
+        self._worker_stats = open_stats_reader(config, vllm_config)
         describe_role("scheduler", vllm_config, config, model)
 
     # ------------------------------------------------------------------ admission
@@ -150,7 +151,9 @@ class ECS3Scheduler:
             return True
         if item is not None and self._usable(item):
             if self._hold(state, ident, item):
-                state.deadlines.pop(ident, None)
+                deadline = state.deadlines.pop(ident, None)
+                if promise is not None and deadline is not None:
+                    self._counters.observe("promise_wait_seconds", now - (deadline - self._config.promised_wait_s))
                 return True
             item = None  # its slot is gone: look it up again
         self._check_fits(promise)
@@ -167,6 +170,7 @@ class ECS3Scheduler:
             if now < deadline:
                 return False
             if promise:
+                self._counters.inc("promise_timeouts")
                 raise _Unavailable(f"the blob did not arrive within promised_wait_s={budget:g}s")
             self._counters.inc("lookup_timeouts")
             state.local.add(ident)
@@ -179,6 +183,7 @@ class ECS3Scheduler:
             raise _Unavailable(f"the store is unavailable ({item.reason})")
         if now < deadline:
             return False
+        self._counters.inc("promise_timeouts")
         raise _Unavailable(f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s")
 
     def _check_fits(self, promise: Promise | None) -> None:
@@ -239,7 +244,10 @@ class ECS3Scheduler:
         """Encode locally if the request still carries the media (True); otherwise
         record it for ``take_unavailable_requests`` (False)."""
         req_id, ident = state.request.request_id, feature.identifier
-        state.deadlines.pop(ident, None)
+        deadline = state.deadlines.pop(ident, None)
+        if deadline is not None and ident in state.promises:
+            waited = time.monotonic() - (deadline - self._config.promised_wait_s)
+            self._counters.observe("promise_wait_seconds", max(0.0, waited))
         if feature.data is not None:
             state.local.add(ident)
             self._counters.inc("fallbacks_local")
@@ -386,11 +394,17 @@ class ECS3Scheduler:
             state.release()
         if not self._is_producer:
             return False, None
-        return False, build_transfer_params(request, self._model, self._resolver) or None
+        # A producer whose store is down (circuit open) cannot keep a promise: sending
+        # none lets consumers encode at once instead of waiting out promised_wait_s.
+        promise = not self._store.breaker.is_open
+        if not promise:
+            self._counters.inc("promises_withheld")
+        return False, build_transfer_params(request, self._model, self._resolver, promise=promise) or None
 
     # ------------------------------------------------------------------ metrics
     def take_stats(self) -> ECS3Stats | None:
-        return scheduler_stats(self._counters, self.take_store_retries())
+        self._counters.set_gauge("breaker_open", 1.0 if self._store.breaker.is_open else 0.0)
+        return scheduler_stats(self._counters, self.take_store_retries(), self._worker_stats)
 
     def take_store_retries(self) -> int:
         """Retries of this process's store since the last call (for metrics)."""
@@ -413,6 +427,8 @@ class ECS3Scheduler:
                 self._items.drop(item)
 
     def close(self) -> None:
+        if self._worker_stats is not None:
+            self._worker_stats.remove_dead()
         if self._staging is not None:
             self._staging.close()
         self._store.close(timeout=1.0)

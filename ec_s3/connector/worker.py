@@ -39,7 +39,8 @@ from ec_s3.blob.codec import BlobExpectation, decode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.metrics import ECS3Stats, register_worker_counters, unregister_worker_counters, worker_stats
+from ec_s3.blob.keys import probe_key
+from ec_s3.connector.metrics import ECS3Stats, open_stats_writer
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
@@ -89,7 +90,14 @@ class ECS3Worker:
                 self._get_store(), config, namespace=model.keyspace.namespace,
                 producer=model.engine_id, counters=counters, spool=spool,
             )
-        register_worker_counters(counters)
+        self._stats_writer = None
+        if _is_publishing_rank():
+            # The first worker of the engine speaks for all (ranks hold the same outputs
+            # and load the same items); see ec_s3.connector.metrics.
+            self._stats_writer = open_stats_writer(config, vllm_config, counters, self._get_store().background)
+        if self._publisher is not None:
+            # The first upload must not pay for creating the client and its connection.
+            self._get_store().warm_up(probe_key(config.prefix))
         describe_role("worker", vllm_config, config, model)
 
     def _get_store(self) -> S3Store:
@@ -258,12 +266,18 @@ class ECS3Worker:
         self._host_reported = True
         return ECS3WorkerMetadata(failed_loads=failed, hosts={self._host})
 
+    def flush_stats(self) -> None:
+        """Mirror the counters to the scheduler side now (they also go every 0.5 s)."""
+        if self._stats_writer is not None:
+            self._stats_writer.flush(force=True)
+
     def take_stats(self) -> ECS3Stats | None:
-        return worker_stats(self._counters)
+        """Nothing: worker counters reach vLLM through the scheduler side (shared memory),
+        whether or not this vLLM version asks workers; asking twice would count twice."""
+        return None
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        unregister_worker_counters(self._counters)
         if self._publisher is not None:
             pending, abandoned = self._publisher.shutdown(self._config.shutdown_timeout_s)
             if pending:
@@ -271,6 +285,8 @@ class ECS3Worker:
                     "ec-s3: %d uploads were pending at shutdown: %d abandoned%s", pending, abandoned,
                     f", the rest uploaded or spooled to {self._config.spool_dir}" if self._config.spool_dir else "",
                 )
+        if self._stats_writer is not None:
+            self._stats_writer.close()  # after the publisher: its last counts are in
         if self._store is not None:
             self._store.close(timeout=1.0)
 

@@ -224,6 +224,23 @@ class S3Store:
             else:
                 task.add_done_callback(self._tasks.discard)
 
+    def warm_up(self, key: str | None = None) -> None:
+        """Create the client now, and with ``key`` open a pooled connection by a HEAD of
+        it, in the background: otherwise the first upload or lookup after start pays for
+        the credential chain, the client and a TCP (and TLS) handshake. Failures are left
+        to the start-up checks and the first real request to report."""
+
+        async def warm() -> None:
+            try:
+                await self._get_client()
+                if key is not None:
+                    await self.head_async(key)
+            except Exception as exc:  # noqa: BLE001 - best effort; real requests report
+                logger.debug("ec-s3: warming up the S3 client failed: %s", exc)
+
+        with contextlib.suppress(Exception):
+            self.submit(warm())
+
     async def _get_client(self) -> Any:
         if self._client is not None:
             return self._client

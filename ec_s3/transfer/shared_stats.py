@@ -21,6 +21,7 @@ own what the counters mean (``ec_s3.connector.metrics``) or when vLLM asks for s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -34,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from ec_s3.log import logger
+from ec_s3.loop import BackgroundLoop
 from ec_s3.transfer.counters import Counters
+from ec_s3.transfer.fsutil import create_exclusive, open_nofollow
 
 __all__ = ["SharedStatsReader", "SharedStatsWriter", "stats_file_prefix"]
 
@@ -65,7 +68,15 @@ class SharedStatsWriter:
         self._last_flush = 0.0
         self._seq = 0
         self.path = Path(directory) / f"{stats_file_prefix(engine_id)}{os.getpid()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fd = create_exclusive(self.path)
+        except FileExistsError:
+            # A dead process's leftover under a recycled pid: ours to replace. Anything
+            # else (a live writer, a file or link we do not own) makes this fail loudly.
+            if _locked(self.path):
+                raise
+            self.path.unlink()
+            fd = create_exclusive(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, _SIZE)
@@ -107,6 +118,20 @@ class SharedStatsWriter:
             self._map[_HEADER.size : _HEADER.size + len(payload)] = payload
             self._seq += 1  # even: consistent
             _HEADER.pack_into(self._map, 0, self._seq, len(payload))
+
+    def flush_periodically(self, loop: BackgroundLoop, every_s: float = 0.5) -> None:
+        """Flush from ``loop`` every ``every_s`` until closed: uploads finish on the I/O
+        loop after the step that queued them, possibly with no step after them."""
+
+        async def run() -> None:
+            while not self._closed:
+                await asyncio.sleep(every_s)
+                try:
+                    self.flush(force=True)
+                except Exception as exc:  # noqa: BLE001 - metrics must never stop the loop
+                    logger.debug("ec-s3: flushing worker stats failed: %s", exc)
+
+        loop.submit(run())
 
     def close(self) -> None:
         """Flush and release the lock; the reader counts this last snapshot, then removes
@@ -183,7 +208,7 @@ class SharedStatsReader:
 def _locked(path: Path) -> bool:
     """True while a live writer holds ``path``'s lock."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_nofollow(path)
     except OSError:
         return False
     try:
@@ -197,7 +222,7 @@ def _locked(path: Path) -> bool:
 
 def _read(path: Path) -> dict[str, Any] | None:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_nofollow(path)
     except OSError:
         return None
     try:

@@ -44,6 +44,12 @@ class Node:
         """Wait for the worker's pending uploads (test-side; vLLM never waits)."""
         publisher = self.worker._worker._publisher  # type: ignore[union-attr]
         assert publisher is not None and publisher.flush(timeout) == 0
+        self.flush_worker_stats()
+
+    def flush_worker_stats(self) -> None:
+        """Write the worker's counters to shared memory now instead of at its next
+        periodic flush, so the scheduler side's next stats include them."""
+        self.worker._worker.flush_stats()  # type: ignore[union-attr]
 
     def close(self) -> None:
         self.worker.shutdown()
