@@ -148,7 +148,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
         stack = Stack(model, producer, consumer, proxy, store, schedule, baseline, baseline_by_seed)
         # Warm-up through the proxy: the producer's first upload also creates its worker's
         # S3 client (imports, botocore models), seconds of CPU on the worker's core. On a
-        # busy host that took longer than the consumer's promised_wait_s (30 s), so the
+        # busy host that took longer than the consumer's promised_wait_s, so the
         # tests below measure the steady state; the cold start gets its own bound here.
         t = time.monotonic()
         warm = post_chat(proxy.url, chat_body(model, WARMUP_SEED, QUESTION))
