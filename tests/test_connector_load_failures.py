@@ -171,3 +171,38 @@ def test_worker_without_credentials_does_not_raise_into_vllm(
     assert _load(worker, spec) == {}
     meta = worker.build_connector_worker_meta()
     assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == {"img-z"}
+
+
+def test_staged_file_gone_and_store_down_is_encoded_in_the_same_step(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    """The scheduler answered "hit", then something deleted the staged file and the store
+    went down: the worker cannot load the item, so it adds it to the step's encoder
+    inputs and vLLM encodes it before the gather. Before, vLLM stopped the engine with
+    "Encoder cache miss" (the worker's S3 fallback failed too)."""
+    import os
+
+    params = produce(tiny_model_dir, extra_config(), ["img-a"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, max_attempts=1))
+    worker = node.worker._worker
+    assert worker is not None
+    load_staged = worker._load_staged
+
+    def staged_file_vanishes(spec: LoadSpec, device: torch.device) -> torch.Tensor:
+        os.unlink(spec.path)  # another process cleaned staging_dir
+        fault_proxy.set_down(True)  # and the store is unreachable
+        return load_staged(spec, device)
+
+    worker._load_staged = staged_file_vanishes  # type: ignore[method-assign]
+    try:
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]})
+        finished = drive(node.driver)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == ["img-a"]  # vLLM's encoder ran for it, in that step
+        assert torch.equal(node.sim.encoder_cache["img-a"], fake_encoder_output("img-a", ROWS))
+        assert node.worker.counters.get("loads_encoded_locally") == 1
+        assert node.worker.counters.get("blobs_loaded") == 0
+        assert fault_proxy.counters.down_refused == 0  # the step never waited for S3
+    finally:
+        fault_proxy.set_down(False)
+        node.close()

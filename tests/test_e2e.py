@@ -114,8 +114,11 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     # Credentials reach the connector through the environment, never the command line.
     s3_env = {**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": creds.access_key_id,
               "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+    # (a) asserts that every answer came from the producer's blobs, so the consumer must
+    # not give up on a promise: on a loaded 2-core CI host an upload can outlast the
+    # production default of promised_wait_s (5 s).
     extra = {"bucket": bucket, "endpoint_url": s3_endpoint.url, "prefix": PREFIX,
-             "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.2}
+             "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.2, "promised_wait_s": 30}
 
     baseline_srv = VllmServer(model, name="baseline", args=TINY_MODEL_ARGS, log_path=work / "baseline.log",
                               env={**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None})

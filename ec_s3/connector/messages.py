@@ -29,6 +29,11 @@ class LoadSpec:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
     host: str  # host_id() of the scheduler that staged it
+    # Where the item sits in the step's encoder inputs, should the worker have to
+    # encode it after all (see ECS3ConnectorMetadata.encoder_inputs).
+    request_id: str = ""
+    input_index: int = -1
+    has_media: bool = False  # the worker holds the item's media and can encode it
 
 
 @dataclasses.dataclass
@@ -37,6 +42,13 @@ class ECS3ConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     # Producer: key to publish each encoder output of this step's requests under.
     save_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Consumer: the step's ``scheduler_output.scheduled_encoder_inputs`` itself (the
+    # same object: vLLM pickles the scheduler output with this metadata in it as one
+    # object graph, which keeps shared references shared). vLLM runs the encoder on it
+    # after ``start_load_caches``, so a worker that cannot load a blob it was promised
+    # adds the item here and vLLM encodes it in the same step, instead of stopping the
+    # engine on an encoder cache miss.
+    encoder_inputs: dict[str, list[int]] | None = None
 
 
 @dataclasses.dataclass

@@ -316,7 +316,8 @@ class ECS3Scheduler:
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         if not self._is_consumer:
             return
-        ident = request.mm_features[index].identifier
+        feature = request.mm_features[index]
+        ident = feature.identifier
         item = self._hits.get(ident)
         if item is None:
             return  # vLLM encodes this one itself
@@ -331,6 +332,7 @@ class ECS3Scheduler:
         spec = LoadSpec(
             identifier=ident, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
             nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
+            request_id=request.request_id, input_index=index, has_media=feature.data is not None,
         )
         self._loads.append((spec, staged.slot))
 
@@ -341,6 +343,8 @@ class ECS3Scheduler:
             # thread that runs them (measured: 5-14x longer time-to-schedulable).
             time.sleep(0)
         meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
+        if self._loads:
+            meta.encoder_inputs = scheduler_output.scheduled_encoder_inputs
         if self._staging is not None:
             for _, slot in self._loads:
                 self._staging.mark_dispatched(slot)

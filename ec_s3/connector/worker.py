@@ -59,6 +59,8 @@ __all__ = ["ECS3Worker"]
 _REMOTE_FETCH_ATTEMPTS = 3
 _REMOTE_FETCH_BUDGET_S = 60.0
 _REMOTE_RETRY_DELAY_S = 0.2
+# What _load returns when vLLM will encode the item in this step instead.
+_ENCODE_LOCALLY = object()
 # Failures worth another attempt: the store was down or slow, or the bytes arrived damaged.
 _RETRYABLE = (StoreUnavailable, IntegrityError, TimeoutError)
 
@@ -136,7 +138,9 @@ class ECS3Worker:
         for spec in metadata.loads:
             if spec.identifier in encoder_cache:
                 continue
-            tensor = self._load(spec)
+            tensor = self._load(spec, metadata.encoder_inputs)
+            if tensor is _ENCODE_LOCALLY:
+                continue
             if tensor is None:
                 logger.error(
                     "ec-s3: item %s could not be loaded from staging or S3; vLLM will stop on an encoder "
@@ -145,26 +149,30 @@ class ECS3Worker:
                     spec.identifier[:64],
                 )
                 continue
+            assert isinstance(tensor, torch.Tensor)
             encoder_cache[spec.identifier] = tensor
             self._counters.inc("blobs_loaded")
             if self._publisher is not None:
                 self._publisher.mark_present(spec.key)
 
-    def _load(self, spec: LoadSpec) -> torch.Tensor | None:
-        """The tensor for ``spec``, or None when neither staging nor S3 gave it. Never raises."""
+    def _load(self, spec: LoadSpec, encoder_inputs: dict[str, list[int]] | None) -> torch.Tensor | object | None:
+        """The tensor for ``spec``; :data:`_ENCODE_LOCALLY` when vLLM will encode it in
+        this step instead; None when nothing worked. Never raises."""
         try:
             device = self._target_device()
             if spec.host == self._host:
                 try:
                     return self._load_staged(spec, device)
-                except Exception as exc:  # noqa: BLE001 - any failure here has the S3 fallback
+                except Exception as exc:  # noqa: BLE001 - any failure here has a fallback
                     self._failed_loads.add(spec.identifier)
                     self._counters.inc("staging_read_failures")
                     logger.error(
-                        "ec-s3: cannot read staged item %s from %s (%s); fetching it from S3 instead. "
-                        "This should not happen: check that staging_dir is not cleaned by another process.",
-                        spec.identifier[:64], spec.path, exc,
+                        "ec-s3: cannot read staged item %s from %s (%s); %s. This should not happen: check "
+                        "that staging_dir is not cleaned by another process.", spec.identifier[:64], spec.path, exc,
+                        "encoding it in this step" if self._can_encode(spec, encoder_inputs) else "fetching it from S3",
                     )
+                    if self._encode_locally(spec, encoder_inputs):
+                        return _ENCODE_LOCALLY
             else:
                 # The scheduler believed its workers share its host: tell it otherwise.
                 self._host_reported = False
@@ -175,11 +183,31 @@ class ECS3Worker:
                         "outputs from S3 itself inside the model step; the scheduler stops answering hits "
                         "once it hears of it"
                     )
-            return self._load_remote(spec, device)
+            tensor = self._load_remote(spec, device)
+            if tensor is None and self._encode_locally(spec, encoder_inputs):
+                return _ENCODE_LOCALLY
+            return tensor
         except Exception:  # noqa: BLE001 - an exception here would stop the engine
             self._failed_loads.add(spec.identifier)
             logger.exception("ec-s3: unexpected error loading %s", spec.identifier[:64])
-            return None
+            return _ENCODE_LOCALLY if self._encode_locally(spec, encoder_inputs) else None
+
+    @staticmethod
+    def _can_encode(spec: LoadSpec, encoder_inputs: dict[str, list[int]] | None) -> bool:
+        return encoder_inputs is not None and spec.has_media and bool(spec.request_id) and spec.input_index >= 0
+
+    def _encode_locally(self, spec: LoadSpec, encoder_inputs: dict[str, list[int]] | None) -> bool:
+        """Have vLLM encode ``spec``'s item in this step: it runs the encoder on the
+        step's encoder inputs after ``start_load_caches`` (see ``encoder_inputs`` in
+        :class:`ECS3ConnectorMetadata`). False when the request carries no media."""
+        if not self._can_encode(spec, encoder_inputs):
+            return False
+        assert encoder_inputs is not None
+        inputs = encoder_inputs.setdefault(spec.request_id, [])
+        if spec.input_index not in inputs:
+            inputs.append(spec.input_index)
+        self._counters.inc("loads_encoded_locally")
+        return True
 
     def _load_staged(self, spec: LoadSpec, device: torch.device) -> torch.Tensor:
         dtype = getattr(torch, spec.dtype)
