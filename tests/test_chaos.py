@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import hashlib
 import os
 import random
 import secrets
@@ -128,7 +129,8 @@ STAGING_BYTES = {"consumer": 64 * MiB, "tiny": 1 * MiB}
 STAGING_GRACE_BYTES = 3 * 2048 * 128 * 2 + 64 * 1024
 FINAL_DRAIN_S = 30.0  # after the faults stop: producer uploads and spool drained
 FINAL_HITS_WITHIN_S = 20.0  # after the drain: a round of repeats served from S3
-REPEATS = 8  # earlier images repeated after the faults stop (up to half of them gc-deleted ones)
+REPEATS = 8  # earlier images repeated after the faults stop (up to half of them gc-deleted ones), and 8 more
+REPEAT_GC_DELETED = True  # a producer must publish again what the gc deleted; False leaves that out
 
 ENGINE_KWARGS = {"max_model_len": 2048, "max_num_batched_tokens": 2048, "max_num_seqs": 16}
 CONSUMER_KV_BLOCKS = 96  # x 128 tokens: tight enough that decoding preempts now and then
@@ -172,6 +174,8 @@ class Job:
 
 
 class Soak:
+    """The scenario: its nodes, its requests in flight, its phases."""
+
     def __init__(self, model_dir: Path, tmp_path: Path) -> None:
         self.rng = random.Random(SEED)
         self.ledger = Ledger()
@@ -179,15 +183,37 @@ class Soak:
         self.tmp_path = tmp_path
         self.phase = "setup"
         self.iteration = 0
-        self.proxy = FaultProxy("http://127.0.0.1:9", seed=SEED).start()  # upstream set below
-        self.admin_proxy = FaultProxy("http://127.0.0.1:9").start()  # never faulty: the gc's and the audit's way in
+        self.proxy = FaultProxy("http://127.0.0.1:9", seed=SEED)  # pointed at the server once it runs
+        self.admin_proxy = FaultProxy("http://127.0.0.1:9")  # never faulty: the gc's and the audit's way in
         self.server = RestartableServer(tmp_path / "s3", [self.proxy, self.admin_proxy])
+        self.logs = LogWatch()
+        self.episodes = FaultEpisodes(self.proxy, self.server, error_rate=ERROR_RATE_503, reset_rate=RESET_RATE,
+                                      latency_s=SLOW_LATENCY_S)
+        self.shm = Path("/dev/shm") / f"ec-s3-chaos-{secrets.token_hex(4)}"
+        self.nodes: dict[str, WatchedNode] = {}
+        self.jobs: dict[str, Job] = {}  # live, by node request id
+        self.active: dict[str, Job] = {}  # live, by qid
+        self.admitted = 0
+        self.events: list[tuple[int, str, str]] = []  # (due iteration, kind, argument)
+        self.produced: set[str] = set()
+        self.gc_deleted: set[str] = set()
+        self.all_idents: set[str] = set()
+        self.seen_on: dict[str, set[str]] = collections.defaultdict(set)  # consumer -> images it was asked for
+        self.finished_rids: set[str] = set()
+        self.forced_preemptions = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.max_call_s: dict[str, float] = {}
+        self.unclaimed: dict[str, Any] = {}  # finished requests of no job (the recovery phase's)
+        self.peaks: dict[str, int] = {}
+        self.baseline: Resources | None = None
+
+    def start(self) -> None:
+        self.proxy.start()
+        self.admin_proxy.start()
         url = self.server.start()
         self.proxy.set_upstream(url)
         self.admin_proxy.set_upstream(url)
-        self.episodes = FaultEpisodes(self.proxy, self.server, error_rate=ERROR_RATE_503, reset_rate=RESET_RATE,
-                                      latency_s=SLOW_LATENCY_S)
-        self.logs = LogWatch().attach()
+        self.logs.attach()
         creds = self.server.credentials
         self.bucket = "chaos"
         self.base = {
@@ -196,32 +222,17 @@ class Soak:
         }
         self.admin = S3Store(ECS3Config.from_extra_config({**self.base, "endpoint_url": self.admin_proxy.endpoint_url}, environ={}))
         self.admin.run(self.admin.create_bucket_async(), timeout=30)
-        self.shm = Path("/dev/shm") / f"ec-s3-chaos-{secrets.token_hex(4)}"
         self.baseline0 = Resources.now()
         self.extras = {
-            "producer": {**self.base, "endpoint_url": self.proxy.endpoint_url, "spool_dir": str(tmp_path / "spool"),
+            "producer": {**self.base, "endpoint_url": self.proxy.endpoint_url, "spool_dir": str(self.tmp_path / "spool"),
                          "spool_retry_s": 0.3, "max_inflight_bytes": 8 * MiB, "shutdown_timeout_s": 2.0,
                          "lookup": "always", "lookup_wait_s": 0.5},
             **{name: {**self.base, "endpoint_url": self.proxy.endpoint_url, "staging_bytes": size,
                       "staging_dir": str(self.shm / name), "promised_wait_s": 3.0, "lookup_wait_s": 1.0}
                for name, size in STAGING_BYTES.items()},
         }
-        self.nodes: dict[str, WatchedNode] = {name: self._build(name) for name in self.extras}
+        self.nodes = {name: self._build(name) for name in self.extras}
         self.keyspace = self.nodes["producer"].scheduler_connector.model.keyspace
-        self.jobs: dict[str, Job] = {}  # live, by node request id
-        self.active: dict[str, Job] = {}  # live, by qid
-        self.admitted = 0
-        self.events: list[tuple[int, str, str]] = []  # (due iteration, kind, argument)
-        self.produced: set[str] = set()
-        self.gc_deleted: set[str] = set()
-        self.all_idents: set[str] = set()
-        self.finished_rids: set[str] = set()
-        self.forced_preemptions = 0
-        self.counters: collections.Counter[str] = collections.Counter()
-        self.max_call_s: dict[str, float] = {}
-        self.unclaimed: dict[str, Any] = {}  # finished requests of no job (the recovery phase's)
-        self.peaks: dict[str, int] = {}
-        self.baseline: Resources | None = None
 
     # ------------------------------------------------------------------ nodes
     def _build(self, name: str) -> WatchedNode:
@@ -371,6 +382,7 @@ class Soak:
         if job.send_params and params:
             kwargs["ec_transfer_params"] = params
         job.stage = "consumer"
+        self.seen_on[job.consumer].update(job.idents)
         self.submit(job, job.consumer, f"{job.qid}.c", kwargs)
 
     def done(self, job: Job, outcome: str) -> None:
@@ -570,75 +582,119 @@ class Soak:
         self.final_hits(drained)
 
     def final_hits(self, since: float) -> None:
-        """Rounds of repeats of earlier images (those the gc deleted first): the producer
-        sees each again, then a consumer asks for it, promised or looked up, with both
-        engines' encoder caches emptied so that only S3 can serve it. An image passes
-        once a round loads it from S3; all must pass within ``FINAL_HITS_WITHIN_S``."""
+        """Two checks once the faults are off and the backlog drained.
+
+        Hits return: rounds of repeats of earlier images (half of them images the gc
+        deleted, which the producer must publish again) until each has been served
+        from S3 once, within ``FINAL_HITS_WITHIN_S``; the first rounds may still meet
+        an open circuit breaker.
+
+        Then hits are reliable: one round of other earlier images (in the bucket,
+        never deleted), each of which must be served from S3 at its first request.
+        """
         rng = random.Random(SEED + 1)
         deleted = sorted(self.gc_deleted)
-        others = sorted(i for i in self.produced - self.gc_deleted if "-u" not in i)
+        others = sorted(i for i in self.produced - self.gc_deleted if "-u" not in i)  # unique images never repeat
         rng.shuffle(deleted)
         rng.shuffle(others)
-        pending = deleted[: REPEATS // 2] + others[: REPEATS - min(len(deleted), REPEATS // 2)]
-        notes: dict[str, str] = {}
+        n_deleted = min(len(deleted), REPEATS // 2) if REPEAT_GC_DELETED else 0
+        pending = deleted[:n_deleted] + others[: REPEATS - n_deleted]
+        # The strict round repeats images each consumer served during the soak (its
+        # tables and staging remember them): even k on "consumer", odd k on "tiny".
+        rest = [i for i in others[REPEATS - n_deleted:]]
+        seen = {n: [i for i in rest if i in self.seen_on[n] and not (n == "tiny" and i.startswith("img-1024"))]
+                for n in STAGING_BYTES}
+        # Images whose staged copy is gone first (evicted: the tiny area evicts all the
+        # time). Staged files are named by the key's digest today; should that change,
+        # this only reorders the candidates.
+        on_disk = {p.name.split(".")[0] for n in STAGING_BYTES for p in (self.shm / n).rglob("*.blob*")}
+        for n in seen:
+            seen[n].sort(key=lambda i: hashlib.sha256(self.keyspace.key_for(i).encode()).hexdigest()[:40] in on_disk)
+        strict: dict[str, str] = {}  # image -> consumer
+        for k in range(REPEATS):
+            name = "consumer" if k % 2 == 0 else "tiny"
+            pick = next((i for i in seen[name] if i not in strict), None)
+            if pick is not None:
+                strict[pick] = name
+        notes: dict[str, str] = {}  # why an image missed its latest round
+        late: list[str] = []  # misses of images that passed a later round
         rounds = 0
         while pending and time.monotonic() < since + FINAL_HITS_WITHIN_S:
             rounds += 1
-            for name in STAGING_BYTES:
-                self.nodes[name].scheduler.reset_encoder_cache()  # what vLLM's /reset_mm_cache does
-                self.nodes[name].sim.encoder_cache.clear()
-            producer = self.nodes["producer"]
-            encoded_before, uploads_before = len(producer.sim.encoded), producer.worker.counters.get("upload_started")
-            params: dict[str, Any] = {}
-            for k, ident in enumerate(pending):
-                rid = f"final-{rounds}-{k}.p"
-                self.nodes["producer"].add(rid, [ident], **self._repeat_shape(ident))
-            done = self.run_all({f"final-{rounds}-{k}.p": "producer" for k in range(len(pending))})
-            for k, ident in enumerate(pending):
-                fr = done.get(f"final-{rounds}-{k}.p")
-                params[ident] = (fr.ec_transfer_params or {}) if fr is not None else {}
-            publisher = self.nodes["producer"].publisher()
-            if publisher is not None:
-                publisher.flush(10)
-            reencoded = set(self.nodes["producer"].sim.encoded[encoded_before:])
-            uploads = self.nodes["producer"].worker.counters.get("upload_started") - uploads_before
-            before = {n: self.nodes[n].scheduler_connector.counters.snapshot() for n in STAGING_BYTES}
-            placed = []
-            for k, ident in enumerate(pending):
-                name = "consumer" if ident.startswith("img-1024") or k % 2 == 0 else "tiny"
-                promised = (k // 2) % 2 == 0
-                kwargs = {"ec_transfer_params": params[ident]} if promised and params[ident] else {}
-                rid = f"final-{rounds}-{k}.c"
-                self.nodes[name].add(rid, [ident], **self._repeat_shape(ident), **kwargs)
-                placed.append((ident, name, rid, bool(kwargs)))
-            done = self.run_all({rid: name for _, name, rid, _ in placed})
-            for ident, name, rid, promised in placed:
-                fr = done.get(rid)
-                node = self.nodes[name]
-                loaded, enc = node.loaded_by_req.pop(rid, 0), node.encoded_by_req.pop(rid, 0)
-                if fr is not None and fr.finish_reason == FinishReason.LENGTH and loaded and not enc:
+            for ident, (served, note) in self.repeat_round(pending, f"r{rounds}").items():
+                if served:
                     pending.remove(ident)
-                    notes.pop(ident, None)
-                    continue
-                in_bucket = self._in_bucket(ident)
-                delta = {k: v - before[name].get(k, 0) for k, v in node.scheduler_connector.counters.snapshot().items()
-                         if v != before[name].get(k, 0) and not k.endswith("seconds") and k != "staged_bytes"}
-                notes[ident] = (
-                    f"{ident} on {name} ({'promised' if promised else 'looked up'}), round {rounds}: "
-                    f"{'unfinished' if fr is None else fr.finish_reason.name}, loaded {loaded}, encoded locally {enc}; "
-                    f"producer {'encoded it' if ident in reencoded else 'did not encode it (believed present)'} "
-                    f"({uploads:.0f} uploads started this round); bucket {'has' if in_bucket else 'LACKS'} the blob; "
-                    f"{'gc-deleted during the soak; ' if ident in self.gc_deleted else ''}"
-                    f"consumer counters this round: {delta}")
-            self.finished_rids.update(f"final-{rounds}-{k}.{s}" for k in range(len(placed)) for s in "pc")
+                    if ident in notes:
+                        late.append(notes.pop(ident))
+                else:
+                    notes[ident] = note
         took = time.monotonic() - since
         self.ledger.measures["recovery: repeats served from S3"] = (
-            f"{REPEATS - len(pending)} of {REPEATS} ({min(len(deleted), REPEATS // 2)} gc-deleted earlier) "
-            f"after {rounds} round(s), {took:.1f}s after the drain")
+            f"{REPEATS - len(pending)} of {REPEATS} ({n_deleted} gc-deleted earlier) "
+            f"after {rounds} round(s), {took:.1f}s after the drain"
+            + (f"; passed only in a later round: {' || '.join(late[:3])}" if late else ""))
         for ident in pending:
             why = "an image the gc deleted" if ident in self.gc_deleted else "an image never deleted"
             self.ledger.violation(f"hits did not return after the faults stopped ({why})", notes.get(ident, ident),
                                   f"phase recovery, {took:.1f}s after the drain, {rounds} rounds")
+        if not strict:
+            return
+        missed = [note for served, note in self.repeat_round(list(strict), "strict", strict).values() if not served]
+        self.ledger.measures["recovery: first-request hits once healthy"] = f"{len(strict) - len(missed)} of {len(strict)}"
+        for note in missed:
+            self.ledger.violation("a repeat missed S3 although the store was healthy", note,
+                                  f"phase recovery (strict round), {time.monotonic() - since:.1f}s after the drain")
+
+    def repeat_round(
+        self, idents: list[str], label: str, routes: dict[str, str] | None = None
+    ) -> dict[str, tuple[bool, str]]:
+        """The producer sees each image again, then a consumer asks for it (``routes``,
+        else alternating consumers; alternately promised or looked up) with every
+        encoder cache emptied, so only S3 can serve it. Per image: (served from S3, why not)."""
+        for name in STAGING_BYTES:
+            self.nodes[name].scheduler.reset_encoder_cache()  # what vLLM's /reset_mm_cache does
+            self.nodes[name].sim.encoder_cache.clear()
+        producer = self.nodes["producer"]
+        encoded_before, uploads_before = len(producer.sim.encoded), producer.worker.counters.get("upload_started")
+        for k, ident in enumerate(idents):
+            producer.add(f"final-{label}-{k}.p", [ident], **self._repeat_shape(ident))
+        done = self.run_all({f"final-{label}-{k}.p": "producer" for k in range(len(idents))})
+        params = {ident: (done[f"final-{label}-{k}.p"].ec_transfer_params or {}) if f"final-{label}-{k}.p" in done else {}
+                  for k, ident in enumerate(idents)}
+        producer = self.nodes["producer"]  # a crash may have replaced it
+        publisher = producer.publisher()
+        if publisher is not None:
+            publisher.flush(10)
+        reencoded = set(producer.sim.encoded[encoded_before:])
+        uploads = producer.worker.counters.get("upload_started") - uploads_before
+        before = {n: self.nodes[n].scheduler_connector.counters.snapshot() for n in STAGING_BYTES}
+        placed = []
+        for k, ident in enumerate(idents):
+            name = (routes or {}).get(ident) or ("consumer" if ident.startswith("img-1024") or k % 2 == 0 else "tiny")
+            promised = (k // 2) % 2 == 0 and bool(params[ident])
+            rid = f"final-{label}-{k}.c"
+            self.nodes[name].add(rid, [ident], **self._repeat_shape(ident),
+                                 **({"ec_transfer_params": params[ident]} if promised else {}))
+            placed.append((ident, name, rid, promised))
+        done = self.run_all({rid: name for _, name, rid, _ in placed})
+        self.finished_rids.update(f"final-{label}-{k}.{s}" for k in range(len(idents)) for s in "pc")
+        out: dict[str, tuple[bool, str]] = {}
+        for ident, name, rid, promised in placed:
+            fr, node = done.get(rid), self.nodes[name]
+            loaded, enc = node.loaded_by_req.pop(rid, 0), node.encoded_by_req.pop(rid, 0)
+            if fr is not None and fr.finish_reason == FinishReason.LENGTH and loaded and not enc:
+                out[ident] = (True, "")
+                continue
+            delta = {k: v - before[name].get(k, 0) for k, v in node.scheduler_connector.counters.snapshot().items()
+                     if v != before[name].get(k, 0) and not k.endswith(("seconds", "_bytes"))}
+            out[ident] = (False, (
+                f"{ident} on {name} ({'promised' if promised else 'looked up'}), round {label}: "
+                f"{'unfinished' if fr is None else fr.finish_reason.name}, loaded {loaded}, encoded locally {enc}; "
+                f"producer {'encoded it' if ident in reencoded else 'did not encode it (believed present)'} "
+                f"({uploads:.0f} uploads started this round); bucket {'has' if self._in_bucket(ident) else 'LACKS'} "
+                f"the blob; {'gc-deleted during the soak; ' if ident in self.gc_deleted else ''}"
+                f"consumer counters this round: {delta}"))
+        return out
 
     @staticmethod
     def _repeat_shape(ident: str) -> dict[str, Any]:
@@ -745,8 +801,12 @@ class Soak:
         self.ledger.measures["preemptions forced"] = str(self.forced_preemptions)
 
     def teardown(self) -> None:
+        """Release everything, whatever state a failure left the soak in."""
         self.logs.detach()
-        for closer in (self.admin.close, self.proxy.stop, self.admin_proxy.stop, self.server.stop):
+        closers = [node.close for node in self.nodes.values()]  # idempotent
+        admin = getattr(self, "admin", None)  # set by start()
+        closers += [admin.close] if admin is not None else []
+        for closer in (*closers, self.proxy.stop, self.admin_proxy.stop, self.server.stop):
             try:
                 closer()
             except Exception:  # noqa: BLE001 - best effort at the very end
@@ -754,11 +814,13 @@ class Soak:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
+@pytest.mark.slow  # about 2 minutes; the default `pytest -q` still runs it
 @pytest.mark.timeout(600)
 def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path) -> None:
     started = time.monotonic()
     soak = Soak(tiny_model_dir, tmp_path)
     try:
+        soak.start()
         soak.soak()
         soak.final()
         soak.check_tables()
