@@ -2,12 +2,13 @@
 worker-side connector run like the model runner, serve a few hundred requests while
 the store misbehaves at random (fixed seed), then the faults stop and hits must return.
 
-Faults: 503 storms, connection resets, stalls past the timeouts, revoked credentials
-(the fault proxy rewrites the SigV4 access key, so SeaweedFS itself answers 403
-InvalidAccessKeyId), the S3 server SIGKILLed and restarted (a real restart: same data
-dir and credentials; ``EmbeddedS3Server`` picks new ports, so the clients' fixed
-address is the fault proxy, re-pointed at it), bytes corrupted on GET (checksums on),
-blobs deleted by a "gc" right after the producer promised them, a tiny staging area
+Faults: 503 storms, connection resets, stalls past the timeouts, a slow store, revoked
+credentials (the fault proxy rewrites the SigV4 access key, so SeaweedFS itself answers
+403 InvalidAccessKeyId), the S3 server SIGKILLed and restarted (a real restart: same
+data dir and credentials; ``EmbeddedS3Server`` picks new ports, so the clients' fixed
+address is the fault proxy, re-pointed at it), GET bodies corrupted (checksums on) or
+cut short, answers lost after the request landed, blobs deleted by a "gc" right after
+the producer promised them, a tiny staging area
 (one consumer has the minimum ``staging_bytes``), staged files removed just before
 the worker reads them, duplicate identifiers across concurrent requests, aborts and
 preemptions (vLLM's ``reset_prefix_cache(reset_running_requests=True)``, plus any the
@@ -26,8 +27,9 @@ end listing them all:
 * fds, sockets, threads, RSS and staging bytes stay under the bounds below; no
   connector table keeps state of a finished request; shutdown releases staging,
   sockets and threads; nothing logs an exception it did not expect;
-* after the faults stop, the producer's queue and spool drain and repeats of earlier
-  images are served from S3 again within ``FINAL_HITS_WITHIN_S``.
+* after the faults stop, the producer's queue and spool drain, repeats of earlier
+  images (gc-deleted ones too) are served from S3 again within ``FINAL_HITS_WITHIN_S``,
+  and then every repeat of an image in the bucket is a hit at its first request.
 
 Owns the scenario and its bounds; the machinery is ``support/chaos.py``. Run with
 ``-s`` to see the report (also written to ``<tmp_path>/chaos-report.txt``).
@@ -44,6 +46,7 @@ import random
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +124,7 @@ CALL_BOUNDS_S = {"scheduler": 2.0, "worker": 10.0}
 RESOURCE_CHECK_EVERY = 25  # loop iterations
 FDS_GROWTH_MAX = 200  # over the count once every node is up and warm
 SOCKETS_GROWTH_MAX = 150  # 3 stores x 8 pooled connections x 3 sockets each in this process (client end, proxy's two) + slack
+SOCKETS_LEFT_MAX = 8  # after every engine shut down, over the count before they started
 THREADS_GROWTH_MAX = 12  # the loop's default executor (to_thread: fsync, CRC) and a server restart
 RSS_GROWTH_MAX = 400 * MiB
 STAGING_BYTES = {"consumer": 64 * MiB, "tiny": 1 * MiB}
@@ -496,7 +500,7 @@ class Soak:
                     self.crashed(node, exc, "finish_requests (abort of a stuck request)")
             self.done(job, "stuck: aborted by the soak")
 
-    def check_resources(self, final: bool = False) -> None:
+    def check_resources(self) -> None:
         now = Resources.now()
         base = self.baseline
         if base is None:
@@ -524,12 +528,13 @@ class Soak:
                     f"capacity {capacity} + grace {STAGING_GRACE_BYTES}", self.context(node))
 
     # ------------------------------------------------------------------ phases
-    def loop(self, until: Any, deadline: float, admit: bool) -> None:
+    def loop(self, until: Callable[[], bool], deadline: float, admit_up_to: int) -> None:
+        """The engines' loop: admit (paced), inject, step every node, check."""
         while not until() and time.monotonic() < deadline:
             self.iteration += 1
             self.episodes.tick()
             now = time.monotonic()
-            if (admit and len(self.active) < CONCURRENCY and self.admitted < NUM_REQUESTS and now < self.admit_until
+            if (len(self.active) < CONCURRENCY and self.admitted < admit_up_to and now < self.admit_until
                     and now >= self.last_admit + ARRIVAL_INTERVAL_S):
                 self.last_admit = now
                 self.admit()
@@ -548,12 +553,12 @@ class Soak:
         started = time.monotonic()
         self.admit_until = started + ADMIT_FOR_S
         self.last_admit = 0.0
-        self.loop(lambda: self.admitted >= WARMUP_REQUESTS and not self.active, started + 120, admit=True)
+        self.loop(lambda: self.admitted >= WARMUP_REQUESTS and not self.active, started + 120, WARMUP_REQUESTS)
         self.baseline = Resources.now()
         self.ledger.measures["resources: baseline after warm-up"] = str(self.baseline)
         self.phase = "chaos"
         admit_stop = lambda: (self.admitted >= NUM_REQUESTS or time.monotonic() >= self.admit_until) and not self.active  # noqa: E731
-        self.loop(admit_stop, self.admit_until + REQUEST_BOUND_S + 30, admit=True)
+        self.loop(admit_stop, self.admit_until + REQUEST_BOUND_S + 30, NUM_REQUESTS)
         self.ledger.measures["chaos phase"] = (f"{time.monotonic() - started:.1f}s, {self.admitted} requests admitted, "
                                                f"{len(self.episodes.log)} fault episodes: {', '.join(self.episodes.log)}")
         if self.active:
@@ -754,7 +759,7 @@ class Soak:
 
     def check_tables(self) -> None:
         self.phase = "end"
-        self.check_resources(final=True)
+        self.check_resources()
         biggest: dict[str, int] = {}
         for name, node in self.nodes.items():
             for side, conn in (("scheduler", node.scheduler_connector), ("worker", node.worker)):
@@ -784,7 +789,7 @@ class Soak:
         time.sleep(0.5)  # closed sockets and finished threads settle
         after = Resources.now()
         base = self.baseline0
-        if after.threads > base.threads + THREADS_GROWTH_MAX or after.sockets > base.sockets + 8:
+        if after.threads > base.threads + THREADS_GROWTH_MAX or after.sockets > base.sockets + SOCKETS_LEFT_MAX:
             self.ledger.violation("resources not released at shutdown", f"{after} (before the engines started: {base})",
                                   self.context())
         self.ledger.measures["resources: before engines / peak / after shutdown"] = (
