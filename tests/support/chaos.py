@@ -219,6 +219,11 @@ class RestartableServer:
     def is_up(self) -> bool:
         return self._server is not None and self._restart is None
 
+    @property
+    def is_killed(self) -> bool:
+        """Down and no restart begun yet."""
+        return self._server is None and self._restart is None
+
     def kill(self) -> None:
         server, self._server = self._server, None
         if server is None:
@@ -344,7 +349,7 @@ class FaultEpisodes:
         now = time.monotonic()
         for kind, episode in list(self.active.items()):
             if kind == "server_kill":
-                if now >= episode.until and self.server._server is None:
+                if now >= episode.until and self.server.is_killed:
                     self.server.restart_in_background()
                 if now >= episode.until and self.server.restart_done() and self.server.is_up:
                     self._end(kind, now)
