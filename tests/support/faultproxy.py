@@ -9,8 +9,9 @@ keep-alive, ``Expect: 100-continue``) so that it can act on one request at a tim
 ``Host`` header is forwarded untouched: SigV4 signs it.
 
 Order of checks per request: down, stall, latency, reset, error, then forward (where
-drop_response, then truncate and corrupt, act on the upstream's answer). Setting a
-fault replaces its previous setting; ``clear()`` removes all, releasing stalled requests.
+the credentials rewrite acts on the request, and drop_response, then truncate and
+corrupt, act on the upstream's answer). Setting a fault replaces its previous setting;
+``clear()`` removes all, releasing stalled requests.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import random
+import re
 import socket
 import struct
 import threading
@@ -34,6 +36,8 @@ _READ_SIZE = 64 * 1024
 _MAX_HEAD = 64 * 1024
 _CORRUPT_WINDOW = 16
 _STALL_POLL_S = 0.02
+# The access key id inside a SigV4 ``Authorization`` header: ``Credential=<id>/<date>/...``.
+_SIGV4_CREDENTIAL = re.compile(rb"(Credential=)([^/,\s]+)(/)")
 _ERROR_CODES = {
     400: ("BadRequest", "Injected bad request."),
     403: ("AccessDenied", "Access Denied."),
@@ -79,6 +83,7 @@ class FaultCounters:
     corrupted: int = 0
     dropped_responses: int = 0
     upstream_failures: int = 0
+    auth_rewritten: int = 0
     held_now: int = 0
 
 
@@ -89,6 +94,7 @@ class _Rule:
     rate: float = 1.0
     status: int = 503
     seconds: float = 0.0
+    access_key_id: str = ""
 
     def matches(self, method: str) -> bool:
         return self.methods is None or method in self.methods
@@ -311,6 +317,14 @@ class FaultProxy:
         """
         self._set("drop_response", _Rule(_methods(methods), remaining=n))
 
+    def set_wrong_credentials(self, access_key_id: str | None, methods: Iterable[str] | None = None) -> None:
+        """Rewrite the access key id of matching requests' SigV4 ``Authorization`` header
+        to ``access_key_id`` before forwarding, so the real server itself answers
+        403 InvalidAccessKeyId (credentials revoked or rotated under a running
+        client). None clears."""
+        rule = _Rule(_methods(methods), access_key_id=access_key_id) if access_key_id else None
+        self._set("credentials", rule)
+
     def set_down(self, enabled: bool) -> None:
         """Reset every new connection, and kept-alive ones at their next request."""
         with self._lock:
@@ -497,6 +511,14 @@ class FaultProxy:
     async def _forward(self, request: _Request, link: _Link, writer: asyncio.StreamWriter) -> bool:
         """Relay one exchange over ``link``; False when the client connection must end."""
         response: _Response | None = None
+        wrong = self._peek("credentials", request.method)
+        if wrong is not None:
+            head, n = _SIGV4_CREDENTIAL.subn(
+                lambda m: m.group(1) + wrong.access_key_id.encode("latin-1") + m.group(3), request.head, count=1
+            )
+            if n:
+                self._count("auth_rewritten")
+                request = _Request(request.method, request.target, head, request.body, request.close)
         for attempt in range(2):
             reused = link.conn is not None
             if link.conn is None:
