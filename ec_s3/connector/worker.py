@@ -53,12 +53,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ECS3Worker"]
 
-# A worker that cannot read a staged blob fetches it from S3 inside the model step:
-# at most this many attempts (each one already retries transient errors as the store
-# is configured) within this much time, so a failing store cannot hold the engine.
-_REMOTE_FETCH_ATTEMPTS = 3
+# A worker that cannot read a staged blob fetches it from S3 inside the model step.
+# When the request carries its media, one failed fetch is enough: vLLM encodes the
+# item in the same step instead. Without media nothing else can produce the embedding
+# and vLLM stops the engine on a miss, so the worker rides out an outage up to this
+# budget (each attempt already retries as the store is configured), then gives up.
+_REMOTE_FETCH_ATTEMPTS = 3  # with a local fallback
 _REMOTE_FETCH_BUDGET_S = 60.0
 _REMOTE_RETRY_DELAY_S = 0.2
+_REMOTE_RETRY_MAX_DELAY_S = 2.0
 # What _load returns when vLLM will encode the item in this step instead.
 _ENCODE_LOCALLY = object()
 # Failures worth another attempt: the store was down or slow, or the bytes arrived damaged.
@@ -183,7 +186,8 @@ class ECS3Worker:
                         "outputs from S3 itself inside the model step; the scheduler stops answering hits "
                         "once it hears of it"
                     )
-            tensor = self._load_remote(spec, device)
+            patient = not self._can_encode(spec, encoder_inputs)
+            tensor = self._load_remote(spec, device, patient=patient)
             if tensor is None and self._encode_locally(spec, encoder_inputs):
                 return _ENCODE_LOCALLY
             return tensor
@@ -225,9 +229,10 @@ class ECS3Worker:
             with contextlib.suppress(BufferError):
                 mm.close()
 
-    def _load_remote(self, spec: LoadSpec, device: torch.device) -> torch.Tensor | None:
+    def _load_remote(self, spec: LoadSpec, device: torch.device, *, patient: bool = False) -> torch.Tensor | None:
         """GET and validate the blob, retrying what may pass (outage, damaged bytes)
-        within :data:`_REMOTE_FETCH_ATTEMPTS` and :data:`_REMOTE_FETCH_BUDGET_S`."""
+        within :data:`_REMOTE_FETCH_ATTEMPTS` (``patient``: any number) and
+        :data:`_REMOTE_FETCH_BUDGET_S`."""
         store = self._get_store()
         expect = BlobExpectation(
             identifier=spec.identifier, namespace=self._model.keyspace.namespace,
@@ -235,15 +240,18 @@ class ECS3Worker:
             max_bytes=self._config.max_blob_bytes,
         )
         deadline = time.monotonic() + _REMOTE_FETCH_BUDGET_S
-        for attempt in range(1, _REMOTE_FETCH_ATTEMPTS + 1):
+        attempts = 1_000_000 if patient else _REMOTE_FETCH_ATTEMPTS
+        for attempt in range(1, attempts + 1):
             try:
                 buf = store.run(store.get_async(spec.key), timeout=max(0.1, deadline - time.monotonic()))
                 decoded = decode_blob(buf, expect)
             except Exception as exc:  # noqa: BLE001 - TLS, credentials, anything: never into vLLM
                 left = deadline - time.monotonic()
-                if isinstance(exc, _RETRYABLE) and attempt < _REMOTE_FETCH_ATTEMPTS and left > _REMOTE_RETRY_DELAY_S:
-                    logger.warning("ec-s3: fetching %s for this worker failed (%s); retrying", spec.key, exc)
-                    time.sleep(_REMOTE_RETRY_DELAY_S * attempt)
+                delay = min(_REMOTE_RETRY_MAX_DELAY_S, _REMOTE_RETRY_DELAY_S * attempt)
+                if isinstance(exc, _RETRYABLE) and attempt < attempts and left > delay:
+                    if attempt == 1 or attempt % 10 == 0:
+                        logger.warning("ec-s3: fetching %s for this worker failed (%s); retrying", spec.key, exc)
+                    time.sleep(delay)
                     continue
                 self._failed_loads.add(spec.identifier)
                 self._counters.inc("remote_load_failures")
