@@ -46,6 +46,7 @@ from ec_s3.sandbox.vllm_server import (
     LoadProgress,
     VllmServer,
     ec_transfer_config,
+    start_all,
     stop_all,
     wait_all_ready,
 )
@@ -126,8 +127,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     proxy: ProxyThread | None = None
     started = time.monotonic()
     try:
-        baseline_srv.start()
-        producer.start()
+        start_all([baseline_srv, producer])  # each worker on cores of its own (2 cores: 0 and 1)
         wait_all_ready([baseline_srv, producer], LOAD_TIMEOUT_S, progress=_progress())
 
         schedule = default_schedule(SCHEDULE_SEEDS)
@@ -348,6 +348,9 @@ if os.environ.get("FAKE_EXIT"):
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like EngineCore
 with open(os.environ["FAKE_PIDS"], "w") as f:
     f.write(f"{os.getpid()} {child.pid}")
+if os.environ.get("FAKE_BIND"):
+    with open(os.environ["FAKE_BIND"], "w") as f:
+        f.write(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "<unset>"))
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -431,3 +434,65 @@ def test_vllm_server_refuses_secrets_on_the_command_line() -> None:
         VllmServer("model", ec_transfer_config=ec_transfer_config("ec_consumer", extra))
     server = VllmServer("model", ec_transfer_config=ec_transfer_config("ec_consumer", {"bucket": "b"}))
     assert "ec_consumer" in " ".join(server.command())
+
+
+def _fake_server(tmp_path: Path, name: str, **kwargs: Any) -> VllmServer:
+    env = {"FAKE_PIDS": str(tmp_path / f"{name}.pids"), "FAKE_BIND": str(tmp_path / f"{name}.bind"),
+           "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": None, **kwargs.pop("env", {})}
+    return VllmServer("model", name=name, python=_fake_python(tmp_path), env=env,
+                      log_path=tmp_path / f"{name}.log", **kwargs)
+
+
+def _bind_seen(tmp_path: Path, name: str) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND as the fake server's process saw it."""
+    return (tmp_path / f"{name}.bind").read_text()
+
+
+def test_servers_started_together_get_disjoint_cores(tmp_path: Path) -> None:
+    # On a 2-core host vLLM binds every server's worker to CPU 0; each must get its own.
+    consumer, producer = _fake_server(tmp_path, "consumer"), _fake_server(tmp_path, "producer")
+    mine = _fake_server(tmp_path, "mine", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        start_all([consumer, producer, mine], available={0, 1})
+        wait_all_ready([consumer, producer, mine], 30)
+        assert (_bind_seen(tmp_path, "consumer"), _bind_seen(tmp_path, "producer")) == ("0", "1")
+        assert (consumer.cores, producer.cores) == ((0,), (1,))
+        assert consumer.placement == "worker on cores 0" and producer.placement == "worker on cores 1"
+        # A value the user set is theirs: kept, and said so.
+        assert _bind_seen(tmp_path, "mine") == "0" and mine.cores is None
+        assert mine.placement == "VLLM_CPU_OMP_THREADS_BIND=0 (set by you)"
+
+        # Both cores held: a late server cannot get one of its own, and says so.
+        late = _fake_server(tmp_path, "late")
+        start_all([late], available={0, 1})
+        with late:
+            wait_all_ready([late], 30)
+            assert _bind_seen(tmp_path, "late") == "<unset>" and late.cores is None
+            assert late.placement is not None and "0-1 held by servers already running" in late.placement
+
+        # A stopped server's core is free again (the e2e stack: the baseline stops, the
+        # consumer takes its core, not the encoder's).
+        consumer.stop()
+        again = _fake_server(tmp_path, "again")
+        start_all([again], available={0, 1})
+        with again:
+            wait_all_ready([again], 30)
+            assert _bind_seen(tmp_path, "again") == "0"
+    finally:
+        stop_all([consumer, producer, mine])
+
+
+def test_gpu_builds_and_multi_worker_servers_are_not_placed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tp = _fake_server(tmp_path, "tp", args=["--tensor-parallel-size=2"])
+    with tp:
+        wait_all_ready([tp], 30)
+        assert _bind_seen(tmp_path, "tp") == "<unset>" and tp.placement == (
+            "vLLM's own binding (several workers per server)")
+    from ec_s3.sandbox import vllm_server
+
+    monkeypatch.setattr(vllm_server, "vllm_is_cpu_build", lambda environ: False)  # a CUDA build of vLLM
+    gpu = _fake_server(tmp_path, "gpu", env={"VLLM_TARGET_DEVICE": None})
+    with gpu:
+        wait_all_ready([gpu], 30)
+    assert _bind_seen(tmp_path, "gpu") == "<unset>" and gpu.placement == "not placed (vLLM here is not a CPU build)"
+
