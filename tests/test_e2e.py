@@ -496,3 +496,93 @@ def test_gpu_builds_and_multi_worker_servers_are_not_placed(tmp_path: Path, monk
         wait_all_ready([gpu], 30)
     assert _bind_seen(tmp_path, "gpu") == "<unset>" and gpu.placement == "not placed (vLLM here is not a CPU build)"
 
+
+# --------------------------------------------------------------------------- the demo's summary (fast)
+def _samples(**families: float) -> MetricSamples:
+    """MetricSamples from ``name=value`` (``__`` stands for ``:``, ``_ok`` for {outcome="ok"})."""
+    from ec_s3.sandbox.metrics import parse_prometheus
+
+    lines = []
+    for name, value in families.items():
+        metric = name.replace("__", ":")
+        if metric.endswith("_ok"):
+            metric = metric[: -len("_ok")] + '{outcome="ok"}'
+        lines.append(f"{metric} {value}")
+    return parse_prometheus("\n".join(lines))
+
+
+def _snap(producer: dict[str, float], consumer: dict[str, float], proxy: dict[str, float]) -> Any:
+    from ec_s3.demo.timing import Snapshot
+
+    return Snapshot(_samples(**producer), _samples(**consumer), _samples(**proxy))
+
+
+def _summary(uploads_reported: bool) -> str:
+    """The summary of a two-step run: a fresh image (encoded, uploaded, fetched), then
+    the same image again (the encoder finds its blob, prefill/decode its own cache)."""
+    import io
+    from collections import namedtuple
+
+    from ec_s3.demo.report import Out, Windows, print_summary
+
+    up = 1.0 if uploads_reported else 0.0
+
+    def producer(e2e: float, n: int, uploads: int, upload_s: float) -> dict[str, float]:
+        return {"vllm__e2e_request_latency_seconds_sum": e2e, "vllm__e2e_request_latency_seconds_count": n,
+                "vllm__ec_s3_upload_seconds_sum": upload_s * up, "vllm__ec_s3_upload_seconds_count": uploads * up,
+                "vllm__ec_s3_blobs_uploaded_total": uploads * up}
+
+    def consumer(queue: float, infer: float, n: int, fetches: int, fetch_s: float) -> dict[str, float]:
+        return {"vllm__request_queue_time_seconds_sum": queue, "vllm__request_queue_time_seconds_count": n,
+                "vllm__request_inference_time_seconds_sum": infer, "vllm__request_inference_time_seconds_count": n,
+                "vllm__ec_s3_download_seconds_sum": fetch_s, "vllm__ec_s3_download_seconds_count": fetches,
+                "vllm__ec_s3_blobs_downloaded_total": fetches, "vllm__ec_s3_blobs_loaded_total": fetches * up}
+
+    def proxy(ok: int) -> dict[str, float]:
+        return {"ec_s3_proxy_encoder_requests_total_ok": ok, "ec_s3_proxy_items_without_params_total": 0}
+
+    w = Windows()
+    # After the warm-up (its encode, upload and fetch excluded from the table).
+    w.flushed[0] = _snap(producer(1.0, 1, 1, 0.02), consumer(0.5, 0.1, 1, 1, 0.01), proxy(1))
+    # Step 1: encoder 5 ms, wait 12 ms, prefill+decode 30 ms; then the nudge's request
+    # (+10 ms on the encoder: must not count) flushes an upload of 7 ms; fetch 5.6 ms.
+    w.answered[1] = _snap(producer(1.005, 2, 1, 0.02), consumer(0.512, 0.130, 2, 2, 0.0156), proxy(2))
+    w.flushed[1] = _snap(producer(1.015, 3, 2, 0.027), consumer(0.512, 0.130, 2, 2, 0.0156), proxy(2))
+    # Step 2: the same image: encoder 3 ms, no upload, wait 1 ms, no fetch, 28 ms.
+    w.answered[2] = _snap(producer(1.018, 4, 2, 0.027), consumer(0.513, 0.158, 3, 2, 0.0156), proxy(3))
+    w.flushed[2] = _snap(producer(1.028, 5, 2, 0.027), consumer(0.513, 0.158, 3, 2, 0.0156), proxy(3))
+    w.flushed[0].blobs = frozenset({"p/warm.safetensors"})
+
+    schedule = [[DemoRequest(1, 1, 7, QUESTION)], [DemoRequest(2, 2, 7, QUESTION)]]
+    results = {1: ChatResult(200, 0.081, [5, 6], [-0.5, -0.25]), 2: ChatResult(200, 0.045, [5, 6], [-0.5, -0.25])}
+    baseline = {1: ChatResult(200, 0.036, [5, 6], [-0.5, -0.25]), 2: ChatResult(200, 0.035, [5, 6], [-0.5, -0.25])}
+    Obj = namedtuple("Obj", "key size")
+    blobs = [Obj("p/warm.safetensors", 4096), Obj("p/img7.safetensors", 4096)]
+    buf = io.StringIO()
+    assert print_summary(Out(buf), schedule, baseline, results, w, blobs, "p", {}, 0.0)
+    return buf.getvalue()
+
+
+def _row(text: str, req: str) -> list[str]:
+    return next(line.split() for line in text.splitlines() if line.split()[:2] == [req, "img-7"])
+
+
+def test_summary_splits_each_requests_time_from_the_servers_metrics() -> None:
+    out = _summary(uploads_reported=True)
+    # req image EPD base | encoder upload wait fetch prefill+decode other | source... verdict
+    assert _row(out, "1")[:10] == ["1", "img-7", "81", "36", "5.0", "7.0", "12", "5.6", "30", "34"], out
+    assert _row(out, "2")[:10] == ["2", "img-7", "45", "35", "3.0", "-", "1.0", "-", "28", "13"], out
+    assert "fetched from S3" in " ".join(_row(out, "1")) and "own encoder cache" in " ".join(_row(out, "2"))
+    assert "EPD median 63 ms vs plain 36 ms (1.8x)" in out
+    assert "uploaded 1 blobs" in out and "mean upload 7.0 ms" in out and "loaded 1 encoder outputs" in out
+    assert not [line for line in out.splitlines() if ": n/a: " in line], out
+
+
+def test_summary_says_why_uploads_cannot_be_measured() -> None:
+    out = _summary(uploads_reported=False)
+    assert _row(out, "1")[5] == "n/a" and _row(out, "2")[5] == "n/a"
+    why = [line.strip() for line in out.splitlines() if line.strip().startswith("upload: n/a: ")]
+    assert len(why) == 1 and "vllm:ec_s3_blobs_uploaded_total stayed 0 for the whole run" in why[0]
+    assert "the bucket holds 2 blobs of this run" in why[0]
+    assert "encoder     : uploads n/a (why: see upload above)" in out
+    assert "loaded n/a: the consumer's vllm:ec_s3_blobs_loaded_total stayed 0" in out
