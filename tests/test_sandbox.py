@@ -78,8 +78,7 @@ def test_reaper_takes_the_group_and_its_scratch_dir_when_the_owner_is_sigkilled(
 def test_embedded_s3_is_reaped_with_its_temp_dir_when_its_owner_is_sigkilled() -> None:
     owner = _owner("""
         import time
-        from ec_s3.sandbox.cpus import CorePlan, format_cpus, plan_cores, vllm_is_cpu_build
-from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
+        from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
         s = EmbeddedS3Server().start()
         print(s.pid, s.data_dir, flush=True)
         time.sleep(300)
