@@ -188,7 +188,8 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         step_lat = statistics.fmean(ok_lat) if ok_lat else None
         cells: list[str] = []
         if times is not None:
-            named = [("encoder", times.encoder), ("upload", times.upload), ("wait", times.wait),
+            named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
+                     ("wait", times.wait),
                      ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
             other = times.other(step_lat) if step_lat is not None else Part(None, why="no answer")
             for col, part in [*named, ("other", other)]:
@@ -196,7 +197,7 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
                     why_na.setdefault(col, part.why)
                 cells.append(part.cell())
         else:
-            cells = ["n/a"] * 6
+            cells = ["n/a"] * 7
         for k, r in enumerate(step_reqs):
             got, want = results[r.index], baseline[r.index]
             same, verdict = compare_results(got, want, tolerance)
@@ -210,16 +211,17 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
                 src if k == 0 else '"',
                 verdict,
             ])
-    header = ["req", "image", "EPD ms", "base ms", "encoder", "upload", "wait", "fetch", "prefill+decode",
-              "other", "prefill/decode took the image from", "vs baseline"]
+    header = ["req", "image", "EPD ms", "base ms", "to encoder", "encoder", "upload", "wait", "fetch",
+              "prefill+decode", "other", "prefill/decode took the image from", "vs baseline"]
     out("")
     out("  per request: latency through the proxy (EPD) and on the plain server (base); where the EPD time")
     out("  went, in ms, from the servers' /metrics:")
-    for line in _table(rows, header, right=set(range(2, 10))):
+    for line in _table(rows, header, right=set(range(2, 11))):
         out("  " + line)
-    out("  encoder = the encoder server's request time; upload = its PUT of the blob, after it answered;")
-    out("  wait = prefill/decode holding the request for the blob; fetch = its GET + validation, inside wait;")
-    out("  other = HTTP, proxy and the servers' front ends; - = none in that step; * = sent at once (mean)")
+    out("  to encoder = the proxy's request to the encoder server; encoder = its engine's part of that;")
+    out("  upload = the encoder's PUT of the blob, after it answered; wait = prefill/decode holding the")
+    out("  request for the blob; fetch = its GET + validation, inside wait; other = the proxy, HTTP and the")
+    out("  prefill/decode front end; - = none in that step; * = sent at once (mean of the step)")
     for col, why in why_na.items():
         out(f"  {col}: n/a: {why}")
 

@@ -1,8 +1,9 @@
 """Where the time of the demo's disaggregated requests went, read from the servers'
-own ``/metrics``: the encoder server's request time, its upload of the blob, the time
-prefill/decode held the request waiting for the blob, the fetch of the blob, and
-prefill + decode; the rest of the latency the client saw is HTTP, the proxy and the
-servers' front ends.
+own ``/metrics``: the proxy's request to the encoder and, inside it, the encoder
+engine's request time; the encoder's upload of the blob; the time prefill/decode held
+the request waiting for the blob, the fetch of the blob inside that wait, and prefill
++ decode; the rest of the latency the client saw is the proxy, HTTP and the
+prefill/decode server's front end.
 
 Each step of the schedule is read from three scrapes: at its start, once its answers
 are counted in vLLM's request histograms, and after the encoder's next engine step
@@ -27,6 +28,8 @@ __all__ = [
     "H_INFERENCE",
     "H_QUEUE",
     "H_UPLOAD",
+    "C_TO_ENCODER",
+    "C_TO_ENCODER_S",
     "Part",
     "Snapshot",
     "StepTimes",
@@ -41,6 +44,9 @@ H_QUEUE = "vllm:request_queue_time_seconds"
 H_INFERENCE = "vllm:request_inference_time_seconds"
 H_UPLOAD = "vllm:ec_s3_upload_seconds"
 H_DOWNLOAD = "vllm:ec_s3_download_seconds"
+# The proxy's counters of its requests to the encoder (all outcomes) and their seconds.
+C_TO_ENCODER = "ec_s3_proxy_encoder_requests_total"
+C_TO_ENCODER_S = "ec_s3_proxy_encoder_seconds_total"
 
 
 @dataclass
@@ -92,20 +98,31 @@ def _part(after: MetricSamples, before: MetricSamples, name: str, server: str) -
     return Part(total / count if count else 0.0, count)
 
 
+def _proxy_part(after: MetricSamples, before: MetricSamples) -> Part:
+    seconds, count = after.get(C_TO_ENCODER_S), after.get(C_TO_ENCODER)
+    if seconds is None or count is None:
+        return Part(None, why=f"the proxy exports no {C_TO_ENCODER_S}")
+    n = count - (before.get(C_TO_ENCODER) or 0.0)
+    total = seconds - (before.get(C_TO_ENCODER_S) or 0.0)
+    return Part(total / n if n else 0.0, n)
+
+
 @dataclass(frozen=True)
 class StepTimes:
     """Mean time per request of one step, by part."""
 
-    encoder: Part  # the encoder server: arrival to finish (preprocessing, queue, encoder step)
+    to_encoder: Part  # the proxy's request to the encoder server (HTTP, its front end, its engine)
+    encoder: Part  # inside it, the encoder engine: arrival to finish (queue, encoder step)
     upload: Part  # the encoder's PUT of a blob (after its answer: overlaps the hop to prefill/decode)
     wait: Part  # prefill/decode: queued to first scheduled (waiting for the blob, mostly)
     fetch: Part  # prefill/decode: GET + validation of a blob (inside wait)
     prefill_decode: Part  # prefill/decode: first scheduled to last token
 
     def other(self, latency_s: float) -> Part:
-        """What the client saw beyond the servers' request times: HTTP, the proxy, the
-        servers' front ends before a request reaches the engine."""
-        parts = (self.encoder, self.wait, self.prefill_decode)
+        """What the client saw beyond the encoder hop and the prefill/decode engine's
+        request time: the proxy, HTTP, the prefill/decode server's front end."""
+        first = self.to_encoder if self.to_encoder.measured else self.encoder
+        parts = (first, self.wait, self.prefill_decode)
         if not all(p.measured and p.events for p in parts):
             return Part(None, why="a server request time is missing")
         return Part(latency_s - sum(p.seconds or 0.0 for p in parts), 1.0)
@@ -121,6 +138,7 @@ def step_times(start: Snapshot, answered: Snapshot, flushed: Snapshot, *, upload
     upload = (_part(flushed.producer, start.producer, H_UPLOAD, "encoder") if uploads_reported
               else Part(None, why=uploads_unreported_why))
     return StepTimes(
+        to_encoder=_proxy_part(answered.proxy, start.proxy),
         encoder=_part(answered.producer, start.producer, H_E2E, "encoder"),
         upload=upload,
         wait=_part(answered.consumer, start.consumer, H_QUEUE, "prefill/decode server"),
