@@ -450,34 +450,36 @@ def _bind_seen(tmp_path: Path, name: str) -> str:
 
 def test_servers_started_together_get_disjoint_cores(tmp_path: Path) -> None:
     # On a 2-core host vLLM binds every server's worker to CPU 0; each must get its own.
+    # CPUs 6 and 7 stand for a 2-core host: the module's engines (the e2e stack, still
+    # up when this runs) hold real CPU ids of this host.
     consumer, producer = _fake_server(tmp_path, "consumer"), _fake_server(tmp_path, "producer")
     mine = _fake_server(tmp_path, "mine", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     try:
-        start_all([consumer, producer, mine], available={0, 1})
+        start_all([consumer, producer, mine], available={6, 7})
         wait_all_ready([consumer, producer, mine], 30)
-        assert (_bind_seen(tmp_path, "consumer"), _bind_seen(tmp_path, "producer")) == ("0", "1")
-        assert (consumer.cores, producer.cores) == ((0,), (1,))
-        assert consumer.placement == "worker on cores 0" and producer.placement == "worker on cores 1"
+        assert (_bind_seen(tmp_path, "consumer"), _bind_seen(tmp_path, "producer")) == ("6", "7")
+        assert (consumer.cores, producer.cores) == ((6,), (7,))
+        assert consumer.placement == "worker on cores 6" and producer.placement == "worker on cores 7"
         # A value the user set is theirs: kept, and said so.
         assert _bind_seen(tmp_path, "mine") == "0" and mine.cores is None
         assert mine.placement == "VLLM_CPU_OMP_THREADS_BIND=0 (set by you)"
 
         # Both cores held: a late server cannot get one of its own, and says so.
         late = _fake_server(tmp_path, "late")
-        start_all([late], available={0, 1})
+        start_all([late], available={6, 7})
         with late:
             wait_all_ready([late], 30)
             assert _bind_seen(tmp_path, "late") == "<unset>" and late.cores is None
-            assert late.placement is not None and "0-1 held by servers already running" in late.placement
+            assert late.placement is not None and "(6-7 held by servers already running)" in late.placement
 
         # A stopped server's core is free again (the e2e stack: the baseline stops, the
         # consumer takes its core, not the encoder's).
         consumer.stop()
         again = _fake_server(tmp_path, "again")
-        start_all([again], available={0, 1})
+        start_all([again], available={6, 7})
         with again:
             wait_all_ready([again], 30)
-            assert _bind_seen(tmp_path, "again") == "0"
+            assert _bind_seen(tmp_path, "again") == "6"
     finally:
         stop_all([consumer, producer, mine])
 

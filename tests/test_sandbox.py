@@ -168,6 +168,10 @@ def test_affinity_may_be_any_set_of_cpus_and_running_servers_keep_theirs() -> No
     # The e2e tests: baseline and encoder started together, the baseline stopped, then
     # the consumer gets the core the baseline had, not the encoder's.
     assert plan_cores(["consumer"], {0, 1}, taken={1}).cores == {"consumer": (0,)}
+    # Cores held outside the available set are no concern of this plan, nor of its warning.
+    assert plan_cores(["late"], {6, 7}, taken={0, 7}) == CorePlan(cores={"late": (6,)})
+    warning = plan_cores(["a", "b"], {6}, taken={0}).warning
+    assert warning is not None and warning.startswith("1 free CPU core for 2 vLLM servers (a, b): ")
 
 
 def test_too_few_cores_leaves_vllms_binding_and_says_so() -> None:

@@ -60,8 +60,9 @@ def plan_cores(servers: Sequence[str], available: Iterable[int], taken: Iterable
     names = list(servers)
     if len(set(names)) != len(names):
         raise ValueError(f"server names must differ: {names}")
-    busy = set(taken)
-    free = sorted(set(available) - busy)
+    allowed = set(available)
+    busy = set(taken) & allowed  # a core outside ``available`` is no concern of this plan
+    free = sorted(allowed - busy)
     if not names:
         return CorePlan(spare=tuple(free))
     if len(free) < len(names):
