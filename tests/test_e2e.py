@@ -534,8 +534,9 @@ def _summary(uploads_reported: bool) -> str:
                 "vllm__ec_s3_upload_seconds_sum": upload_s * up, "vllm__ec_s3_upload_seconds_count": uploads * up,
                 "vllm__ec_s3_blobs_uploaded_total": uploads * up}
 
-    def consumer(queue: float, infer: float, n: int, fetches: int, fetch_s: float) -> dict[str, float]:
-        return {"vllm__request_queue_time_seconds_sum": queue, "vllm__request_queue_time_seconds_count": n,
+    def consumer(e2e: float, queue: float, infer: float, n: int, fetches: int, fetch_s: float) -> dict[str, float]:
+        return {"vllm__e2e_request_latency_seconds_sum": e2e, "vllm__e2e_request_latency_seconds_count": n,
+                "vllm__request_queue_time_seconds_sum": queue, "vllm__request_queue_time_seconds_count": n,
                 "vllm__request_inference_time_seconds_sum": infer, "vllm__request_inference_time_seconds_count": n,
                 "vllm__ec_s3_download_seconds_sum": fetch_s, "vllm__ec_s3_download_seconds_count": fetches,
                 "vllm__ec_s3_blobs_downloaded_total": fetches, "vllm__ec_s3_blobs_loaded_total": fetches * up}
@@ -546,16 +547,18 @@ def _summary(uploads_reported: bool) -> str:
 
     w = Windows()
     # After the warm-up (its encode, upload and fetch excluded from the table).
-    w.flushed[0] = _snap(producer(1.0, 1, 1, 0.02), consumer(0.5, 0.1, 1, 1, 0.01), proxy(1, 0.05))
-    # Step 1: to the encoder 20 ms, of which its engine 5 ms; wait 12 ms, prefill+decode
-    # 30 ms; then the nudge's request (+10 ms on the encoder's engine: must not count)
-    # flushes an upload of 7 ms; fetch 5.6 ms.
-    w.answered[1] = _snap(producer(1.005, 2, 1, 0.02), consumer(0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
-    w.flushed[1] = _snap(producer(1.015, 3, 2, 0.027), consumer(0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
-    # Step 2: the same image: to the encoder 12 ms (engine 3 ms), no upload, wait 1 ms,
-    # no fetch, 28 ms.
-    w.answered[2] = _snap(producer(1.018, 4, 2, 0.027), consumer(0.513, 0.158, 3, 2, 0.0156), proxy(3, 0.082))
-    w.flushed[2] = _snap(producer(1.028, 5, 2, 0.027), consumer(0.513, 0.158, 3, 2, 0.0156), proxy(3, 0.082))
+    w.flushed[0] = _snap(producer(1.0, 1, 1, 0.02), consumer(0.9, 0.5, 0.1, 1, 1, 0.01), proxy(1, 0.05))
+    # Step 1: to the encoder 20 ms, of which its server 5 ms; prefill/decode 50 ms: wait
+    # 12 ms, prefill+decode 30 ms, so its front end 8 ms; then the nudge's request (+10 ms
+    # on the encoder: must not count) flushes an upload of 7 ms; fetch 5.6 ms.
+    w.answered[1] = _snap(producer(1.005, 2, 1, 0.02), consumer(0.95, 0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
+    w.flushed[1] = _snap(producer(1.015, 3, 2, 0.027), consumer(0.95, 0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
+    # Step 2: the same image: to the encoder 12 ms (its server 3 ms), no upload;
+    # prefill/decode 32 ms: wait 1 ms, no fetch, prefill+decode 28 ms, front end 3 ms.
+    w.answered[2] = _snap(producer(1.018, 4, 2, 0.027), consumer(0.982, 0.513, 0.158, 3, 2, 0.0156),
+                          proxy(3, 0.082))
+    w.flushed[2] = _snap(producer(1.028, 5, 2, 0.027), consumer(0.982, 0.513, 0.158, 3, 2, 0.0156),
+                         proxy(3, 0.082))
     w.flushed[0].blobs = frozenset({"p/warm.safetensors"})
 
     schedule = [[DemoRequest(1, 1, 7, QUESTION)], [DemoRequest(2, 2, 7, QUESTION)]]
@@ -574,9 +577,9 @@ def _row(text: str, req: str) -> list[str]:
 
 def test_summary_splits_each_requests_time_from_the_servers_metrics() -> None:
     out = _summary(uploads_reported=True)
-    # req image EPD base | to-encoder encoder upload wait fetch prefill+decode other | source verdict
-    assert _row(out, "1")[:11] == ["1", "img-7", "81", "36", "20", "5.0", "7.0", "12", "5.6", "30", "19"], out
-    assert _row(out, "2")[:11] == ["2", "img-7", "45", "35", "12", "3.0", "-", "1.0", "-", "28", "4.0"], out
+    # req image EPD base | to-encoder encoder upload p/d-front wait fetch prefill+decode other | source verdict
+    assert _row(out, "1")[:12] == ["1", "img-7", "81", "36", "20", "5.0", "7.0", "8.0", "12", "5.6", "30", "11"], out
+    assert _row(out, "2")[:12] == ["2", "img-7", "45", "35", "12", "3.0", "-", "3.0", "1.0", "-", "28", "1.0"], out
     assert "fetched from S3" in " ".join(_row(out, "1")) and "own encoder cache" in " ".join(_row(out, "2"))
     assert "EPD median 63 ms vs plain 36 ms (1.8x)" in out
     assert "uploaded 1 blobs" in out and "mean upload 7.0 ms" in out and "loaded 1 encoder outputs" in out

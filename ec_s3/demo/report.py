@@ -189,7 +189,7 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         cells: list[str] = []
         if times is not None:
             named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
-                     ("wait", times.wait),
+                     ("p/d front", times.pd_front()), ("wait", times.wait),
                      ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
             other = times.other(step_lat) if step_lat is not None else Part(None, why="no answer")
             for col, part in [*named, ("other", other)]:
@@ -197,7 +197,7 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
                     why_na.setdefault(col, part.why)
                 cells.append(part.cell())
         else:
-            cells = ["n/a"] * 7
+            cells = ["n/a"] * 8
         for k, r in enumerate(step_reqs):
             got, want = results[r.index], baseline[r.index]
             same, verdict = compare_results(got, want, tolerance)
@@ -211,17 +211,18 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
                 src if k == 0 else '"',
                 verdict,
             ])
-    header = ["req", "image", "EPD ms", "base ms", "to encoder", "encoder", "upload", "wait", "fetch",
-              "prefill+decode", "other", "prefill/decode took the image from", "vs baseline"]
+    header = ["req", "image", "EPD ms", "base ms", "to encoder", "encoder", "upload", "p/d front", "wait", "fetch",
+              "prefill+decode", "other", "p/d took the image from", "vs baseline"]
     out("")
     out("  per request: latency through the proxy (EPD) and on the plain server (base); where the EPD time")
     out("  went, in ms, from the servers' /metrics:")
-    for line in _table(rows, header, right=set(range(2, 11))):
+    for line in _table(rows, header, right=set(range(2, 12))):
         out("  " + line)
-    out("  to encoder = the proxy's request to the encoder server; encoder = its engine's part of that;")
-    out("  upload = the encoder's PUT of the blob, after it answered; wait = prefill/decode holding the")
-    out("  request for the blob; fetch = its GET + validation, inside wait; other = the proxy, HTTP and the")
-    out("  prefill/decode front end; - = none in that step; * = sent at once (mean of the step)")
+    out("  to encoder = the proxy's request to the encoder server; encoder = that server's request time;")
+    out("  upload = the encoder's PUT of the blob, after it answered; on prefill/decode (p/d): front = its")
+    out("  rendering, image processing and hand-offs, wait = holding the request for the blob, fetch = the")
+    out("  blob's GET + validation (inside wait), then prefill+decode; other = the proxy and HTTP;")
+    out("  - = none in that step; * = sent at once (mean of the step)")
     for col, why in why_na.items():
         out(f"  {col}: n/a: {why}")
 

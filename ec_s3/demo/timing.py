@@ -1,9 +1,10 @@
 """Where the time of the demo's disaggregated requests went, read from the servers'
 own ``/metrics``: the proxy's request to the encoder and, inside it, the encoder
-engine's request time; the encoder's upload of the blob; the time prefill/decode held
-the request waiting for the blob, the fetch of the blob inside that wait, and prefill
-+ decode; the rest of the latency the client saw is the proxy, HTTP and the
-prefill/decode server's front end.
+server's request time; the encoder's upload of the blob; on the prefill/decode server
+its front end (rendering, image processing, hand-offs to and from its engine), the
+time it held the request waiting for the blob, the fetch of the blob inside that
+wait, and prefill + decode; the rest of the latency the client saw is the proxy and
+HTTP.
 
 Each step of the schedule is read from three scrapes: at its start, once its answers
 are counted in vLLM's request histograms, and after the encoder's next engine step
@@ -111,21 +112,30 @@ def _proxy_part(after: MetricSamples, before: MetricSamples) -> Part:
 class StepTimes:
     """Mean time per request of one step, by part."""
 
-    to_encoder: Part  # the proxy's request to the encoder server (HTTP, its front end, its engine)
-    encoder: Part  # inside it, the encoder engine: arrival to finish (queue, encoder step)
+    to_encoder: Part  # the proxy's request to the encoder server
+    encoder: Part  # inside it, the encoder server's request time: arrival (rendering starts) to finish
     upload: Part  # the encoder's PUT of a blob (after its answer: overlaps the hop to prefill/decode)
     wait: Part  # prefill/decode: queued to first scheduled (waiting for the blob, mostly)
     fetch: Part  # prefill/decode: GET + validation of a blob (inside wait)
     prefill_decode: Part  # prefill/decode: first scheduled to last token
+    pd_server: Part  # prefill/decode: arrival (rendering starts) to finish
+
+    def pd_front(self) -> Part:
+        """The prefill/decode server's request time beyond wait and prefill + decode:
+        rendering and image processing, hand-offs between its front end and engine."""
+        parts = (self.pd_server, self.wait, self.prefill_decode)
+        if not all(p.measured and p.events for p in parts):
+            return Part(None, why="a prefill/decode request time is missing")
+        return Part((self.pd_server.seconds or 0.0) - (self.wait.seconds or 0.0)
+                    - (self.prefill_decode.seconds or 0.0), 1.0)
 
     def other(self, latency_s: float) -> Part:
-        """What the client saw beyond the encoder hop and the prefill/decode engine's
-        request time: the proxy, HTTP, the prefill/decode server's front end."""
+        """What the client saw beyond the hop to the encoder and the prefill/decode
+        server's request time: the proxy and HTTP."""
         first = self.to_encoder if self.to_encoder.measured else self.encoder
-        parts = (first, self.wait, self.prefill_decode)
-        if not all(p.measured and p.events for p in parts):
+        if not (first.measured and first.events and self.pd_server.measured and self.pd_server.events):
             return Part(None, why="a server request time is missing")
-        return Part(latency_s - sum(p.seconds or 0.0 for p in parts), 1.0)
+        return Part(latency_s - (first.seconds or 0.0) - (self.pd_server.seconds or 0.0), 1.0)
 
 
 def step_times(start: Snapshot, answered: Snapshot, flushed: Snapshot, *, uploads_reported: bool,
@@ -144,4 +154,5 @@ def step_times(start: Snapshot, answered: Snapshot, flushed: Snapshot, *, upload
         wait=_part(answered.consumer, start.consumer, H_QUEUE, "prefill/decode server"),
         fetch=_part(flushed.consumer, start.consumer, H_DOWNLOAD, "prefill/decode server"),
         prefill_decode=_part(answered.consumer, start.consumer, H_INFERENCE, "prefill/decode server"),
+        pd_server=_part(answered.consumer, start.consumer, H_E2E, "prefill/decode server"),
     )
