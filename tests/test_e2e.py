@@ -46,6 +46,7 @@ from ec_s3.sandbox.vllm_server import (
     LoadProgress,
     VllmServer,
     ec_transfer_config,
+    start_all,
     stop_all,
     wait_all_ready,
 )
@@ -129,8 +130,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     proxy: ProxyThread | None = None
     started = time.monotonic()
     try:
-        baseline_srv.start()
-        producer.start()
+        start_all([baseline_srv, producer])  # each worker on cores of its own (2 cores: 0 and 1)
         wait_all_ready([baseline_srv, producer], LOAD_TIMEOUT_S, progress=_progress())
 
         schedule = default_schedule(SCHEDULE_SEEDS)
@@ -369,6 +369,9 @@ if os.environ.get("FAKE_EXIT"):
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like EngineCore
 with open(os.environ["FAKE_PIDS"], "w") as f:
     f.write(f"{os.getpid()} {child.pid}")
+if os.environ.get("FAKE_BIND"):
+    with open(os.environ["FAKE_BIND"], "w") as f:
+        f.write(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "<unset>"))
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
@@ -452,3 +455,163 @@ def test_vllm_server_refuses_secrets_on_the_command_line() -> None:
         VllmServer("model", ec_transfer_config=ec_transfer_config("ec_consumer", extra))
     server = VllmServer("model", ec_transfer_config=ec_transfer_config("ec_consumer", {"bucket": "b"}))
     assert "ec_consumer" in " ".join(server.command())
+
+
+def _fake_server(tmp_path: Path, name: str, **kwargs: Any) -> VllmServer:
+    env = {"FAKE_PIDS": str(tmp_path / f"{name}.pids"), "FAKE_BIND": str(tmp_path / f"{name}.bind"),
+           "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": None, **kwargs.pop("env", {})}
+    return VllmServer("model", name=name, python=_fake_python(tmp_path), env=env,
+                      log_path=tmp_path / f"{name}.log", **kwargs)
+
+
+def _bind_seen(tmp_path: Path, name: str) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND as the fake server's process saw it."""
+    return (tmp_path / f"{name}.bind").read_text()
+
+
+def test_servers_started_together_get_disjoint_cores(tmp_path: Path) -> None:
+    # On a 2-core host vLLM binds every server's worker to CPU 0; each must get its own.
+    # CPUs 6 and 7 stand for a 2-core host: the module's engines (the e2e stack, still
+    # up when this runs) hold real CPU ids of this host.
+    consumer, producer = _fake_server(tmp_path, "consumer"), _fake_server(tmp_path, "producer")
+    mine = _fake_server(tmp_path, "mine", env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        start_all([consumer, producer, mine], available={6, 7})
+        wait_all_ready([consumer, producer, mine], 30)
+        assert (_bind_seen(tmp_path, "consumer"), _bind_seen(tmp_path, "producer")) == ("6", "7")
+        assert (consumer.cores, producer.cores) == ((6,), (7,))
+        assert consumer.placement == "worker on cores 6" and producer.placement == "worker on cores 7"
+        # A value the user set is theirs: kept, and said so.
+        assert _bind_seen(tmp_path, "mine") == "0" and mine.cores is None
+        assert mine.placement == "VLLM_CPU_OMP_THREADS_BIND=0 (set by you)"
+
+        # Both cores held: a late server cannot get one of its own, and says so.
+        late = _fake_server(tmp_path, "late")
+        start_all([late], available={6, 7})
+        with late:
+            wait_all_ready([late], 30)
+            assert _bind_seen(tmp_path, "late") == "<unset>" and late.cores is None
+            assert late.placement is not None and "(6-7 held by servers already running)" in late.placement
+
+        # A stopped server's core is free again (the e2e stack: the baseline stops, the
+        # consumer takes its core, not the encoder's).
+        consumer.stop()
+        again = _fake_server(tmp_path, "again")
+        start_all([again], available={6, 7})
+        with again:
+            wait_all_ready([again], 30)
+            assert _bind_seen(tmp_path, "again") == "6"
+    finally:
+        stop_all([consumer, producer, mine])
+
+
+def test_gpu_builds_and_multi_worker_servers_are_not_placed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tp = _fake_server(tmp_path, "tp", args=["--tensor-parallel-size=2"])
+    with tp:
+        wait_all_ready([tp], 30)
+        assert _bind_seen(tmp_path, "tp") == "<unset>" and tp.placement == (
+            "vLLM's own binding (several workers per server)")
+    from ec_s3.sandbox import vllm_server
+
+    monkeypatch.setattr(vllm_server, "vllm_is_cpu_build", lambda environ: False)  # a CUDA build of vLLM
+    gpu = _fake_server(tmp_path, "gpu", env={"VLLM_TARGET_DEVICE": None})
+    with gpu:
+        wait_all_ready([gpu], 30)
+    assert _bind_seen(tmp_path, "gpu") == "<unset>" and gpu.placement == "not placed (vLLM here is not a CPU build)"
+
+
+# --------------------------------------------------------------------------- the demo's summary (fast)
+def _samples(**families: float) -> MetricSamples:
+    """MetricSamples from ``name=value`` (``__`` stands for ``:``, ``_ok`` for {outcome="ok"})."""
+    from ec_s3.sandbox.metrics import parse_prometheus
+
+    lines = []
+    for name, value in families.items():
+        metric = name.replace("__", ":")
+        if metric.endswith("_ok"):
+            metric = metric[: -len("_ok")] + '{outcome="ok"}'
+        lines.append(f"{metric} {value}")
+    return parse_prometheus("\n".join(lines))
+
+
+def _snap(producer: dict[str, float], consumer: dict[str, float], proxy: dict[str, float]) -> Any:
+    from ec_s3.demo.timing import Snapshot
+
+    return Snapshot(_samples(**producer), _samples(**consumer), _samples(**proxy))
+
+
+def _summary(uploads_reported: bool) -> str:
+    """The summary of a two-step run: a fresh image (encoded, uploaded, fetched), then
+    the same image again (the encoder finds its blob, prefill/decode its own cache)."""
+    import io
+    from collections import namedtuple
+
+    from ec_s3.demo.report import Out, Windows, print_summary
+
+    up = 1.0 if uploads_reported else 0.0
+
+    def producer(e2e: float, n: int, uploads: int, upload_s: float) -> dict[str, float]:
+        return {"vllm__e2e_request_latency_seconds_sum": e2e, "vllm__e2e_request_latency_seconds_count": n,
+                "vllm__ec_s3_upload_seconds_sum": upload_s * up, "vllm__ec_s3_upload_seconds_count": uploads * up,
+                "vllm__ec_s3_blobs_uploaded_total": uploads * up}
+
+    def consumer(e2e: float, queue: float, infer: float, n: int, fetches: int, fetch_s: float) -> dict[str, float]:
+        return {"vllm__e2e_request_latency_seconds_sum": e2e, "vllm__e2e_request_latency_seconds_count": n,
+                "vllm__request_queue_time_seconds_sum": queue, "vllm__request_queue_time_seconds_count": n,
+                "vllm__request_inference_time_seconds_sum": infer, "vllm__request_inference_time_seconds_count": n,
+                "vllm__ec_s3_download_seconds_sum": fetch_s, "vllm__ec_s3_download_seconds_count": fetches,
+                "vllm__ec_s3_blobs_downloaded_total": fetches, "vllm__ec_s3_blobs_loaded_total": fetches * up}
+
+    def proxy(ok: int, to_encoder_s: float) -> dict[str, float]:
+        return {"ec_s3_proxy_encoder_requests_total_ok": ok, "ec_s3_proxy_encoder_seconds_total": to_encoder_s,
+                "ec_s3_proxy_items_without_params_total": 0}
+
+    w = Windows()
+    # After the warm-up (its encode, upload and fetch excluded from the table).
+    w.flushed[0] = _snap(producer(1.0, 1, 1, 0.02), consumer(0.9, 0.5, 0.1, 1, 1, 0.01), proxy(1, 0.05))
+    # Step 1: to the encoder 20 ms, of which its server 5 ms; prefill/decode 50 ms: wait
+    # 12 ms, prefill+decode 30 ms, so its front end 8 ms; then the nudge's request (+10 ms
+    # on the encoder: must not count) flushes an upload of 7 ms; fetch 5.6 ms.
+    w.answered[1] = _snap(producer(1.005, 2, 1, 0.02), consumer(0.95, 0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
+    w.flushed[1] = _snap(producer(1.015, 3, 2, 0.027), consumer(0.95, 0.512, 0.130, 2, 2, 0.0156), proxy(2, 0.07))
+    # Step 2: the same image: to the encoder 12 ms (its server 3 ms), no upload;
+    # prefill/decode 32 ms: wait 1 ms, no fetch, prefill+decode 28 ms, front end 3 ms.
+    w.answered[2] = _snap(producer(1.018, 4, 2, 0.027), consumer(0.982, 0.513, 0.158, 3, 2, 0.0156),
+                          proxy(3, 0.082))
+    w.flushed[2] = _snap(producer(1.028, 5, 2, 0.027), consumer(0.982, 0.513, 0.158, 3, 2, 0.0156),
+                         proxy(3, 0.082))
+    w.flushed[0].blobs = frozenset({"p/warm.safetensors"})
+
+    schedule = [[DemoRequest(1, 1, 7, QUESTION)], [DemoRequest(2, 2, 7, QUESTION)]]
+    results = {1: ChatResult(200, 0.081, [5, 6], [-0.5, -0.25]), 2: ChatResult(200, 0.045, [5, 6], [-0.5, -0.25])}
+    baseline = {1: ChatResult(200, 0.036, [5, 6], [-0.5, -0.25]), 2: ChatResult(200, 0.035, [5, 6], [-0.5, -0.25])}
+    Obj = namedtuple("Obj", "key size")
+    blobs = [Obj("p/warm.safetensors", 4096), Obj("p/img7.safetensors", 4096)]
+    buf = io.StringIO()
+    assert print_summary(Out(buf), schedule, baseline, results, w, blobs, "p", {}, 0.0)
+    return buf.getvalue()
+
+
+def _row(text: str, req: str) -> list[str]:
+    return next(line.split() for line in text.splitlines() if line.split()[:2] == [req, "img-7"])
+
+
+def test_summary_splits_each_requests_time_from_the_servers_metrics() -> None:
+    out = _summary(uploads_reported=True)
+    # req image EPD base | to-encoder encoder upload p/d-front wait fetch prefill+decode other | source verdict
+    assert _row(out, "1")[:12] == ["1", "img-7", "81", "36", "20", "5.0", "7.0", "8.0", "12", "5.6", "30", "11"], out
+    assert _row(out, "2")[:12] == ["2", "img-7", "45", "35", "12", "3.0", "-", "3.0", "1.0", "-", "28", "1.0"], out
+    assert "fetched from S3" in " ".join(_row(out, "1")) and "own encoder cache" in " ".join(_row(out, "2"))
+    assert "EPD median 63 ms vs plain 36 ms (1.8x)" in out
+    assert "uploaded 1 blobs" in out and "mean upload 7.0 ms" in out and "loaded 1 encoder outputs" in out
+    assert not [line for line in out.splitlines() if ": n/a: " in line], out
+
+
+def test_summary_says_why_uploads_cannot_be_measured() -> None:
+    out = _summary(uploads_reported=False)
+    assert _row(out, "1")[6] == "n/a" and _row(out, "2")[6] == "n/a"
+    why = [line.strip() for line in out.splitlines() if line.strip().startswith("upload: n/a: ")]
+    assert len(why) == 1 and "vllm:ec_s3_blobs_uploaded_total stayed 0 for the whole run" in why[0]
+    assert "the bucket holds 2 blobs of this run" in why[0]
+    assert "encoder     : uploads n/a (why: see upload above)" in out
+    assert "loaded n/a: the consumer's vllm:ec_s3_blobs_loaded_total stayed 0" in out

@@ -1,27 +1,31 @@
-"""The demo's summary: per request, where the image was encoded and where
-prefill/decode took it from; in total, what moved through the bucket, what the
-connector and the proxy counted, and whether the answers equal the baseline's.
+"""The demo's summary: per request its latency next to the plain server's, where
+that time went (:mod:`ec_s3.demo.timing`) and where prefill/decode took the image
+from; in total, the latency ratio, what moved through the bucket, what the connector
+and the proxy counted, and whether the answers equal the baseline's.
 
-Owns the reading of metric deltas (scrapes before and after each step, settled until
-the counters stop moving) and the tables. Does not own the metrics themselves (the
-connector's and the proxy's ``/metrics``, parsed by :mod:`ec_s3.sandbox.metrics`),
-nor running anything (:mod:`ec_s3.demo.run`).
+Owns the reading of counter deltas (scrapes before and after each step, settled until
+they stop moving), what is n/a and why (one line each), and the tables. Does not own
+the metrics themselves (the connector's and the proxy's ``/metrics``, parsed by
+:mod:`ec_s3.sandbox.metrics`), the time split (:mod:`ec_s3.demo.timing`), nor running
+anything (:mod:`ec_s3.demo.run`).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import format_bytes
 from ec_s3.cli.listing import key_root, list_objects_async
 from ec_s3.demo.chat import ChatResult, DemoRequest, compare_results
+from ec_s3.demo.timing import H_E2E, Part, Snapshot, StepTimes, step_times
 from ec_s3.sandbox.metrics import MetricSamples
 
-__all__ = ["Out", "Snapshot", "print_summary", "run_blobs", "settle", "step_sources"]
+__all__ = ["Out", "Snapshot", "Windows", "print_summary", "run_blobs", "settle", "settle_answered",
+           "image_source", "uploads_unreported"]
 
 # Metric families of the connector (vLLM prefixes them with "vllm:"). Absent ones print n/a.
 M = "vllm:ec_s3_"
@@ -35,16 +39,6 @@ P = "ec_s3_proxy_"
 
 
 # --------------------------------------------------------------------------- metrics
-@dataclass
-class Snapshot:
-    """The three servers' /metrics, and the run's blobs, at one point of the schedule."""
-
-    producer: MetricSamples
-    consumer: MetricSamples
-    proxy: MetricSamples
-    blobs: frozenset[str] | None = None  # blob keys under the run's prefix (bucket listing)
-
-
 def _delta(after: MetricSamples, before: MetricSamples, name: str, **labels: str) -> float | None:
     a = after.get(name, **labels)
     if a is None:
@@ -74,7 +68,22 @@ def settle(scrape: Callable[[], Snapshot], wait_s: float = 1.5, every_s: float =
     return snap
 
 
-_COUNTER_NAMES = frozenset({M_UPLOADED, M_DOWNLOADED, M_LOADED, M_LOOKUPS, M_FALLBACKS, M_UNAVAILABLE, M_INVALID})
+def settle_answered(scrape: Callable[[], Snapshot], start: Snapshot, n: int, wait_s: float = 5.0,
+                    every_s: float = 0.05) -> Snapshot:
+    """Scrape until both vLLM servers count ``n`` more finished requests than at
+    ``start`` (their front ends record a request's times as its answer goes out, so the
+    client can be a moment ahead); after ``wait_s`` the last scrape, short or not."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        snap = scrape()
+        counted = [_delta(getattr(snap, r), getattr(start, r), H_E2E + "_count") for r in ("producer", "consumer")]
+        if all(c is None or c >= n for c in counted) or time.monotonic() >= deadline:
+            return snap
+        time.sleep(every_s)
+
+
+_COUNTER_NAMES = frozenset({M_UPLOADED, M_DOWNLOADED, M_LOADED, M_LOOKUPS, M_FALLBACKS, M_UNAVAILABLE, M_INVALID,
+                            M_UPLOAD_S + "_count", M_DOWNLOAD_S + "_count"})
 
 
 def _only_counters(m: MetricSamples) -> MetricSamples:
@@ -118,45 +127,116 @@ def run_blobs(store: Any, prefix: str, out: Out) -> list[Any] | None:
 
 
 # --------------------------------------------------------------------------- summary
+class Windows:
+    """The scrapes of the EPD phase: ``flushed[0]`` after the warm-up; per step,
+    ``answered[step]`` once its answers are counted and ``flushed[step]`` after the
+    encoder's next engine step (which reports its uploads)."""
+
+    def __init__(self) -> None:
+        self.answered: dict[int, Snapshot] = {}
+        self.flushed: dict[int, Snapshot] = {}
+
+    @property
+    def final(self) -> Snapshot:
+        return self.flushed[max(self.flushed)] if self.flushed else _EMPTY
+
+    @property
+    def start(self) -> Snapshot:
+        return self.flushed.get(0, _EMPTY)
+
+
+_EMPTY = Snapshot(MetricSamples(), MetricSamples(), MetricSamples())
+
+
+def uploads_unreported(final: Snapshot, run_blob_count: int | None) -> str | None:
+    """Why the encoder's uploads cannot be measured, or None when they can: the
+    producer must have counted at least one upload in the run (the warm-up's)."""
+    uploaded = final.producer.get(M_UPLOADED)
+    if uploaded is None:
+        return f"the encoder exports no {M_UPLOADED}"
+    if uploaded > 0:
+        return None
+    seen = (f"although the bucket holds {run_blob_count} blob{'s' if run_blob_count != 1 else ''} of this run"
+            if run_blob_count else "and the bucket listing shows none of this run's blobs")
+    return (f"the encoder's {M_UPLOADED} stayed 0 for the whole run, warm-up included, {seen}: "
+            "ec-s3's worker-side metrics are not reported by this vLLM executor")
+
+
 def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: dict[int, ChatResult],
-                  results: dict[int, ChatResult], snaps: dict[int, Snapshot], final: Snapshot,
-                  blobs: list[Any] | None, prefix: str, timings: Mapping[str, float],
-                  tolerance: float) -> bool:
+                  results: dict[int, ChatResult], windows: Windows, blobs: list[Any] | None, prefix: str,
+                  timings: Mapping[str, float], tolerance: float) -> bool:
     """The per-request table and the totals; True only if every EPD answer equals
     the baseline's (token ids, and logprobs within ``tolerance``)."""
     requests = [r for step in schedule for r in step]
+    base, final = windows.start, windows.final
+    no_uploads = uploads_unreported(final, len(blobs) if blobs is not None else None)
     rows: list[list[str]] = []
+    why_na: dict[str, str] = {}  # column -> why it is n/a (one line each)
     matches = 0
     for step_reqs in schedule:
         step = step_reqs[0].step
-        enc, pd = step_sources(step_reqs, snaps.get(step - 1), snaps.get(step))
+        before, answered, flushed = windows.flushed.get(step - 1), windows.answered.get(step), windows.flushed.get(step)
+        if before is None or answered is None or flushed is None:
+            times: StepTimes | None = None
+            why_na["time split"] = f"step {step}: its /metrics were not scraped"
+            src = "n/a"
+        else:
+            times = step_times(before, answered, flushed, uploads_reported=no_uploads is None,
+                               uploads_unreported_why=no_uploads or "")
+            src = image_source(step_reqs, before, flushed)
+        ok_lat = [results[r.index].latency_s for r in step_reqs if results[r.index].ok]
+        step_lat = statistics.fmean(ok_lat) if ok_lat else None
+        cells: list[str] = []
+        if times is not None:
+            named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
+                     ("p/d front", times.pd_front()), ("wait", times.wait),
+                     ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
+            other = times.other(step_lat) if step_lat is not None else Part(None, why="no answer")
+            for col, part in [*named, ("other", other)]:
+                if not part.measured and part.why:
+                    why_na.setdefault(col, part.why)
+                cells.append(part.cell())
+        else:
+            cells = ["n/a"] * 8
         for k, r in enumerate(step_reqs):
             got, want = results[r.index], baseline[r.index]
             same, verdict = compare_results(got, want, tolerance)
             matches += same
             rows.append([
-                str(r.index),
-                f"{step}{'*' if len(step_reqs) > 1 else ''}",
+                f"{r.index}{'*' if len(step_reqs) > 1 else ''}",
                 r.image_label,
                 f"{1000 * got.latency_s:.0f}" if got.ok else f"HTTP {got.status}",
                 f"{1000 * want.latency_s:.0f}",
-                enc if k == 0 else '"',
-                pd if k == 0 else '"',
-                str(len(got.token_ids)),
+                *(cells if k == 0 else ['"'] * len(cells)),
+                src if k == 0 else '"',
                 verdict,
             ])
-    header = ["req", "step", "image", "EPD ms", "base ms", "encoder (via proxy)",
-              "prefill/decode took it from", "tokens", "vs baseline"]
+    header = ["req", "image", "EPD ms", "base ms", "to encoder", "encoder", "upload", "p/d front", "wait", "fetch",
+              "prefill+decode", "other", "p/d took the image from", "vs baseline"]
     out("")
-    for line in _table(rows, header, right={0, 3, 4, 7}):
+    out("  per request: latency through the proxy (EPD) and on the plain server (base); where the EPD time")
+    out("  went, in ms, from the servers' /metrics:")
+    for line in _table(rows, header, right=set(range(2, 12))):
         out("  " + line)
-    out("  * = sent at once; a step's encoder / prefill-decode cells count the whole step")
-    out("    (deltas of the proxy's and the servers' /metrics and of the bucket listing)")
+    out("  to encoder = the proxy's request to the encoder server; encoder = that server's request time;")
+    out("  upload = the encoder's PUT of the blob, after it answered; on prefill/decode (p/d): front = its")
+    out("  rendering, image processing and hand-offs, wait = holding the request for the blob, fetch = the")
+    out("  blob's GET + validation (inside wait), then prefill+decode; other = the proxy and HTTP;")
+    out("  - = none in that step; * = sent at once (mean of the step)")
+    for col, why in why_na.items():
+        out(f"  {col}: n/a: {why}")
+
+    ok_base = [baseline[r.index].latency_s for r in requests if baseline[r.index].ok]
+    ok_epd = [results[r.index].latency_s for r in requests if results[r.index].ok]
+    if ok_base and ok_epd:
+        med_e, med_b = statistics.median(ok_epd), statistics.median(ok_base)
+        worst = max(results[r.index].latency_s / baseline[r.index].latency_s for r in requests
+                    if results[r.index].ok and baseline[r.index].ok)
+        out("")
+        out(f"  latency     : EPD median {1000 * med_e:.0f} ms vs plain {1000 * med_b:.0f} ms "
+            f"({med_e / med_b:.1f}x); slowest EPD {1000 * max(ok_epd):.0f} ms; worst request {worst:.1f}x its plain time")
 
     distinct = len({r.image_seed for r in requests})
-    base = snaps.get(0)
-    if base is None:
-        base = Snapshot(MetricSamples(), MetricSamples(), MetricSamples())
     p, c, x = final.producer, final.consumer, final.proxy
     bp, bc, bx = base.producer, base.consumer, base.proxy
 
@@ -173,7 +253,6 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         total, count = _delta(after, before, name + "_sum"), _delta(after, before, name + "_count")
         return "n/a" if total is None or not count else f"{1000 * total / count:.1f} ms"
 
-    out("")
     out(f"  totals of the {len(requests)} requests (the warm-up request excluded):")
     new_blobs = None
     if blobs is None:
@@ -185,19 +264,25 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         flag = "" if new_blobs == distinct else "   <-- expected one per distinct image"
         out(f"  bucket      : {new_blobs} new blobs, {_fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
             f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up)")
-    uploaded, loaded, downloaded = dp(M_UPLOADED), dc(M_LOADED), dc(M_DOWNLOADED)
-    unreported = "  (a worker-side counter: this vLLM executor does not report it)"
-    out(f"  encoder     : uploaded {_fmt_num(uploaded)} blobs / {_fmt_bytes(dp(M_UPLOADED_BYTES))}"
-        f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {_fmt_num(dp(M_UPLOAD_FAILURES))}"
-        f", retries {_fmt_num(dp(M_RETRIES))}"
-        + (unreported if uploaded is not None and new_blobs and uploaded < new_blobs else ""))
+    if no_uploads is None:
+        out(f"  encoder     : uploaded {_fmt_num(dp(M_UPLOADED))} blobs / {_fmt_bytes(dp(M_UPLOADED_BYTES))}"
+            f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {_fmt_num(dp(M_UPLOAD_FAILURES))}"
+            f", retries {_fmt_num(dp(M_RETRIES))}")
+    else:
+        out("  encoder     : uploads n/a (why: see upload above)")
+    loaded, downloaded = dc(M_LOADED), dc(M_DOWNLOADED)
     hit, miss, tmo = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout"))
     out(f"  prefill/dec : lookups hit {_fmt_num(hit)} / miss {_fmt_num(miss)} (polls while waiting included)"
         f" / timeout {_fmt_num(tmo)}; downloaded {_fmt_num(downloaded)} blobs / "
         f"{_fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
-    out(f"                loaded {_fmt_num(loaded)} encoder outputs instead of encoding"
-        + (unreported if loaded is not None and downloaded and loaded < downloaded else "")
-        + f"; local fallbacks {_fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
+    if loaded is not None and downloaded and not c.get(M_LOADED):
+        loaded_text = (f"loaded n/a: the consumer's {M_LOADED} stayed 0 for the whole run while it downloaded "
+                       f"{_fmt_num(downloaded)} blobs: ec-s3's worker-side metrics are not reported by this "
+                       "vLLM executor")
+    else:
+        loaded_text = f"loaded {_fmt_num(loaded)} encoder outputs instead of encoding"
+    out(f"                {loaded_text}")
+    out(f"                local fallbacks {_fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
         f"{_fmt_num(dc(M_UNAVAILABLE))}; invalid blobs {_fmt_num(dc(M_INVALID))}")
     without = dx(P + "items_without_params_total")
     out(f"  proxy       : {_fmt_num(dx(P + 'requests_total'))} requests, "
@@ -219,33 +304,19 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         else "FAIL: some disaggregated answers differ from the baseline's")
     return ok_all
 
-def step_sources(reqs: Sequence[DemoRequest], before: Snapshot | None,
-                 after: Snapshot | None) -> tuple[str, str]:
-    """(what the encoder did, where prefill/decode got the encoder output) for one
-    step, from the deltas of the proxy's and the consumer's /metrics and of the
-    bucket listing; "n/a" where a source is missing."""
+
+def image_source(reqs: Sequence[DemoRequest], before: Snapshot, after: Snapshot) -> str:
+    """Where prefill/decode took one step's images from, from the deltas of the
+    proxy's and the consumer's /metrics: fetched from S3, encoded locally (a promise
+    not kept, or no params), or neither: still in its own encoder cache."""
     n = len(reqs)
-    if before is None or after is None:
-        return "n/a", "n/a"
-    # Encoder side: params the proxy got back, and new blobs in the bucket (an
-    # encoder that finds an image's blob already there skips encoding it).
-    ok = _delta(after.proxy, before.proxy, P + "encoder_requests_total", outcome="ok")
     without = _delta(after.proxy, before.proxy, P + "items_without_params_total") or 0.0
-    enc = ["n/a" if ok is None else f"{int(ok)}/{n} params"]
-    if after.blobs is not None and before.blobs is not None:
-        new = len(after.blobs - before.blobs)
-        enc.append(f"{new} new blob{'s' if new != 1 else ''}")
-    # Prefill/decode side: fetched (downloaded, or loaded where the worker's
-    # counter is reported), encoded locally (promise not kept, or no params),
-    # or neither: the image was still in its own encoder cache.
+    # Downloaded (scheduler side, always reported), or loaded where the worker's
+    # counter is reported.
     fetched_src = [v for v in (_delta(after.consumer, before.consumer, M_LOADED),
                                _delta(after.consumer, before.consumer, M_DOWNLOADED)) if v is not None]
     if not fetched_src:
-        if ok is None:
-            return ", ".join(enc), "n/a"
-        guess = f"{'encoder params' if ok else ''}{', ' if ok and without else ''}"
-        guess += f"{int(without)} without params (encoded locally)" if without else ""
-        return ", ".join(enc), guess + " (no connector metrics)"
+        return "n/a: the consumer exports no ec-s3 counters"
     fetched = int(max(fetched_src))
     local = int((_delta(after.consumer, before.consumer, M_FALLBACKS) or 0.0) + without)
     cached = max(0, n - fetched - local)
@@ -260,4 +331,4 @@ def step_sources(reqs: Sequence[DemoRequest], before: Snapshot | None,
         pd.append(f"{count(local)}encoded locally")
     if cached:
         pd.append(f"{count(cached)}own encoder cache")
-    return ", ".join(enc), ", ".join(pd) or "n/a"
+    return ", ".join(pd) or "n/a"

