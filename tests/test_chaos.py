@@ -405,6 +405,11 @@ class Soak:
             self.jobs.pop(fr.request_id, None)
             params = fr.ec_transfer_params or {}
             missing = sorted({i for i in job.idents if "key" not in (params.get(i) or {})})
+            if missing and self._producer_withheld(node):
+                # Its store's circuit was open: it sent vLLM's metadata without a
+                # promise, so consumers encode at once rather than wait (by design).
+                self.ledger.outcome("producer withheld its promise (store circuit open)")
+                missing = [i for i in missing if i not in params]
             if fr.finish_reason != FinishReason.STOP or missing:
                 self.ledger.violation(
                     "producer request finished badly",
@@ -434,6 +439,16 @@ class Soak:
                 f"{job.describe()}: finish_reason={fr.finish_reason!r} (a request with its media must never fail)",
                 self.context(node))
             self.done(job, f"finished with {fr.finish_reason!r}")
+
+    def _producer_withheld(self, node: WatchedNode) -> bool:
+        """True once per promise the producer's scheduler withheld since the last call."""
+        sched = node.driver.ec_connector._scheduler
+        total = sched._counters.get("promises_withheld")
+        seen = self.counters.get("promises_withheld_seen", 0)
+        if total > seen:
+            self.counters["promises_withheld_seen"] = seen + 1
+            return True
+        return False
 
     def gc_delete(self, ident: str, key: str | None) -> None:
         """A garbage collector removes a blob a consumer was just promised."""
