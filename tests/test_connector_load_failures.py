@@ -212,3 +212,24 @@ def test_staged_file_gone_and_store_down_is_encoded_in_the_same_step(
     finally:
         fault_proxy.set_down(False)
         node.close()
+
+
+@pytest.mark.parametrize("lookup", ["always", "promised"])
+def test_unpromised_item_without_media_fails_alone_when_the_bucket_lacks_it(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], lookup: str
+) -> None:
+    """A request that carries only an item's uuid (no media) and no promise, for a blob
+    the bucket does not hold: vLLM cannot encode it, so the request alone must fail.
+    Before, a miss meant "encode locally" and vLLM stopped on an encoder cache miss."""
+    params = produce(tiny_model_dir, extra_config(), ["img-here"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(lookup=lookup))
+    try:
+        node.driver.add("gone", ["img-nowhere"], with_media=False)
+        node.driver.add("here", ["img-here"], with_media=False, ec_transfer_params=params)
+        finished = drive(node.driver)
+        assert finished["gone"].finish_reason == FinishReason.ERROR
+        assert finished["here"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        assert node.worker.counters.get("blobs_loaded") == 1
+    finally:
+        node.close()

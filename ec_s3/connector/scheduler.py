@@ -147,7 +147,10 @@ class ECS3Scheduler:
         self._items.point(ident, item)
         if item is not None:
             state.use(ident, item)
-        if promise is None and self._config.lookup == "promised":
+        # Without media the store is the only source: vLLM cannot encode the item, and
+        # an item it schedules for encoding without data stops the engine at the gather.
+        local_ok = feature.data is not None
+        if promise is None and local_ok and self._config.lookup == "promised":
             return True
         if item is not None and self._usable(item):
             if self._hold(state, ident, item):
@@ -173,9 +176,13 @@ class ECS3Scheduler:
                 self._counters.inc("promise_timeouts")
                 raise _Unavailable(f"the blob did not arrive within promised_wait_s={budget:g}s")
             self._counters.inc("lookup_timeouts")
+            if not local_ok:
+                raise _Unavailable(f"its lookup did not finish within lookup_wait_s={budget:g}s")
             state.local.add(ident)
             return True
         if promise is None:
+            if not local_ok:
+                raise _Unavailable(f"nobody promised it and the bucket lookup came back {item.state.value}")
             return True  # a miss (or a failed lookup): the encoder runs locally
         if item.state is ItemState.INVALID:
             raise _Unavailable(f"the stored blob is invalid ({item.reason})")
