@@ -233,6 +233,14 @@ class ECS3Config:
         default=5.0,
         metadata=_doc("Consumer: a miss is remembered this long, so it costs at most one HEAD per TTL.", min=0.0, max=3600.0),
     )
+    present_ttl_s: float = dataclasses.field(
+        default=300.0,
+        metadata=_doc(
+            "Producer: a blob seen in the bucket (or uploaded) is trusted this long; after that the next request "
+            "for it looks again, so a blob deleted by `ec-s3 gc` or a lifecycle rule is encoded and uploaded again.",
+            min=0.0, max=7 * 86400.0,
+        ),
+    )
     staging_bytes: int = dataclasses.field(
         default=4 * GiB,
         metadata=_doc("Consumer: host shared memory for fetched blobs waiting for the workers.", min=1 * MiB),

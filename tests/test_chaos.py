@@ -230,7 +230,10 @@ class Soak:
         self.extras = {
             "producer": {**self.base, "endpoint_url": self.proxy.endpoint_url, "spool_dir": str(self.tmp_path / "spool"),
                          "spool_retry_s": 0.3, "max_inflight_bytes": 8 * MiB, "shutdown_timeout_s": 2.0,
-                         "lookup": "always", "lookup_wait_s": 0.5},
+                         "lookup": "always", "lookup_wait_s": 0.5,
+                         # gc deletes blobs within seconds of their upload here; in production
+                         # gc works on days, and the default TTL (300 s) is what to keep.
+                         "present_ttl_s": 2.0},
             **{name: {**self.base, "endpoint_url": self.proxy.endpoint_url, "staging_bytes": size,
                       "staging_dir": str(self.shm / name), "promised_wait_s": 3.0, "lookup_wait_s": 1.0}
                for name, size in STAGING_BYTES.items()},

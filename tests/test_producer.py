@@ -132,3 +132,31 @@ def test_shutdown_flushes_pending_uploads(
     store = make_store()
     keyspace = node.scheduler_connector.model.keyspace
     assert all(store.run(store.head_async(keyspace.key_for(i))) is not None for i in idents)
+
+
+def test_blob_deleted_by_gc_is_published_again(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """A producer trusts what it saw in the bucket for present_ttl_s only. Before, it
+    kept a blob it once uploaded as present forever: once gc deleted it, the encoder was
+    skipped and every consumer promised it waited in vain, encoding locally."""
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(present_ttl_s=0.5))
+    store = make_store()
+    try:
+        node.driver.add("r1", ["img-a"])
+        key = drive(node.driver)["r1"].ec_transfer_params["img-a"]["key"]
+        node.flush()
+        assert store.run(store.head_async(key)) is not None
+        store.run(store.delete_async(key))  # ec-s3 gc, or a lifecycle rule
+        node.driver.add("r2", ["img-a"])  # within the TTL: trusted, not published again
+        drive(node.driver)
+        node.flush()
+        assert store.run(store.head_async(key)) is None
+        time.sleep(0.6)
+        node.driver.add("r3", ["img-a"])  # looked up again: gone, so published again
+        drive(node.driver)
+        node.flush()
+        assert store.run(store.head_async(key)) is not None, "the blob was not published again"
+        assert node.worker.counters.get("blobs_uploaded") == 2
+    finally:
+        node.close()

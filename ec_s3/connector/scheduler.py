@@ -152,6 +152,11 @@ class ECS3Scheduler:
         local_ok = feature.data is not None
         if promise is None and local_ok and self._config.lookup == "promised":
             return True
+        if item is not None and item.state is ItemState.PRESENT and now - item.checked_at > self._config.present_ttl_s:
+            # Seen long ago: gc or a lifecycle rule may have deleted it since. Look
+            # again; if it is gone, the encoder runs and the publisher uploads it anew.
+            self._items.drop(item)
+            item = None
         if item is not None and self._usable(item):
             if self._hold(state, ident, item):
                 deadline = state.deadlines.pop(ident, None)
@@ -359,6 +364,16 @@ class ECS3Scheduler:
         self._loads = []
         self._hits.clear()
         if self._is_producer:
+            # Every item of a request's first step: the worker publishes those vLLM
+            # serves from its own encoder cache (save_caches never fires for them), so
+            # a blob deleted since (gc) or never uploaded (an outage) is published again;
+            # the publisher skips what it published within present_ttl_s.
+            for new_req in scheduler_output.scheduled_new_reqs:
+                state = self._requests.get(new_req.req_id)
+                if state is not None:
+                    for feature in state.request.mm_features:
+                        meta.save_keys[feature.identifier] = self._model.keyspace.key_for(
+                            feature.identifier, cache_salt=state.request.cache_salt)
             for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
                 state = self._requests.get(req_id)
                 if state is None or not state.request.cache_salt:

@@ -109,7 +109,9 @@ class BlobPublisher:
         self._producer = producer
         self._counters = counters
         self.budget = InflightBudget(config.max_inflight_bytes)
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # key -> when it was last published or seen in the bucket; trusted for
+        # present_ttl_s (gc or a lifecycle rule may delete a blob after that).
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._pending = 0
         self._idle = threading.Condition()
         self._stream: Any = None
@@ -118,7 +120,8 @@ class BlobPublisher:
     # ------------------------------------------------------------ model-step side
     def publish(self, identifier: str, tensor: torch.Tensor, key: str) -> bool:
         """Start publishing ``tensor`` under ``key``; returns False if it was skipped."""
-        if key in self._seen:
+        seen = self._seen.get(key)
+        if seen is not None and time.monotonic() - seen <= self._config.present_ttl_s:
             return False
         try:
             meta = BlobMeta(identifier, tensor.dtype, tuple(tensor.shape), self._namespace, self._producer)
@@ -208,7 +211,8 @@ class BlobPublisher:
         job.host, job.event = host, event
 
     def _remember(self, key: str) -> None:
-        self._seen[key] = None
+        self._seen[key] = time.monotonic()
+        self._seen.move_to_end(key)
         if len(self._seen) > _SEEN_LIMIT:
             self._seen.popitem(last=False)
 
