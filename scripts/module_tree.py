@@ -24,6 +24,7 @@ def first_sentence(path: Path) -> str:
     text = " ".join(doc.split("\n\n", 1)[0].split())
     match = re.match(r"(.+?\.)(\s|$)", text)
     sentence = (match.group(1) if match else text).rstrip(".").replace("``", "")
+    sentence = re.sub(r":[a-z]+:`~?\.?([^`]+)`", r"\1", sentence)  # Sphinx roles read as plain names
     return sentence if len(sentence) <= 96 else sentence[:95].rsplit(" ", 1)[0] + " …"
 
 
