@@ -308,6 +308,12 @@ class EmbeddedS3Server:
             "-admin.ui=false",
             "-master.telemetry=false",  # it reports to seaweedfs.com otherwise
             "-volume.preStopSeconds=0",  # stop in ~1 s instead of ~4 s
+            # Every bucket is a collection with volumes of its own, and weed's default
+            # limit is free disk / 1 GiB (76 here): a test session that makes a bucket per
+            # test ran out ("No writable volumes", 500 on PUT). Volumes are sparse files,
+            # so a high count costs nothing until written.
+            "-volume.max=2000",
+            "-master.volumeSizeLimitMB=64",
             # Behave like AWS: PUT into a missing bucket is NoSuchBucket, and a bucket
             # must be empty to be deleted.
             "-s3.autoCreateBucket=false",
