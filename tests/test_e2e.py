@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -288,8 +289,13 @@ def test_encoder_killed_mid_run_degrades_to_local_encoding(stack: Stack) -> None
     assert r_first.ok and compare_results(r_first, stack.baseline_by_seed[first])[0], (
         r_first, _logs_hint(stack))
 
-    # Kill the encoder the moment the proxy has an encoder request outstanding.
+    # Kill the encoder while the proxy has encoder requests outstanding. The encoder
+    # answers within milliseconds on its own core, faster than a poll can catch, so its
+    # processes are frozen first (SIGSTOP): its kernel still accepts the connections,
+    # nothing answers, and the kill lands with the requests certainly in flight.
     failures_before = _encoder_failures(stack.proxy_metrics())
+    assert stack.producer.pid is not None
+    os.killpg(os.getpgid(stack.producer.pid), signal.SIGSTOP)
     with ThreadPoolExecutor(max_workers=len(racing)) as pool:
         racing_futs = {s: pool.submit(post_chat, stack.proxy.url, chat_body(stack.model, s, QUESTION))
                        for s in racing}
