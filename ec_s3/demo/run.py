@@ -241,7 +241,7 @@ class _Demo:
 
     def _s3(self, stack: contextlib.ExitStack) -> tuple[Any, dict[str, Any], dict[str, str]]:
         """(store for listing, the servers' ec_connector_extra_config, their env)."""
-        from ec_s3.config import ECS3Config
+        from ec_s3.config import ECS3Config, Secret
         from ec_s3.store.client import S3Store
 
         args, out = self.args, self.out
@@ -263,7 +263,8 @@ class _Demo:
             creds = server.credentials
             # Servers get them in their environment; this process in its own config.
             env = {"AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
-            store_extra = {"access_key_id": creds.access_key_id, "secret_access_key": creds.secret_access_key}
+            # Secret objects: these never leave this process (no command line, no log).
+            store_extra = {"access_key_id": Secret(creds.access_key_id), "secret_access_key": Secret(creds.secret_access_key)}
         if args.endpoint_url:
             self._step(1, f"S3: using {where}")
         extra_config = {**self.extra, "bucket": bucket, "endpoint_url": endpoint, "prefix": prefix}
