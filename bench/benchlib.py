@@ -331,12 +331,14 @@ def git_rev() -> str:
 
 
 def ec_s3_fingerprint() -> str:
-    """sha256 of ec_s3/*.py as they are on disk (the package changes under the bench)."""
+    """sha256 of every ec_s3 source file as it is on disk (the package changes under the
+    bench); subpackages included, with their paths, so a moved module changes it too."""
     import hashlib
 
     h = hashlib.sha256()
-    for path in sorted((REPO / "ec_s3").glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    root = REPO / "ec_s3"
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 
 
