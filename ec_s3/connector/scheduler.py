@@ -159,9 +159,7 @@ class ECS3Scheduler:
             item = None
         if item is not None and self._usable(item):
             if self._hold(state, ident, item):
-                deadline = state.deadlines.pop(ident, None)
-                if promise is not None and deadline is not None:
-                    self._counters.observe("promise_wait_seconds", now - (deadline - self._config.promised_wait_s))
+                self._stop_waiting(state, ident, now)
                 return True
             item = None  # its slot is gone: look it up again
         self._check_fits(promise)
@@ -252,14 +250,18 @@ class ECS3Scheduler:
         self._looking += 1
         self._fetcher.start(item.key, expect)
 
+    def _stop_waiting(self, state: RequestState, ident: str, now: float) -> None:
+        """End ``ident``'s wait (served or given up); a promised item's wait is observed."""
+        deadline = state.deadlines.pop(ident, None)
+        if deadline is not None and ident in state.promises:
+            waited = now - (deadline - self._config.promised_wait_s)
+            self._counters.observe("promise_wait_seconds", max(0.0, waited))
+
     def _fall_back(self, state: RequestState, feature: MultiModalFeatureSpec, why: str) -> bool:
         """Encode locally if the request still carries the media (True); otherwise
         record it for ``take_unavailable_requests`` (False)."""
         req_id, ident = state.request.request_id, feature.identifier
-        deadline = state.deadlines.pop(ident, None)
-        if deadline is not None and ident in state.promises:
-            waited = time.monotonic() - (deadline - self._config.promised_wait_s)
-            self._counters.observe("promise_wait_seconds", max(0.0, waited))
+        self._stop_waiting(state, ident, time.monotonic())
         if feature.data is not None:
             state.local.add(ident)
             self._counters.inc("fallbacks_local")
