@@ -163,3 +163,17 @@ def test_topology_learns_from_worker_reports() -> None:
     local = Topology(WorkerReach.LOCAL, "h")
     local.learn({"other"})  # the config was wrong: believe the worker
     assert local.reach is WorkerReach.REMOTE
+
+
+def test_repeats_count_the_same_answer_in_a_row() -> None:
+    """Back-offs count answers in a row, so another answer starts them over (before,
+    an item's attempts never reset, and its back-off only grew over its life)."""
+    item = Item(key="k", identifier="i")
+    for n, result in enumerate([NoSpace(), NoSpace(), NoSpace()], start=1):
+        item.start_lookup(now=float(n))
+        assert item.started_at == float(n)
+        item.apply(result, now=n + 0.5)
+        assert item.repeats == n
+    item.start_lookup(now=9.0)
+    item.apply(Missing(), now=9.5)
+    assert (item.repeats, item.attempts) == (1, 4)
