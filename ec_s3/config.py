@@ -248,7 +248,11 @@ class ECS3Config:
     )
     negative_cache_ttl_s: float = dataclasses.field(
         default=5.0,
-        metadata=_doc("Consumer: a miss is remembered this long, so it costs at most one HEAD per TTL.", min=0.0, max=3600.0),
+        metadata=_doc(
+            "A miss of an item nobody promised is remembered this long, so it costs at most one lookup per TTL "
+            "(a consumer's GET, a producer's HEAD).",
+            min=0.0, max=3600.0,
+        ),
     )
     present_ttl_s: float = dataclasses.field(
         default=300.0,
