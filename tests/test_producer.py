@@ -159,6 +159,34 @@ def test_producer_repeats_after_the_negative_cache_expires_are_not_deferred(
         node.close()
 
 
+@pytest.mark.parametrize("stored", [True, False])
+def test_producer_waits_for_the_bucket_for_an_item_without_media(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy,
+    make_store: Callable[..., S3Store], stored: bool,
+) -> None:
+    """An item sent without media cannot be encoded: the producer still waits for its
+    HEAD (lookup_wait_s), serves it if the bucket has it, and fails only that request
+    otherwise."""
+    from vllm.v1.engine import FinishReason
+
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(fault_proxy.endpoint_url))
+    try:
+        if stored:
+            _put_old_blob(node, make_store(), "img-old")
+        fault_proxy.set_latency(0.2, methods=["HEAD"])
+        node.driver.add("r1", ["img-old"], with_media=False)
+        finished = drive(node.driver)
+        assert node.sim.encoded == []
+        if stored:
+            assert _first_step_of(node, "r1") > 0  # deferred for the HEAD
+            assert finished["r1"].finish_reason != FinishReason.ERROR
+            assert set(finished["r1"].ec_transfer_params) == {"img-old"}
+        else:
+            assert finished["r1"].finish_reason == FinishReason.ERROR
+    finally:
+        node.close()
+
+
 def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
     """One instance that is producer and consumer: encodes, publishes, and a second
     instance of the same role later loads instead of encoding."""
