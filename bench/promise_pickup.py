@@ -1,12 +1,13 @@
 """Promise pickup: how soon a consumer picks up a promised blob once it becomes
 visible, and how many GETs it spends waiting, for the poll schedule in
 ``ec_s3.connector.scheduler`` and the one it replaced (5, 10, 20 ... ms doubling up to
-1 s, counted in the item's lifetime attempts), in the same run, interleaved.
+1 s, counted in the item's lifetime attempts) and a "dense" bound (a poll every 2 ms, one
+at a time, however long the wait), in the same run, interleaved.
 
 A consumer (vLLM's real ``Scheduler`` with the scheduler-role ``ECS3Connector``,
 tests/vllm_rig, stepped like EngineCore: back to back, 1 ms sleep after a step that
 ran nothing) gets a request whose only image is promised; a thread PUTs that blob
-``delay`` after the request arrived (4.5 KiB: the tiny model's 16 x 128 bf16 image).
+```delay`` after the request arrived (4.5 KiB: the tiny model's 16 x 128 bf16 image).
 Per trial, one request, a fresh image:
 
 * ``pickup``: from the PUT's response (the blob is visible at the latest then) to the
@@ -38,7 +39,9 @@ import benchlib as bl  # noqa: E402
 bl.setup_env()
 
 ROWS, WIDTH = 16, 128  # the tiny model's image: 16 tokens x hidden 128
-SCHEDULES = ("current", "legacy")
+# "dense": the bound the current schedule gives up for fewer GETs: every poll 2 ms
+# after the previous one started, one at a time, however long the wait.
+SCHEDULES = ("current", "legacy", "dense")
 
 
 def legacy_next_lookup_at(sched: Any, item: Any, promise: Any, waited: float) -> float:
@@ -51,9 +54,20 @@ def legacy_next_lookup_at(sched: Any, item: Any, promise: Any, waited: float) ->
     return type(sched)._next_lookup_at(sched, item, promise, waited)
 
 
+def dense_next_lookup_at(sched: Any, item: Any, promise: Any, waited: float) -> float:
+    from ec_s3.connector.items import ItemState
+
+    if promise is not None and item.state is ItemState.MISSING:
+        return item.started_at + 0.002
+    return type(sched)._next_lookup_at(sched, item, promise, waited)
+
+
+_PATCHES = {"legacy": legacy_next_lookup_at, "dense": dense_next_lookup_at}
+
+
 def use_schedule(sched: Any, name: str) -> None:
-    if name == "legacy":
-        sched._next_lookup_at = types.MethodType(legacy_next_lookup_at, sched)
+    if name in _PATCHES:
+        sched._next_lookup_at = types.MethodType(_PATCHES[name], sched)
     else:
         sched.__dict__.pop("_next_lookup_at", None)
 
@@ -133,7 +147,8 @@ def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace)
         n = 0
         for rep in range(args.repeats):
             for delay_ms in args.delays_ms:
-                order = SCHEDULES if (rep + n) % 2 == 0 else SCHEDULES[::-1]
+                k = n % len(SCHEDULES)
+                order = SCHEDULES[k:] + SCHEDULES[:k]  # rotated per trial
                 n += 1
                 for name in order:
                     use_schedule(sched, name)
@@ -169,10 +184,12 @@ def summarize(samples: list[dict[str, Any]], delays_ms: list[int]) -> dict[str, 
             "poll_gap_ms": bl.summary([s["poll_gap_s"] * 1e3 for s in mine]),
             "gets_per_s": bl.summary([s["gets_per_s"] for s in mine]),
         }
-    cur, old = out["current"], out["legacy"]
+    cur, old, dense = out["current"], out["legacy"], out["dense"]
     out["ratios"] = {
         "pickup_p90_current_over_legacy": cur["pickup_ms"]["p90"] / old["pickup_ms"]["p90"],
         "poll_gap_p90_current_over_legacy": cur["poll_gap_ms"]["p90"] / old["poll_gap_ms"]["p90"],
+        "pickup_p90_current_over_dense": cur["pickup_ms"]["p90"] / dense["pickup_ms"]["p90"],
+        "gets_per_s_current_over_dense": cur["gets_per_s"]["median"] / dense["gets_per_s"]["median"],
     }
     return out
 
