@@ -227,11 +227,32 @@ class ECS3Config:
     )
     lookup_wait_s: float = dataclasses.field(
         default=2.0,
-        metadata=_doc("Consumer/producer: how long a request waits for the lookup of an item nobody promised before it is encoded locally.", min=0.0, max=600.0),
+        metadata=_doc(
+            "Consumer: how long a request waits for the lookup of an item nobody promised before it is encoded locally "
+            "(also a producer's wait for an item sent without media, which only the bucket can provide).",
+            min=0.0, max=600.0,
+        ),
+    )
+    # 0: a producer's HEAD costs a round trip (6 ms on loopback, more across hosts) on
+    # every fresh image's critical path, to save an encoder run only for images another
+    # producer (or an earlier run) already uploaded; the HEAD still runs, in the background,
+    # and its answer skips the encoder for every later request of that image.
+    producer_lookup_wait_s: float = dataclasses.field(
+        default=0.0,
+        metadata=_doc(
+            "Producer: how long a fresh item waits for its bucket HEAD before vLLM encodes it (0: never; the HEAD "
+            "runs in the background and a blob it finds skips the encoder for later requests). Raise it only when "
+            "encoding costs far more than a HEAD and images recur across producers or restarts.",
+            min=0.0, max=600.0,
+        ),
     )
     negative_cache_ttl_s: float = dataclasses.field(
         default=5.0,
-        metadata=_doc("Consumer: a miss is remembered this long, so it costs at most one HEAD per TTL.", min=0.0, max=3600.0),
+        metadata=_doc(
+            "A miss of an item nobody promised is remembered this long, so it costs at most one lookup per TTL "
+            "(a consumer's GET, a producer's HEAD).",
+            min=0.0, max=3600.0,
+        ),
     )
     present_ttl_s: float = dataclasses.field(
         default=300.0,

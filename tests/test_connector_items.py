@@ -163,3 +163,33 @@ def test_topology_learns_from_worker_reports() -> None:
     local = Topology(WorkerReach.LOCAL, "h")
     local.learn({"other"})  # the config was wrong: believe the worker
     assert local.reach is WorkerReach.REMOTE
+
+
+def test_repeats_count_the_same_answer_in_a_row() -> None:
+    """Back-offs count answers in a row, so another answer starts them over (before,
+    an item's attempts never reset, and its back-off only grew over its life)."""
+    item = Item(key="k", identifier="i")
+    for n, result in enumerate([NoSpace(), NoSpace(), NoSpace()], start=1):
+        item.start_lookup(now=float(n))
+        assert item.started_at == float(n)
+        item.apply(result, now=n + 0.5)
+        assert item.repeats == n
+    item.start_lookup(now=9.0)
+    item.apply(Missing(), now=9.5)
+    assert (item.repeats, item.attempts) == (1, 4)
+
+
+@pytest.mark.parametrize(("wait_s", "max_gets"), [(0.1, 51), (1.0, 100), (5.0, 135), (30.0, 260)])
+def test_promise_poll_schedule_cost_and_delay(wait_s: float, max_gets: int) -> None:
+    """The poll schedule of a promised blob, with instant answers (the most GETs it can
+    cost): <= 50 GETs in the first 100 ms, ~20 more per tenfold of the wait after that,
+    and a blob that becomes visible is found within max(2 ms, 5% of the wait, 250 ms cap)."""
+    from ec_s3.connector.scheduler import promise_poll_interval
+
+    polls = [0.0]
+    while polls[-1] < wait_s:
+        polls.append(polls[-1] + promise_poll_interval(polls[-1]))
+    assert len(polls) <= max_gets
+    gaps = [b - a for a, b in zip(polls, polls[1:])]
+    assert all(gap <= max(0.002, 0.05 * at) + 1e-9 for at, gap in zip(polls, gaps))
+    assert max(gaps) <= 0.25 and max(gaps[:50]) <= 0.002 + 1e-9

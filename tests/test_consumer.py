@@ -259,3 +259,106 @@ def test_scheduler_calls_never_wait_on_a_slow_store(
         assert p99 < 1e-3
     finally:
         node.close()
+
+
+def _promise(keyspace: KeySpace, ident: str) -> dict[str, Any]:
+    return {ident: {"key": keyspace.key_for(ident), "shape": [ROWS, WIDTH], "dtype": "bfloat16",
+                    "modality": "image", "item_indices": [0], "metadata": {}}}
+
+
+def _step_until_scheduled(node: Node, req_id: str, timeout_s: float = 20.0,
+                          at: Callable[[float], None] | None = None) -> float:
+    """Step like EngineCore (~1 ms apart while nothing runs) until ``req_id`` is
+    scheduled; returns that time. ``at(now)`` is called after every step."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        so = node.driver.step()
+        now = time.monotonic()
+        assert so is not None
+        if req_id in so.num_scheduled_tokens:
+            return now
+        if at is not None:
+            at(now)
+        time.sleep(0.001)
+    raise AssertionError(f"{req_id} not scheduled within {timeout_s}s")
+
+
+def _warm_store(make_store: Callable[..., S3Store]) -> S3Store:
+    store = make_store()
+    store.run(store.head_async("warm-up"))  # a cold client's first request is slow: not now
+    return store
+
+
+def _publish_at(delay_s: float, store: S3Store, keyspace: KeySpace, ident: str) -> tuple[threading.Thread, list[float]]:
+    """PUT ``ident``'s blob ``delay_s`` from now; the list gets the time it became visible."""
+    visible: list[float] = []
+
+    def run() -> None:
+        time.sleep(delay_s)
+        put_blob(store, keyspace, ident, fake_encoder_output(ident, ROWS))
+        visible.append(time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, visible
+
+
+def test_promised_blob_is_picked_up_soon_after_it_becomes_visible(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store],
+    fault_proxy: FaultProxy,
+) -> None:
+    """A blob that becomes visible 450 ms after the promise is picked up within a few
+    poll intervals (5% of the time waited), at a bounded number of GETs. Before, polls
+    came at 5, 10, 20 ... 640 ms: the blob waited ~250 ms for the poll at ~650 ms."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, promised_wait_s=15))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = _warm_store(make_store)
+        node.driver.add("r1", ["img-late"], ec_transfer_params=_promise(keyspace, "img-late"))
+        thread, visible = _publish_at(0.45, store, keyspace, "img-late")
+        scheduled = _step_until_scheduled(node, "r1")
+        thread.join()
+        delay = scheduled - visible[0]
+        gets = [m for m, _ in blob_requests(fault_proxy, node)].count("GET")
+        print(f"\npickup {delay * 1e3:.1f} ms after the blob became visible, {gets} GETs")
+        assert delay < 0.1, f"picked up {delay * 1e3:.0f} ms after it became visible"
+        assert gets <= 150  # <= 50 in the first 100 ms, ~30 more until 470 ms
+        drive(node.driver)
+        assert node.sim.encoded == []
+    finally:
+        node.close()
+
+
+def test_a_new_promise_is_polled_from_its_own_start(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store],
+    fault_proxy: FaultProxy,
+) -> None:
+    """The poll schedule follows the waiting request, not the item's history: after a
+    first request waited out its promise for a blob, a second promise of the same blob
+    is polled densely again. Before, the item's poll count never reset: the second
+    request was polled once a second from its start."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, promised_wait_s=1.5))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = _warm_store(make_store)
+        node.driver.add("r0", ["img-x"], ec_transfer_params=_promise(keyspace, "img-x"))
+        drive(node.driver, timeout_s=20)
+        assert node.sim.encoded == ["img-x"]  # waited out its promise, then encoded locally
+        node.driver.add("r1", ["img-x"], ec_transfer_params=_promise(keyspace, "img-x"))
+        started = time.monotonic()
+        before = len(blob_requests(fault_proxy, node))
+        early: list[int] = []
+
+        def count_early(now: float) -> None:
+            if not early and now - started >= 0.15:
+                early.append(len(blob_requests(fault_proxy, node)) - before)
+
+        thread, visible = _publish_at(0.4, store, keyspace, "img-x")
+        scheduled = _step_until_scheduled(node, "r1", at=count_early)
+        thread.join()
+        delay = scheduled - visible[0]
+        print(f"\n{early[0]} GETs in the first 150 ms; pickup {delay * 1e3:.1f} ms after visible")
+        assert early[0] >= 4, "the second promise was not polled densely"
+        assert delay < 0.15
+    finally:
+        node.close()

@@ -93,13 +93,18 @@ class Item:
     key: str
     identifier: str
     state: ItemState = ItemState.NEW
+    started_at: float = 0.0  # when the last lookup started
     checked_at: float = 0.0  # when the last lookup finished
-    attempts: int = 0  # finished lookups
+    attempts: int = 0  # finished lookups, over the item's whole life (for log throttling)
+    # Finished lookups in a row with the same answer: back-offs count these, so one
+    # success (or another answer) starts them over.
+    repeats: int = 0
     reason: str = ""
     staged: Staged | None = None
     outage: bool = False  # the last lookup failed because the store is down
     # Ids of live requests that admitted this item: never evicted while there are any.
     users: set[str] = dataclasses.field(default_factory=set)
+    _last: ItemState | None = dataclasses.field(default=None, repr=False)  # the last lookup's answer
 
     def _move(self, to: ItemState) -> bool:
         if to in TRANSITIONS[self.state]:
@@ -111,13 +116,17 @@ class Item:
         logger.error("%s; ignored", message)
         return False
 
-    def start_lookup(self) -> None:
-        self._move(ItemState.LOOKING)
+    def start_lookup(self, now: float = 0.0) -> None:
+        if self._move(ItemState.LOOKING):
+            self.started_at = now
 
     def apply(self, result: FetchResult, now: float) -> None:
         """Record a finished lookup."""
-        if not self._move(_STATE_OF[type(result)]):
+        to = _STATE_OF[type(result)]
+        if not self._move(to):
             return
+        self.repeats = self.repeats + 1 if to is self._last else 1
+        self._last = to
         self.checked_at, self.attempts = now, self.attempts + 1
         self.staged = result if isinstance(result, Staged) else None
         self.outage = isinstance(result, Failed) and result.outage
@@ -188,6 +197,10 @@ class ItemTable:
             self._items.move_to_end(key)
         return item
 
+    def peek(self, key: str) -> Item | None:
+        """The item for ``key``, without marking it used."""
+        return self._items.get(key)
+
     def current(self, identifier: str) -> Item | None:
         item = self._current.get(identifier)
         return item if item is not None and item.state is not ItemState.DROPPED else None
@@ -246,6 +259,7 @@ class RequestState:
     request: Request
     promises: dict[str, Promise]
     deadlines: dict[str, float] = dataclasses.field(default_factory=dict)  # identifier -> give up at
+    waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)  # identifier -> first deferred at
     local: set[str] = dataclasses.field(default_factory=set)  # identifiers vLLM encodes itself
     pins: dict[str, StagingSlot] = dataclasses.field(default_factory=dict)  # identifier -> pinned slot
     items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses

@@ -59,15 +59,36 @@ if TYPE_CHECKING:
 
 __all__ = ["ECS3Scheduler"]
 
-_PROMISE_POLL_MAX_S = 1.0
-# A promise usually arrives before its upload is visible: re-poll soon, then back off.
-_PROMISE_POLL_BASE_S = 0.005
+# Polling a promised blob that is not visible yet. The schedule depends on how long
+# the request has waited, never on how many polls the item had (an item outlives
+# requests): back to back, at most one GET in flight per item and at least
+# _POLL_DENSE_INTERVAL_S between starts, for the first _POLL_DENSE_S (small blobs land
+# then); after that every _POLL_FRACTION of the time waited so far, so a blob is picked
+# up within ~5% of its own upload time, capped at _POLL_CAP_S. Cost per waiting item:
+# <= 1 GET per max(2 ms, one 404 round trip) for 100 ms (<= 50), then ~20 per tenfold
+# of the wait: ~50-100 GETs for a 1 s wait, ~130 for the 5 s default promised_wait_s.
+_POLL_DENSE_S = 0.1
+_POLL_DENSE_INTERVAL_S = 0.002
+_POLL_FRACTION = 0.05
+_POLL_CAP_S = 0.25
+# An invalid blob stays invalid (blobs are written once), and a store that answered an
+# error is not helped by being asked every 2 ms (its client already retried): those
+# answers are polled again no sooner than this after they came.
+_FAILED_POLL_MIN_S = 0.05
 # Staging had no room (pinned slots hold it, or the blob is larger than it): that
 # lasts, so back off further. Each attempt is a GET, and the failed allocation evicts
 # unpinned staged blobs that other requests may be about to use.
 _NO_SPACE_BASE_S = 0.05
 _NO_SPACE_MAX_S = 2.0
 _PRUNE_EVERY_STEPS = 256
+
+
+def promise_poll_interval(waited_s: float) -> float:
+    """Seconds from the start of one poll of a promised blob to the start of the next,
+    for a request that has waited ``waited_s`` for it."""
+    if waited_s < _POLL_DENSE_S:
+        return _POLL_DENSE_INTERVAL_S
+    return min(_POLL_CAP_S, _POLL_FRACTION * waited_s)
 
 
 class _Unavailable(Exception):
@@ -80,6 +101,10 @@ class ECS3Scheduler:
         assert ec_config is not None
         self._is_producer = bool(ec_config.is_ec_producer)
         self._is_consumer = bool(ec_config.is_ec_consumer)
+        # A producer that is no consumer has no use for the bytes: for an item whose
+        # media it has, the bucket's answer only decides whether the encoder can be
+        # skipped, so it must not delay the encoder (producer_lookup_wait_s).
+        self._encodes_first = self._is_producer and not self._is_consumer
         check_engine_start(vllm_config, config, producer=self._is_producer, consumer=self._is_consumer)
         self._config = config
         self._model = model
@@ -150,6 +175,9 @@ class ECS3Scheduler:
         # Without media the store is the only source: vLLM cannot encode the item, and
         # an item it schedules for encoding without data stops the engine at the gather.
         local_ok = feature.data is not None
+        encode_first = self._encodes_first and local_ok
+        if encode_first:
+            promise = None  # a producer with the media encodes it rather than wait for anyone's upload
         if promise is None and local_ok and self._config.lookup == "promised":
             return True
         if item is not None and item.state is ItemState.PRESENT and now - item.checked_at > self._config.present_ttl_s:
@@ -163,18 +191,32 @@ class ECS3Scheduler:
                 return True
             item = None  # its slot is gone: look it up again
         self._check_fits(promise)
-        budget = self._config.promised_wait_s if promise else self._config.lookup_wait_s
-        deadline = state.deadlines.setdefault(ident, now + budget)
+        if promise:
+            budget = self._config.promised_wait_s
+        elif encode_first:
+            budget = self._config.producer_lookup_wait_s
+        else:
+            budget = self._config.lookup_wait_s
+        since = state.waiting_since.setdefault(ident, now)
+        deadline = state.deadlines.setdefault(ident, since + budget)
         if item is None:
             item = self._items.add(key, ident)
             self._items.point(ident, item)
             state.use(ident, item)
-            self._start(item, feature)
-        elif item.state in RETRYABLE and now >= item.checked_at + self._retry_after(item, promise):
-            self._start(item, feature)
+            self._start(item, feature, now)
+        elif item.state in RETRYABLE and now >= self._next_lookup_at(item, promise, now - since):
+            self._start(item, feature, now)
         if item.looking:
             if now < deadline:
                 return False
+            if encode_first:
+                # The HEAD goes on in the background: its answer is kept for the
+                # next request of this item; this one is encoded now.
+                if budget:
+                    self._counters.inc("lookup_timeouts")
+                self._stop_waiting(state, ident, now)
+                state.local.add(ident)
+                return True
             if promise:
                 self._counters.inc("promise_timeouts")
                 raise _Unavailable(f"the blob did not arrive within promised_wait_s={budget:g}s")
@@ -227,15 +269,20 @@ class ECS3Scheduler:
         self._items.drop(item)
         return False
 
-    def _retry_after(self, item: Item, promise: Promise | None) -> float:
+    def _next_lookup_at(self, item: Item, promise: Promise | None, waited: float) -> float:
+        """When a finished lookup of ``item`` (a retryable answer) may run again, for a
+        request that has waited ``waited`` seconds for it."""
         if item.state is ItemState.NO_SPACE:
-            return min(_NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.attempts - 1))
-        if promise is not None:
-            return min(_PROMISE_POLL_MAX_S, _PROMISE_POLL_BASE_S * 2 ** max(0, item.attempts - 1))
-        return self._config.negative_cache_ttl_s
+            return item.checked_at + min(_NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.repeats - 1))
+        if promise is None:
+            return item.checked_at + self._config.negative_cache_ttl_s
+        if item.state is ItemState.MISSING:
+            return item.started_at + promise_poll_interval(waited)
+        # Invalid or failed: the answer stands for a while (a blob is written once).
+        return item.checked_at + max(_FAILED_POLL_MIN_S, promise_poll_interval(waited))
 
-    def _start(self, item: Item, feature: MultiModalFeatureSpec) -> None:
-        item.start_lookup()
+    def _start(self, item: Item, feature: MultiModalFeatureSpec, now: float) -> None:
+        item.start_lookup(now)
         expect = None
         if self._is_consumer:
             expect = BlobExpectation(
@@ -252,10 +299,10 @@ class ECS3Scheduler:
 
     def _stop_waiting(self, state: RequestState, ident: str, now: float) -> None:
         """End ``ident``'s wait (served or given up); a promised item's wait is observed."""
-        deadline = state.deadlines.pop(ident, None)
-        if deadline is not None and ident in state.promises:
-            waited = now - (deadline - self._config.promised_wait_s)
-            self._counters.observe("promise_wait_seconds", max(0.0, waited))
+        since = state.waiting_since.pop(ident, None)
+        state.deadlines.pop(ident, None)
+        if since is not None and ident in state.promises and not self._encodes_first:
+            self._counters.observe("promise_wait_seconds", max(0.0, now - since))
 
     def _fall_back(self, state: RequestState, feature: MultiModalFeatureSpec, why: str) -> bool:
         """Encode locally if the request still carries the media (True); otherwise
@@ -370,12 +417,14 @@ class ECS3Scheduler:
             # serves from its own encoder cache (save_caches never fires for them), so
             # a blob deleted since (gc) or never uploaded (an outage) is published again;
             # the publisher skips what it published within present_ttl_s.
+            # Items a HEAD found in the bucket are left out: nothing to publish again.
             for new_req in scheduler_output.scheduled_new_reqs:
                 state = self._requests.get(new_req.req_id)
                 if state is not None:
                     for feature in state.request.mm_features:
-                        meta.save_keys[feature.identifier] = self._model.keyspace.key_for(
-                            feature.identifier, cache_salt=state.request.cache_salt)
+                        key = self._model.keyspace.key_for(feature.identifier, cache_salt=state.request.cache_salt)
+                        if not self._known_present(key):
+                            meta.save_keys[feature.identifier] = key
             for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
                 state = self._requests.get(req_id)
                 if state is None or not state.request.cache_salt:
@@ -387,6 +436,13 @@ class ECS3Scheduler:
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
         return meta
+
+    def _known_present(self, key: str) -> bool:
+        item = self._items.peek(key)
+        return (
+            item is not None and item.state is ItemState.PRESENT
+            and time.monotonic() - item.checked_at <= self._config.present_ttl_s
+        )
 
     def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
         meta = connector_output.ec_connector_worker_meta
@@ -445,7 +501,7 @@ class ECS3Scheduler:
         """Forget old misses and errors, and staged items whose slot staging evicted;
         the table's LRU bound does the rest."""
         now = time.monotonic()
-        horizon = max(self._config.negative_cache_ttl_s, _PROMISE_POLL_MAX_S, _NO_SPACE_MAX_S) * 4
+        horizon = max(self._config.negative_cache_ttl_s, _POLL_CAP_S, _NO_SPACE_MAX_S) * 4
         for item in self._items:
             if item.users:
                 continue
