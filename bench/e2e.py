@@ -196,7 +196,7 @@ def main() -> int:
         payload.update(run_inproc(args))
     if args.part in ("all", "stack"):
         sizes = args.sizes or (["4KiB", "1MiB"] if q else list(epd_stack.SHAPES))
-        repeats = args.stack_repeats or (6 if q else 12)
+        repeats = args.stack_repeats or (10 if q else 20)
         stack = epd_stack.run(sizes, repeats, gap_s=args.gap_s, max_tokens=args.max_tokens)
         payload["stack"] = stack
         epd_stack.print_tables(stack)
