@@ -303,10 +303,12 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
             g, f"ec-s3 / peer latency, fresh {size} image",
             f"{q['ratio']:.2f}x [{q.get('ratio_min', float('nan')):.2f}-{q.get('ratio_max', float('nan')):.2f}] "
             f"({L['ec-s3']['median'] * 1e3:.0f} vs {L['peer']['median'] * 1e3:.0f} ms)", "<= 1.2x", _status(ok),
-            "" if ok else (f"the peer's consumer reads a local file at once; ec-s3's waits "
-                           f"{pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms for PUT "
-                           f"{pp50.get('PUT', float('nan')) * 1e3:.0f} + GET {pp50.get('GET', float('nan')) * 1e3:.0f} ms "
-                           "of S3; close: faster PUT/GET (goal 3), earlier promise pickup")))
+            "" if ok else (f"the peer's servers queue nothing (its consumer reads a local file in the step); "
+                           f"ec-s3's producer defers "
+                           f"{pp50.get('producer queued -> scheduled', float('nan')) * 1e3:.0f} ms (bucket lookup before "
+                           f"encoding) and its consumer waits {pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms "
+                           f"(PUT {pp50.get('PUT', float('nan')) * 1e3:.0f}, GET {pp50.get('GET', float('nan')) * 1e3:.0f} "
+                           "ms); close: no lookup before encoding, faster PUT/GET (goal 3), earlier promise pickup")))
     # 3. transfers
     g = "3. transfers"
     if transfer is None:
@@ -457,8 +459,14 @@ def _gpu(out_dir: Path) -> dict[str, str]:
 
 
 def goals_table(goals: list[dict[str, str]]) -> str:
-    return bl.table(["goal (issue #13)", "case", "result (ratio, same run)", "target", "status", "why / what would close it"],
-                    [[r["goal"], r["case"], r["result"], r["target"], r["status"], r["why"]] for r in goals])
+    """Markdown without padding: the cells are long sentences, read in a README."""
+    head = ["goal (issue #13)", "case", "result (ratio, same run)", "target", "status", "why / what would close it"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in goals:
+        cells = [r["goal"], r["case"], r["result"], r["target"],
+                 f"**{r['status']}**" if r["status"] == MISSED else r["status"], r["why"] or "-"]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def plot_goals(goals: list[dict[str, str]], out_dir: Path) -> None:
@@ -518,8 +526,8 @@ def update_perf_section(title: str, counts: dict[str, int], goals_md: str) -> No
         return
     head, rest = text.split(PERF_START, 1)
     _, tail = rest.split(PERF_END, 1)
-    body = (f"{title}: {counts[MET]} met, {counts[MISSED]} missed, {counts[UNMEASURED]} not measured, "
-            f"{counts[NO_GPU]} not run (no GPU).\n\n{goals_md}")
+    body = (f"{title} ({counts[MET]} met, {counts[MISSED]} missed, {counts[UNMEASURED]} not measured, "
+            f"{counts[NO_GPU]} not run: no GPU; modes, dates and load in `bench/results/summary.md`):\n\n{goals_md}")
     path.write_text(f"{head}{PERF_START}\n{body}\n{PERF_END}{tail}")
     bl.log(f"updated {path}")
 
@@ -572,7 +580,9 @@ def main() -> int:
         plot_goals(issue, args.out_dir)
     if not args.no_readme and args.out_dir.resolve() == bl.RESULTS_DIR.resolve() and complete:
         update_readme(md)
-        update_perf_section(title, counts, goals_md)
+        env_note = ("From the result files in `bench/results/`" if args.summary_only
+                    else f"`bench/run_all.py{' --quick' if args.quick else ''}`, {env['when']}, git {env['git']}")
+        update_perf_section(env_note, counts, goals_md)
     return 0 if all(r["rc"] == 0 for r in runs.values()) else 1
 
 
