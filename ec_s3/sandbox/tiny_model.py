@@ -113,9 +113,18 @@ class TinyShape:
         """The size of one image's encoder output (bf16), before the blob's header."""
         return self.num_image_tokens * self.text_hidden * 2
 
+    @property
+    def max_model_len(self) -> int:
+        """Room for the image tokens and a short prompt and answer (512 by default)."""
+        return max(512, 256 * -(-(self.num_image_tokens + 128) // 256))
+
+    @property
+    def max_positions(self) -> int:
+        return max(MAX_POSITIONS, self.max_model_len)
+
     def server_args(self) -> tuple[str, ...]:
         """vLLM server arguments for this shape (the default shape: ``TINY_MODEL_ARGS``'s)."""
-        max_len = max(512, 256 * -(-(self.num_image_tokens + 128) // 256))
+        max_len = self.max_model_len
         return ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
                 "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1}')
 
@@ -224,7 +233,7 @@ def _configs(vocab_size: int, image_token_id: int, shape: TinyShape = DEFAULT_SH
         num_attention_heads=heads,
         num_key_value_heads=heads,
         head_dim=shape.text_hidden // heads,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=shape.max_positions,
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
@@ -314,7 +323,7 @@ def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = 
         eos_token="</s>",
         pad_token="<pad>",
         extra_special_tokens={"image_token": IMAGE_TOKEN},
-        model_max_length=MAX_POSITIONS,
+        model_max_length=shape.max_positions,
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     )
