@@ -285,8 +285,9 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                               f"{add * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms ({(add - 0.010) / raw:.2f}x raw PUT+GET "
                               f"{raw * 1e3:.1f} ms, + 10 ms)",
                               "<= 1.1x (best raw PUT + GET) + 10 ms", _status(add <= bound),
-                              "" if add <= bound else "the consumer waits for the PUT and the GET in turn, each "
-                              "slower than a raw client (goal 3); close: goal 3's data path, earlier promise pickup"))
+                              "" if add <= bound else "the consumer waits for the PUT and the GET in turn; the PUT "
+                              "runs on the encoder worker's one bound core, shared with its ~1 s busy-wait after each "
+                              "step (bench/README.md); close: the I/O thread off the worker's core, goal 3's data path"))
     pp = _promise_pickup(out_dir)
     rows.append(pp)
     # 2. peer
@@ -308,7 +309,8 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                            f"{pp50.get('producer queued -> scheduled', float('nan')) * 1e3:.0f} ms (bucket lookup before "
                            f"encoding) and its consumer waits {pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms "
                            f"(PUT {pp50.get('PUT', float('nan')) * 1e3:.0f}, GET {pp50.get('GET', float('nan')) * 1e3:.0f} "
-                           "ms); close: no lookup before encoding, faster PUT/GET (goal 3), earlier promise pickup")))
+                           "ms; the PUT shares the encoder worker's spinning core); close: no lookup before encoding, "
+                           "the I/O thread off the worker's core, faster PUT/GET (goal 3)")))
     # 3. transfers
     g = "3. transfers"
     if transfer is None:
