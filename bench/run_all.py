@@ -26,16 +26,28 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-BENCHES = ["producer_save", "transfer", "scheduler_cost", "prefetch", "memory", "e2e"]
-# Wall-clock limits per benchmark (s): full, quick.
+BENCHES = ["producer_save", "transfer", "scheduler_cost", "prefetch", "memory", "gil", "promise_pickup",
+           "gpu_check", "e2e"]
+# Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
+# served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
-            "prefetch": (180, 90), "memory": (420, 120), "e2e": (420, 240)}
+            "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
+            "gpu_check": (300, 180), "e2e": (1500, 900)}
+# Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
+OPTIONAL = {"promise_pickup"}
+# Exit status 2 of gpu_check: no CUDA (a CPU dry run), reported "not run: no GPU", not a failure.
+RC_OK = {"gpu_check": (0, 2)}
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+PERF_START, PERF_END = "<!-- perf:start -->", "<!-- perf:end -->"
 
 
 def run_bench(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    cmd = [sys.executable, str(bl.BENCH_DIR / f"{name}.py"), "--out-dir", str(out_dir)]
-    if args.quick:
+    script = bl.BENCH_DIR / f"{name}.py"
+    if not script.exists() and name in OPTIONAL:
+        bl.log(f"=== {name}: {script.name} does not exist; skipped (reported as not measured)")
+        return {"rc": 0, "elapsed_s": 0.0, "log": None, "skipped": "script absent"}
+    cmd = [sys.executable, str(script), "--out-dir", str(out_dir)]
+    if args.quick or name == "gpu_check":  # gpu_check: its quick preset is its GPU-time budget
         cmd.append("--quick")
     if args.no_plot:
         cmd.append("--no-plot")
@@ -65,6 +77,8 @@ def run_bench(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, A
             rc = -9
             bl.log(f"{name}: killed after {timeout:.0f} s")
     elapsed = time.monotonic() - started
+    if rc in RC_OK.get(name, (0,)):
+        rc = 0
     if rc != 0:
         bl.log(f"{name}: FAILED (rc={rc}); see {log_path}")
     return {"rc": rc, "elapsed_s": elapsed, "log": str(log_path)}
@@ -150,16 +164,27 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
         ok = True
         for r in d["runs"]:
             g = r["growth_vs_budget"]
-            met = g <= 1.5
+            met = g <= 1.2
             if r.get("allocator", "default") == "default":
                 ok &= met
             rows.append(["5. memory: peak RSS growth / max_inflight_bytes",
                          f"{r['mode']}, {r.get('allocator', 'default')} malloc, {r['budget_mib']} MiB, {r['saves']} saves",
-                         f"{g:.2f}x ({r['growth_vs_unbounded']:.2f}x of unbounded)", "~1x", _yes(met)])
+                         f"{g:.2f}x ({r['growth_vs_unbounded']:.2f}x of unbounded)", "<= 1.2x", _yes(met)])
         goals["memory"] = ok
 
     d = load(out_dir, "e2e")
-    if d:
+    for size, r in ((d or {}).get("stack") or {}).get("sizes", {}).items():
+        q = r["ratio_ecs3_vs_peer"]
+        rows.append(["6. e2e stack: ec-s3 / ECExampleConnector latency via ec-s3 proxy (p50)", f"fresh {size} image",
+                     f"{q['ratio']:.2f}x ({r['latency_s']['ec-s3']['median'] * 1e3:.0f} vs "
+                     f"{r['latency_s']['peer']['median'] * 1e3:.0f} ms)", "<= 1.2x", _yes(q["ratio"] <= 1.2)])
+        for part, v in (r.get("breakdown_s") or {}).items():
+            rows.append(["6. e2e stack: critical path part (p50)", f"fresh {size} image: {part}", f"{v * 1e3:.1f} ms", "-", ""])
+        if r.get("outputs_match"):
+            ok = all(r["outputs_match"].values())
+            rows.append(["6. e2e stack: outputs == plain (consumers' vision weights re-randomised)", size,
+                         str(r["outputs_match"]), "True", _yes(ok)])
+    if d and "summary" in d:
         s = d["summary"]
         runs = s["encoder_runs"]
         for kind, r in s.get("latency_ratio_by_image", {}).items():
@@ -179,8 +204,296 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
     return rows, goals
 
 
+# --------------------------------------------------------------------------- issue #13 goals
+
+RAW_CLIENTS = ("boto-default", "boto-tuned", "obstore", "aiohttp")
+MET, MISSED, UNMEASURED, NO_GPU = "met", "MISSED", "not measured", "not run: no GPU"
+
+
+def _goal(goal: str, case: str, result: str, target: str, status: str, why: str = "") -> dict[str, str]:
+    return {"goal": goal, "case": case, "result": result, "target": target, "status": status, "why": why}
+
+
+def _status(ok: bool) -> str:
+    return MET if ok else MISSED
+
+
+def _stack(out_dir: Path) -> dict[str, Any] | None:
+    d = load(out_dir, "e2e")
+    return (d or {}).get("stack") if d else None
+
+
+def _best_raw_s(transfer: dict[str, Any] | None, size_mib: int) -> float | None:
+    """PUT + GET seconds of one ``size_mib`` blob with the fastest raw client (concurrency 1)."""
+    cell = ((transfer or {}).get("summary") or {}).get(f"{size_mib}x1")
+    if not cell:
+        return None
+    total = 0.0
+    for op in ("put", "get"):
+        rates = [c["mib_per_s"] for n, c in cell[op]["clients"].items() if n in RAW_CLIENTS and c.get("mib_per_s")]
+        if not rates:
+            return None
+        total += size_mib / max(rates)
+    return total
+
+
+def goal_rows(out_dir: Path) -> list[dict[str, str]]:
+    """One row per goal of issue #13 (and per case where a goal has several), with its
+    ratio, met / MISSED / not measured, and for a miss why and what would close it."""
+    rows: list[dict[str, str]] = []
+    stack = _stack(out_dir)
+    transfer = load(out_dir, "transfer")
+
+    # 1. critical path
+    g = "1. critical path"
+    sizes = (stack or {}).get("sizes") or {}
+    first = next((r for r in sizes.values() if "breakdown_s" in r), None)
+    if first is None:
+        why = "; ".join(f"{k}: {v}" for k, v in ((stack or {}).get("errors") or {}).items())
+        rows.append(_goal(g, "fresh 4 KiB image, ec-s3 additions", "-", "<= 10 ms", UNMEASURED,
+                          why or "run bench/e2e.py (stack part)"))
+    else:
+        b, add = first["breakdown_s"], first["ecs3_additions_s"]
+        nan = float("nan")
+        parts = {"proxy hop": b["proxy hop"],
+                 "producer deferral": b["producer deferral (queued -> scheduled)"]
+                 - b.get("peer: producer queued -> scheduled", nan),
+                 "GET": b["GET (fetch + validate)"], "hand-offs": b["scheduler hand-offs (wait - GET)"]
+                 - b.get("peer: consumer queued -> scheduled", nan)}
+        worst = max(parts, key=lambda k: parts[k])
+        rows.append(_goal(
+            g, "fresh 4 KiB image: ec-s3 additions (proxy hop + producer and consumer queue time beyond the peer's)",
+            f"{add * 1e3:.1f} ms (hop {b['proxy hop'] * 1e3:.1f}, deferral {parts['producer deferral'] * 1e3:.1f}, "
+            f"GET {parts['GET'] * 1e3:.1f}, other wait {parts['hand-offs'] * 1e3:.1f}; PUT {b['PUT'] * 1e3:.1f}); "
+            f"E+PD {b['ec-s3 via proxy'] * 1e3:.0f} vs plain {b['plain'] * 1e3:.0f} ms",
+            "<= 10 ms", _status(add <= 0.010),
+            "" if add <= 0.010 else f"largest part: {worst} ({parts[worst] * 1e3:.1f} ms); "
+            + _CLOSE_CRITICAL.get(worst, "")))
+        for size, r in sizes.items():
+            if "breakdown_s" in r:
+                continue
+            mib = round(r["shape"]["blob_bytes"] / bl.MiB)
+            raw = _best_raw_s(transfer, mib)
+            add = r["ecs3_additions_s"]
+            if raw is None:
+                rows.append(_goal(g, f"fresh {size} image: ec-s3 additions", f"{add * 1e3:.1f} ms",
+                                  "<= 1.1x (best raw PUT + GET) + 10 ms", UNMEASURED,
+                                  f"transfer.json has no {mib} MiB x1 cell for the raw clients"))
+                continue
+            bound = 1.1 * raw + 0.010
+            rows.append(_goal(g, f"fresh {size} image: ec-s3 additions (hop from 4 KiB)",
+                              f"{add * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms ({(add - 0.010) / raw:.2f}x raw PUT+GET "
+                              f"{raw * 1e3:.1f} ms, + 10 ms)",
+                              "<= 1.1x (best raw PUT + GET) + 10 ms", _status(add <= bound),
+                              "" if add <= bound else "the consumer waits for the PUT and the GET in turn; the PUT "
+                              "runs on the encoder worker's one bound core, shared with its ~1 s busy-wait after each "
+                              "step (bench/README.md); close: the I/O thread off the worker's core, goal 3's data path"))
+    pp = _promise_pickup(out_dir)
+    rows.append(pp)
+    # 2. peer
+    g = "2. peer (ECExampleConnector)"
+    if not sizes:
+        rows.append(_goal(g, "ec-s3 / peer latency, fresh image", "-", "<= 1.2x", UNMEASURED,
+                          "run bench/e2e.py (stack part)"))
+    for size, r in sizes.items():
+        q = r["ratio_ecs3_vs_peer"]
+        L = r["latency_s"]
+        ok = q["ratio"] <= 1.2
+        pp50 = r.get("parts_p50_s", {})
+        rows.append(_goal(
+            g, f"ec-s3 / peer latency, fresh {size} image",
+            f"{q['ratio']:.2f}x [{q.get('ratio_min', float('nan')):.2f}-{q.get('ratio_max', float('nan')):.2f}] "
+            f"({L['ec-s3']['median'] * 1e3:.0f} vs {L['peer']['median'] * 1e3:.0f} ms)", "<= 1.2x", _status(ok),
+            "" if ok else (f"the peer's servers queue nothing (its consumer reads a local file in the step); "
+                           f"ec-s3's producer defers "
+                           f"{pp50.get('producer queued -> scheduled', float('nan')) * 1e3:.0f} ms (bucket lookup before "
+                           f"encoding) and its consumer waits {pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms "
+                           f"(PUT {pp50.get('PUT', float('nan')) * 1e3:.0f}, GET {pp50.get('GET', float('nan')) * 1e3:.0f} "
+                           "ms; the PUT shares the encoder worker's spinning core); close: no lookup before encoding, "
+                           "the I/O thread off the worker's core, faster PUT/GET (goal 3)")))
+    # 3. transfers
+    g = "3. transfers"
+    if transfer is None:
+        rows.append(_goal(g, "GET and PUT / best raw client", "-", ">= 0.9x, CPU/GiB <= 1.5x", UNMEASURED,
+                          "run bench/transfer.py"))
+    else:
+        for op in ("put", "get"):
+            vals, cpus, worst = [], [], None
+            for cell, r in transfer["summary"].items():
+                e = r[op]
+                v = e.get("ec_s3_vs_best_raw")
+                if v is None:
+                    continue
+                c = e["clients"]
+                cpu = c["ec-s3"]["client_cpu_s_per_gib"] / min(c[n]["client_cpu_s_per_gib"] for n in RAW_CLIENTS if n in c)
+                vals.append(v)
+                cpus.append(cpu)
+                if worst is None or v < worst[1]:
+                    worst = (cell, v)
+            if not vals:
+                continue
+            ok = min(vals) >= 0.9 and max(cpus) <= 1.5
+            rows.append(_goal(
+                g, f"{op.upper()} / best raw client, every cell ({len(vals)})",
+                f"{min(vals):.2f}-{max(vals):.2f}x; client CPU/GiB {min(cpus):.2f}-{max(cpus):.2f}x the best",
+                ">= 0.9x, CPU/GiB <= 1.5x", _status(ok),
+                "" if ok else f"worst cell {worst[0]} ({worst[1]:.2f}x); " + _CLOSE_TRANSFER[op]))
+    # 4. GIL
+    g = "4. GIL interference"
+    gil = load(out_dir, "gil")
+    if gil is None:
+        rows.append(_goal(g, "step slowdown while ec-s3 moves data", "-", "<= 5%", UNMEASURED, "run bench/gil.py"))
+    else:
+        for phase in ("upload", "download"):
+            rs = [(r["size_mib"], r[phase]) for r in gil.get("sizes", []) if phase in r]
+            if not rs:
+                continue
+            worst = max(rs, key=lambda x: x[1]["gil_cost"])
+            slow = max(rs, key=lambda x: x[1]["slowdown"])
+            ok = worst[1]["gil_cost"] <= 0.05
+            per_gib = ", ".join(f"{m} MiB {o['step_s_lost_per_gib']:.2f} s/GiB" for m, o in rs)
+            rows.append(_goal(
+                g, f"Python step while ec-s3 {phase}s (1-{rs[-1][0]} MiB)",
+                f"GIL cost up to {worst[1]['gil_cost'] * 100:.1f}% ({worst[0]} MiB); wall slowdown up to "
+                f"{slow[1]['slowdown'] * 100:+.0f}%; step time lost {per_gib}", "GIL cost <= 5% (bench/README.md: wall time "
+                "on a shared 2-core host is other processes')", _status(ok),
+                "" if ok else "the I/O thread holds the GIL in botocore's per-request Python and body copies; "
+                "close: a data path that releases the GIL (goal 3's client), fewer requests per blob"))
+    # 5. memory
+    g = "5. memory"
+    mem = load(out_dir, "memory")
+    runs = [r for r in (mem or {}).get("runs", []) if r.get("allocator", "default") == "default"]
+    if not runs:
+        rows.append(_goal(g, "peak RSS growth / max_inflight_bytes", "-", "<= 1.2x", UNMEASURED, "run bench/memory.py"))
+    else:
+        hi = max(r["growth_vs_budget"] for r in runs)
+        lo = min(r["growth_vs_budget"] for r in runs)
+        ok = hi <= 1.2
+        rows.append(_goal(g, f"peak RSS growth / max_inflight_bytes, default malloc ({len(runs)} runs)",
+                          f"{lo:.2f}-{hi:.2f}x", "<= 1.2x", _status(ok),
+                          "" if ok else "glibc keeps freed encoder-output buffers (1.0-1.2x with a fixed mmap "
+                          "threshold); close: a bounded pool of reused host buffers"))
+    # 6. save_caches
+    g = "6. save_caches"
+    ps = load(out_dir, "producer_save")
+    if ps is None:
+        rows.append(_goal(g, "save_caches / upload time", "-", "<= 1%", UNMEASURED, "run bench/producer_save.py"))
+    else:
+        for size, r in ps["sizes"].items():
+            pct = r["ratio_save_to_upload"] * 100
+            rows.append(_goal(g, f"save_caches / upload time, {size} MiB", f"{pct:.2f}%", "<= 1%", _status(pct <= 1.0),
+                              "" if pct <= 1.0 else "the wake-up hands the GIL to the I/O thread inside the step; "
+                              "close: one loop wake-up per step (deferred wake, whatif_save 0.7-0.8x)"))
+    # 7. GPU
+    rows.append(_gpu(out_dir))
+    return rows
+
+
+_CLOSE_CRITICAL = {
+    "proxy hop": "close: see bench/README.md, proxy profile",
+    "producer deferral": "close: the producer must not look the bucket up before encoding a new image",
+    "GET": "close: a GET without botocore's per-request Python (goal 3)",
+    "hand-offs": "close: poll a promised blob sooner (promise pickup) and hand staged items over in the same step",
+}
+_CLOSE_TRANSFER = {
+    "put": "PUT is bound by SeaweedFS's CPU on this host and botocore's per-request Python for small blobs; "
+           "close: sign with botocore, send with aiohttp (or obstore)",
+    "get": "two dependent requests per blob, zero-filled buffers, botocore's per-request Python; close: one "
+           "ranged request covering the header, read into the staging mmap, a lighter client",
+}
+
+
+def _promise_pickup(out_dir: Path) -> dict[str, str]:
+    """bench/promise_pickup.py's result, read defensively (another engineer's bench)."""
+    g, case, target = "1. critical path", "promised blob picked up after it becomes visible (p90)", "<= 5 ms p90"
+    if not (bl.BENCH_DIR / "promise_pickup.py").exists() and load(out_dir, "promise_pickup") is None:
+        return _goal(g, case, "-", target, UNMEASURED, "bench/promise_pickup.py does not exist yet")
+    d = load(out_dir, "promise_pickup")
+    if d is None:
+        return _goal(g, case, "-", target, UNMEASURED, "run bench/promise_pickup.py")
+    src = d.get("summary") if isinstance(d.get("summary"), dict) else d
+    delay = _find(src, ("pickup_delay_s", "pickup_s", "delay_s", "pickup_delay"))
+    p50 = _find(delay, ("p50", "median")) if isinstance(delay, dict) else None
+    p90 = _find(delay, ("p90",)) if isinstance(delay, dict) else None
+    gets = _find(src, ("gets_per_item", "get_requests_per_item", "requests_per_item"))
+    if not isinstance(p90, (int, float)):
+        return _goal(g, case, "-", target, UNMEASURED, "promise_pickup.json has no pickup delay p90 (format changed?)")
+    result = f"p90 {p90 * 1e3:.1f} ms" + (f", p50 {p50 * 1e3:.1f} ms" if isinstance(p50, (int, float)) else "")
+    if isinstance(gets, (int, float)):
+        result += f"; {gets:.1f} GETs per item"
+    ok = p90 <= 0.005
+    return _goal(g, case, result, target, _status(ok),
+                 "" if ok else "the consumer polls a promised-but-absent blob on a back-off; close: poll sooner")
+
+
+def _find(d: Any, keys: tuple[str, ...]) -> Any:
+    if not isinstance(d, dict):
+        return None
+    for k in keys:
+        if k in d:
+            return d[k]
+    return None
+
+
+def _gpu(out_dir: Path) -> dict[str, str]:
+    g, case, target = "7. GPU path", "step slowdown while publishing (device->pinned, side stream)", "<= 1.02x"
+    d = load(out_dir, "gpu_check")
+    if d is None or d.get("device") == "cpu":
+        cpu = load(out_dir, "gpu_check_cpu")
+        why = "no CUDA host here; on one: python bench/gpu_check.py --quick"
+        if cpu is not None:
+            rt = cpu.get("round_trips", [])
+            why += (f" (CPU dry run: script ran, {sum(1 for r in rt if r.get('bit_exact'))}/{len(rt)} "
+                    "round trips bit-exact; CUDA branches not exercised)")
+        return _goal(g, case, "-", target, NO_GPU, why)
+    slow = d.get("steps") or []
+    ratios = [r["ratio"] for r in slow if isinstance(r, dict) and "ratio" in r] if isinstance(slow, list) else []
+    syncs = d.get("sync_checks", [])
+    rt = d.get("round_trips", [])
+    sync_ok = all(r.get("ok") is not False for r in syncs)
+    exact = all(r.get("bit_exact") for r in rt)
+    if not ratios:
+        return _goal(g, case, f"sync {'pass' if sync_ok else 'FAIL'}, round trips {'exact' if exact else 'DIFFER'}",
+                     target, UNMEASURED, "gpu_check.json has no step slowdown")
+    ok = max(ratios) <= 1.02 and sync_ok and exact
+    return _goal(g, case, f"{min(ratios):.3f}-{max(ratios):.3f}x; no default-stream sync: {sync_ok}; "
+                 f"bit-exact: {exact}", target + ", no sync, bit-exact", _status(ok),
+                 "" if ok else "; ".join(d.get("problems", [])) or "see bench/results/gpu_check.json")
+
+
+def goals_table(goals: list[dict[str, str]]) -> str:
+    """Markdown without padding: the cells are long sentences, read in a README."""
+    head = ["goal (issue #13)", "case", "result (ratio, same run)", "target", "status", "why / what would close it"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in goals:
+        cells = [r["goal"], r["case"], r["result"], r["target"],
+                 f"**{r['status']}**" if r["status"] == MISSED else r["status"], r["why"] or "-"]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_goals(goals: list[dict[str, str]], out_dir: Path) -> None:
+    """One bar per goal row: met / missed / not measured."""
+    plt = bl.pyplot()
+    if plt is None or not goals:
+        return
+    colors = {MET: "C2", MISSED: "C3", UNMEASURED: "grey", NO_GPU: "lightgrey"}
+    fig, ax = plt.subplots(figsize=(11, 0.35 * len(goals) + 1))
+    labels = [f"{r['goal']}: {r['case']}"[:90] for r in goals]
+    ax.barh(range(len(goals)), [1] * len(goals), color=[colors.get(r["status"], "grey") for r in goals])
+    for i, r in enumerate(goals):
+        ax.annotate(f"{r['status']}  {r['result'][:70]}", (0.01, i), va="center", fontsize=7)
+    ax.set_yticks(range(len(goals)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xticks([])
+    ax.set_title("Issue #13 goals: met (green), missed (red), not measured (grey)")
+    bl.save_fig(fig, "summary", out_dir)
+
+
 def _provenance(out_dir: Path, name: str) -> str:
     d = load(out_dir, name)
+    if d is None and name == "gpu_check":
+        name, d = "gpu_check_cpu", load(out_dir, "gpu_check_cpu")
     if not d:
         return f"{name}: missing"
     env, params = d.get("environment", {}), d.get("params", {})
@@ -205,6 +518,23 @@ def update_readme(md: str) -> None:
     bl.log(f"updated {path}")
 
 
+def update_perf_section(title: str, counts: dict[str, int], goals_md: str) -> None:
+    """The goals table in the top-level README's Performance section (between markers)."""
+    path = bl.REPO / "README.md"
+    if not path.exists():
+        return
+    text = path.read_text()
+    if PERF_START not in text or PERF_END not in text:
+        bl.log(f"{path}: no {PERF_START} / {PERF_END} markers; Performance section not updated")
+        return
+    head, rest = text.split(PERF_START, 1)
+    _, tail = rest.split(PERF_END, 1)
+    body = (f"{title} ({counts[MET]} met, {counts[MISSED]} missed, {counts[UNMEASURED]} not measured, "
+            f"{counts[NO_GPU]} not run: no GPU; modes, dates and load in `bench/results/summary.md`):\n\n{goals_md}")
+    path.write_text(f"{head}{PERF_START}\n{body}\n{PERF_END}{tail}")
+    bl.log(f"updated {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (~3-4 min)")
@@ -222,6 +552,7 @@ def main() -> int:
     runs = {} if args.summary_only else {name: run_bench(name, args, args.out_dir) for name in names}
     total = time.monotonic() - started
     rows, goals = headline(args.out_dir)
+    issue = goal_rows(args.out_dir)
     cmd = "bench/run_all.py" + (" --quick" if args.quick else "") + (" --skip-e2e" if args.skip_e2e else "")
     env = bl.environment()
     if args.summary_only:
@@ -230,7 +561,13 @@ def main() -> int:
         title = (f"Latest results: `.venv/bin/python {cmd}` ({'quick' if args.quick else 'full'} mode), "
                  f"{env['when']}, git {env['git']}, {env['host_cpus']} CPUs, load average at start "
                  f"{env['loadavg_at_start'][0]}; total {total / 60:.1f} min")
-    md = title + "\n\n" + bl.table(["measurement", "case", "result (ratio, same run)", "goal", "met"], rows)
+    counts = {st: sum(1 for r in issue if r["status"] == st) for st in (MET, MISSED, UNMEASURED, NO_GPU)}
+    goals_md = goals_table(issue)
+    md = (title + "\n\n### Issue #13 goals\n\n"
+          + f"{counts[MET]} met, {counts[MISSED]} missed, {counts[UNMEASURED]} not measured, "
+          + f"{counts[NO_GPU]} not run (no GPU); ratios are measured within one run.\n\n" + goals_md
+          + "\n\n### Every measurement\n\n"
+          + bl.table(["measurement", "case", "result (ratio, same run)", "goal", "met"], rows))
     print("\n" + md)
     for name, r in runs.items():
         print(f"  {name}: {'ok' if r['rc'] == 0 else 'FAILED rc=' + str(r['rc'])} in {r['elapsed_s']:.0f} s (log: {r['log']})")
@@ -238,11 +575,17 @@ def main() -> int:
     (args.out_dir / "summary.md").write_text(md + "\n")
     (args.out_dir / "summary.json").write_text(json.dumps({
         "command": cmd, "environment": env, "total_s": total, "runs": runs, "goals_met": goals,
+        "issue_13_goals": issue,
         "rows": [dict(zip(["measurement", "case", "result", "goal", "met"], r)) for r in rows],
     }, indent=2) + "\n")
     complete = args.summary_only or set(names) == set(BENCHES) - ({"e2e"} if args.skip_e2e else set())
+    if not args.no_plot:
+        plot_goals(issue, args.out_dir)
     if not args.no_readme and args.out_dir.resolve() == bl.RESULTS_DIR.resolve() and complete:
         update_readme(md)
+        env_note = ("From the result files in `bench/results/`" if args.summary_only
+                    else f"`bench/run_all.py{' --quick' if args.quick else ''}`, {env['when']}, git {env['git']}")
+        update_perf_section(env_note, counts, goals_md)
     return 0 if all(r["rc"] == 0 for r in runs.values()) else 1
 
 

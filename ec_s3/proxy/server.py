@@ -45,10 +45,11 @@ from ec_s3.proxy.media import (
     MediaItem,
     TooManyItems,
     dump_body,
-    encoder_body,
+    encoder_payload,
     find_media_items,
     merge_params,
     parse_body,
+    splice_params,
     strip_published_media,
 )
 from ec_s3.proxy.metrics import ProxyMetrics
@@ -269,6 +270,11 @@ class EPDProxy:
             params = {}  # vLLM's example-proxy contract: PD sees the client's request only
         if not params and body is original and "ec_transfer_params" not in body:
             return await self._forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
+        if params and body is original:
+            # The client's bytes plus the params: the media are not serialised again.
+            spliced = splice_params(raw, body, params)
+            if spliced is not None:
+                return await self._forward_to_pd(request, spliced, headers, stream=stream)
         forwarded = dict(body)
         # The proxy owns this field: a client-sent one is dropped, never trusted.
         forwarded.pop("ec_transfer_params", None)
@@ -282,7 +288,7 @@ class EPDProxy:
         """One encoder request per distinct item, all in parallel; never raises for an
         encoder's sake (an item without params is encoded by the consumer)."""
         # Serialised first, so a body too deep to serialise is refused before any POST.
-        payloads = [dump_body(encoder_body(body, item)) for item in items]
+        payloads = [encoder_payload(body, item) for item in items]
         tasks = []
         for n, payload in enumerate(payloads):
             enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}", "Content-Type": "application/json"}

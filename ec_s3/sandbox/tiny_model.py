@@ -15,6 +15,10 @@ No model hub is reachable in CI, so the model is written from scratch:
   depend on the image (vLLM's ``load_format="dummy"`` weights make the image
   invisible).
 
+:class:`TinyShape` makes a bigger model of the same layout (benchmarks: the encoder
+output, one blob, is ``image tokens x text hidden`` bf16 values, 4 KiB by default):
+``TinyShape(image_size=448, text_hidden=512)`` gives 1024 tokens x 512 = 1 MiB.
+
 Only torch, safetensors, transformers, tokenizers and PIL are needed (all come with
 vLLM). Building takes about a second.
 
@@ -26,6 +30,7 @@ serving it (:mod:`ec_s3.sandbox.vllm_server`) nor the server arguments it needs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -43,6 +48,7 @@ __all__ = [
     "NUM_IMAGE_TOKENS",
     "PATCH_SIZE",
     "SPECIAL_TOKENS",
+    "TinyShape",
     "build_tiny_llava",
     "default_model_dir",
     "make_test_image",
@@ -67,6 +73,63 @@ VISION_LAYERS = 2
 MAX_POSITIONS = 2048
 INIT_STD = 0.02
 WEIGHT_DTYPE = "bfloat16"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyShape:
+    """The sizes of a tiny model; the default is the tests' model (4 KiB encoder outputs).
+
+    One encoder output (one blob) is ``num_image_tokens x text_hidden`` bf16 values.
+    ``text_hidden`` must be a multiple of 32 (heads of 32 below 512, of 64 from 512 on:
+    CPU attention accepts head sizes 32, 64, 80, ...); ``image_size`` a multiple of the
+    patch (14). A server of a bigger shape needs ``--max-model-len`` and
+    ``--max-num-batched-tokens`` above :attr:`num_image_tokens` (:meth:`server_args`).
+    """
+
+    image_size: int = IMAGE_SIZE
+    text_hidden: int = TEXT_HIDDEN
+    text_layers: int = TEXT_LAYERS
+    text_intermediate: int = 2 * TEXT_HIDDEN
+
+    def __post_init__(self) -> None:
+        if self.image_size <= 0 or self.image_size % PATCH_SIZE:
+            raise ValueError(f"image_size: {self.image_size} is not a positive multiple of {PATCH_SIZE}")
+        if self.text_hidden <= 0 or self.text_hidden % 32:
+            raise ValueError(f"text_hidden: {self.text_hidden} is not a positive multiple of 32")
+        if self.text_layers <= 0 or self.text_intermediate <= 0:
+            raise ValueError("text_layers and text_intermediate must be positive")
+
+    @property
+    def num_image_tokens(self) -> int:
+        return (self.image_size // PATCH_SIZE) ** 2
+
+    @property
+    def text_heads(self) -> int:
+        return self.text_hidden // (64 if self.text_hidden >= 512 else 32)
+
+    @property
+    def blob_bytes(self) -> int:
+        """The size of one image's encoder output (bf16), before the blob's header."""
+        return self.num_image_tokens * self.text_hidden * 2
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for the image tokens and a short prompt and answer (512 by default)."""
+        return max(512, 256 * -(-(self.num_image_tokens + 128) // 256))
+
+    @property
+    def max_positions(self) -> int:
+        return max(MAX_POSITIONS, self.max_model_len)
+
+    def server_args(self) -> tuple[str, ...]:
+        """vLLM server arguments for this shape (the default shape: ``TINY_MODEL_ARGS``'s)."""
+        max_len = self.max_model_len
+        return ("--max-model-len", str(max_len), "--max-num-batched-tokens", str(max_len),
+                "--enforce-eager", "--limit-mm-per-prompt", '{"image": 1}')
+
+
+DEFAULT_SHAPE = TinyShape()
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -95,15 +158,18 @@ _CORPUS = [
 ]
 
 
-def _manifest(seed: int, random_weights: bool) -> dict[str, Any]:
-    return {
+def _manifest(seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "seed": seed,
         "random_weights": random_weights,
-        "image_size": IMAGE_SIZE,
+        "image_size": shape.image_size,
         "patch_size": PATCH_SIZE,
-        "num_image_tokens": NUM_IMAGE_TOKENS,
+        "num_image_tokens": shape.num_image_tokens,
     }
+    if shape != DEFAULT_SHAPE:  # the default model's manifest is unchanged (no rebuilds)
+        out["shape"] = dataclasses.asdict(shape)
+    return out
 
 
 def read_manifest(model_dir: Path) -> dict[str, Any] | None:
@@ -155,18 +221,19 @@ def _train_tokenizer():
     return tok
 
 
-def _configs(vocab_size: int, image_token_id: int):
+def _configs(vocab_size: int, image_token_id: int, shape: TinyShape = DEFAULT_SHAPE):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
+    heads = TEXT_HEADS if shape == DEFAULT_SHAPE else shape.text_heads
     text = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=TEXT_HIDDEN,
-        intermediate_size=2 * TEXT_HIDDEN,
-        num_hidden_layers=TEXT_LAYERS,
-        num_attention_heads=TEXT_HEADS,
-        num_key_value_heads=TEXT_HEADS,
-        head_dim=TEXT_HIDDEN // TEXT_HEADS,
-        max_position_embeddings=MAX_POSITIONS,
+        hidden_size=shape.text_hidden,
+        intermediate_size=shape.text_intermediate,
+        num_hidden_layers=shape.text_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=shape.text_hidden // heads,
+        max_position_embeddings=shape.max_positions,
         rms_norm_eps=1e-5,
         bos_token_id=1,
         eos_token_id=2,
@@ -179,7 +246,7 @@ def _configs(vocab_size: int, image_token_id: int):
         projection_dim=VISION_HIDDEN,
         num_hidden_layers=VISION_LAYERS,
         num_attention_heads=2,
-        image_size=IMAGE_SIZE,
+        image_size=shape.image_size,
         patch_size=PATCH_SIZE,
         num_channels=3,
         hidden_act="quick_gelu",
@@ -188,7 +255,7 @@ def _configs(vocab_size: int, image_token_id: int):
         vision_config=vision,
         text_config=text,
         image_token_index=image_token_id,
-        image_seq_length=NUM_IMAGE_TOKENS,
+        image_seq_length=shape.num_image_tokens,
         projector_hidden_act="gelu",
         vision_feature_select_strategy="default",
         vision_feature_layer=-2,
@@ -245,7 +312,7 @@ def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
     return out
 
 
-def _write_model(tmp: Path, seed: int, random_weights: bool) -> list[str]:
+def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE) -> list[str]:
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
     tok = _train_tokenizer()
@@ -256,14 +323,14 @@ def _write_model(tmp: Path, seed: int, random_weights: bool) -> list[str]:
         eos_token="</s>",
         pad_token="<pad>",
         extra_special_tokens={"image_token": IMAGE_TOKEN},
-        model_max_length=MAX_POSITIONS,
+        model_max_length=shape.max_positions,
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     )
     image_token_id = tok.token_to_id(IMAGE_TOKEN)
     image_processor = CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE},
-        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        size={"shortest_edge": shape.image_size},
+        crop_size={"height": shape.image_size, "width": shape.image_size},
         do_resize=True,
         do_center_crop=True,
         do_convert_rgb=True,
@@ -290,7 +357,7 @@ def _write_model(tmp: Path, seed: int, random_weights: bool) -> list[str]:
     tc.setdefault("chat_template", CHAT_TEMPLATE)
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True))
 
-    cfg = _configs(tok.get_vocab_size(), image_token_id)
+    cfg = _configs(tok.get_vocab_size(), image_token_id, shape)
     cfg.save_pretrained(str(tmp))
     (tmp / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2)
@@ -329,18 +396,19 @@ def default_model_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "ec-s3" / "tiny-llava"
 
 
-def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True) -> Path:
+def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True,
+                     shape: TinyShape = DEFAULT_SHAPE) -> Path:
     """Write (or reuse) a tiny offline LLaVA-1.5 model directory at ``dst``.
 
     Returns ``dst``. If ``dst`` already holds a complete build with the same seed,
-    ``random_weights`` flag and format version, it returns at once. Otherwise the
+    ``random_weights`` flag, :class:`TinyShape` and format version, it returns at once. Otherwise the
     model is built in a sibling temp dir and renamed into place (a concurrent
     builder that wins the rename is accepted). With ``random_weights=False`` no
     ``model.safetensors`` is written: load it with ``load_format="dummy"`` (the image
     then has no visible effect on outputs).
     """
     dst = Path(dst)
-    want = _manifest(seed, random_weights)
+    want = _manifest(seed, random_weights, shape)
     if _is_complete(dst, want):
         return dst
 
@@ -348,7 +416,7 @@ def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True) -
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        files = _write_model(tmp, seed, random_weights)
+        files = _write_model(tmp, seed, random_weights, shape)
         manifest = dict(want, files=files)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
