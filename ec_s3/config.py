@@ -31,6 +31,7 @@ GiB = 1 << 30
 _MIN_PART_SIZE = 5 * MiB
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
 _PREFIX_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._\-]{1,128}$")
+_CPU_RANGE_RE = re.compile(r"(\d{1,4})(?:-(\d{1,4}))?")
 
 Backpressure = Literal["block", "drop"]
 LookupPolicy = Literal["always", "promised"]
@@ -128,6 +129,17 @@ class ECS3Config:
     max_concurrency: int = dataclasses.field(
         default=16,
         metadata=_doc("S3 requests in flight at once per process (parts count singly).", min=1, max=1024),
+    )
+    # vLLM's CPU backend pins every thread of a worker to its OMP cores (one core per
+    # worker by default): the I/O thread, started there, would share that core with the
+    # model step and its ~1 s busy-wait (bench/epd_stack.py: an 8 MiB PUT 650 ms, ~20x a
+    # raw client's). GPU workers are not pinned: `auto` changes nothing there.
+    io_cpus: str = dataclasses.field(
+        default="auto",
+        metadata=_doc(
+            "CPUs ec-s3's I/O thread runs on: `auto` any CPU this host (cgroup) allows, `inherit` those of "
+            "the thread that starts it (vLLM's CPU backend pins workers to single cores), or a list such as `0-3,8`."
+        ),
     )
     multipart_threshold_bytes: int = dataclasses.field(
         default=16 * MiB,
@@ -348,8 +360,28 @@ class ECS3Config:
                     "checksum_algorithm='CRC32C' needs the awscrt package (pip install 'botocore[crt]'); "
                     "or use CRC32 or SHA256"
                 ) from None
+        self.io_cpu_set()  # raises naming io_cpus
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ConfigError("retry_max_delay_s must be >= retry_base_delay_s")
+
+    def io_cpu_set(self) -> frozenset[int] | None:
+        """The CPUs of ``io_cpus``; None for ``inherit`` (leave the thread as it is)."""
+        spec = self.io_cpus.strip()
+        if spec == "inherit":
+            return None
+        if spec == "auto":
+            # The kernel intersects this with the cgroup's cpuset: asking for every CPU
+            # the machine has means "every CPU this process may use".
+            return frozenset(range(os.cpu_count() or 1))
+        cpus: set[int] = set()
+        for part in spec.split(","):
+            m = _CPU_RANGE_RE.fullmatch(part.strip())
+            if m is None or (m[2] is not None and int(m[2]) < int(m[1])):
+                raise ConfigError(
+                    f"io_cpus={self.io_cpus!r} is invalid: expected 'auto', 'inherit' or a CPU list such as '0-3,8'"
+                )
+            cpus.update(range(int(m[1]), int(m[2] if m[2] is not None else m[1]) + 1))
+        return frozenset(cpus)
 
     def __repr__(self) -> str:
         shown = ", ".join(

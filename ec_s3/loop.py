@@ -4,7 +4,9 @@ vLLM calls the connector from its engine loop (scheduler side) and its model ste
 (worker side), neither of which may wait on the network. Both hand coroutines to
 this loop and get ``concurrent.futures.Future`` objects back. One loop per process
 (recreated after ``fork``) keeps the thread count and connection pools small when a
-scheduler-role and a worker-role connector share a process.
+scheduler-role and a worker-role connector share a process. Owns that thread,
+including which CPUs it may run on (``io_cpus``, applied by the connector); does
+not own what runs on it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ec_s3.log import logger
@@ -59,6 +61,22 @@ class BackgroundLoop:
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run a plain callback on the loop thread; thread-safe, never blocks."""
         self._loop.call_soon_threadsafe(fn, *args)
+
+    def set_cpus(self, cpus: Iterable[int] | None) -> None:
+        """Let the loop thread, and the helper threads it starts from now on, run on
+        ``cpus`` (None: leave them as they are). Thread-safe, never blocks; a refusal
+        (an empty intersection with the cgroup's CPUs) is logged, not raised."""
+        if cpus is None or not hasattr(os, "sched_setaffinity"):
+            return
+        wanted = frozenset(cpus)
+
+        def apply() -> None:
+            try:
+                os.sched_setaffinity(0, wanted)  # pid 0: the calling thread, on Linux
+            except (OSError, ValueError) as exc:
+                logger.warning("ec-s3: cannot move the I/O thread to CPUs %s: %s; set io_cpus", sorted(wanted), exc)
+
+        self.call_soon(apply)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Block the calling thread until ``coro`` finishes (CLI, tests, shutdown)."""

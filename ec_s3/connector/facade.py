@@ -30,6 +30,7 @@ from ec_s3.connector.metrics import ECS3PromMetrics, ECS3Stats
 from ec_s3.connector.model import ModelInfo
 from ec_s3.connector.scheduler import ECS3Scheduler
 from ec_s3.connector.worker import ECS3Worker
+from ec_s3.loop import shared_loop
 from ec_s3.transfer.counters import Counters
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ class ECS3Connector(ECConnectorBase):
         assert ec_config is not None
         self.config = ECS3Config.from_extra_config(ec_config.ec_connector_extra_config)
         self.model = ModelInfo.from_vllm(vllm_config, self.config)
+        shared_loop().set_cpus(self.config.io_cpu_set())
         self.counters = Counters()
         self._scheduler: ECS3Scheduler | None = None
         self._worker: ECS3Worker | None = None
