@@ -288,8 +288,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                               "" if add <= bound else "the consumer waits for the PUT and the GET in turn; the PUT "
                               "runs on the encoder worker's one bound core, shared with its ~1 s busy-wait after each "
                               "step (bench/README.md); close: the I/O thread off the worker's core, goal 3's data path"))
-    pp = _promise_pickup(out_dir)
-    rows.append(pp)
+    rows.extend(_promise_pickup(out_dir))
     # 2. peer
     g = "2. peer (ECExampleConnector)"
     if not sizes:
@@ -403,27 +402,40 @@ _CLOSE_TRANSFER = {
 }
 
 
-def _promise_pickup(out_dir: Path) -> dict[str, str]:
-    """bench/promise_pickup.py's result, read defensively (another engineer's bench)."""
-    g, case, target = "1. critical path", "promised blob picked up after it becomes visible (p90)", "<= 5 ms p90"
-    if not (bl.BENCH_DIR / "promise_pickup.py").exists() and load(out_dir, "promise_pickup") is None:
-        return _goal(g, case, "-", target, UNMEASURED, "bench/promise_pickup.py does not exist yet")
+def _promise_pickup(out_dir: Path) -> list[dict[str, str]]:
+    """bench/promise_pickup.py: pickup delay after a promised blob becomes visible, for
+    blobs that land within the dense-poll window (<= 100 ms) and over every delay."""
+    g, target = "1. critical path", "<= 5 ms p90"
+    case_fast = "promised blob picked up after it becomes visible (p90), visible <= 100 ms after the promise"
+    case_all = "same, every delay measured (5 ms - 2 s)"
     d = load(out_dir, "promise_pickup")
-    if d is None:
-        return _goal(g, case, "-", target, UNMEASURED, "run bench/promise_pickup.py")
-    src = d.get("summary") if isinstance(d.get("summary"), dict) else d
-    delay = _find(src, ("pickup_delay_s", "pickup_s", "delay_s", "pickup_delay"))
-    p50 = _find(delay, ("p50", "median")) if isinstance(delay, dict) else None
-    p90 = _find(delay, ("p90",)) if isinstance(delay, dict) else None
-    gets = _find(src, ("gets_per_item", "get_requests_per_item", "requests_per_item"))
-    if not isinstance(p90, (int, float)):
-        return _goal(g, case, "-", target, UNMEASURED, "promise_pickup.json has no pickup delay p90 (format changed?)")
-    result = f"p90 {p90 * 1e3:.1f} ms" + (f", p50 {p50 * 1e3:.1f} ms" if isinstance(p50, (int, float)) else "")
-    if isinstance(gets, (int, float)):
-        result += f"; {gets:.1f} GETs per item"
-    ok = p90 <= 0.005
-    return _goal(g, case, result, target, _status(ok),
-                 "" if ok else "the consumer polls a promised-but-absent blob on a back-off; close: poll sooner")
+    summary = d.get("summary") if isinstance(d, dict) else None
+    current = summary.get("current") if isinstance(summary, dict) else None
+    if not isinstance(current, dict):
+        why = "run bench/promise_pickup.py" if d is None else "promise_pickup.json has no 'current' summary"
+        return [_goal(g, case_fast, "-", target, UNMEASURED, why)]
+    per = current.get("per_delay_ms") or {}
+    fast = [v["pickup_ms"]["p90"] for k, v in per.items() if float(k) <= 100 and "pickup_ms" in v]
+    rate = (current.get("gets_per_s") or {}).get("median")
+    gets_1s = ((per.get("1000") or {}).get("gets") or {}).get("median")
+    cost = (f"; {rate:.0f} GET/s per waiting item (median)" if isinstance(rate, (int, float)) else "") + (
+        f", {gets_1s:.0f} GETs for a 1 s wait" if isinstance(gets_1s, (int, float)) else "")
+    rows = []
+    if fast:
+        worst = max(fast)
+        rows.append(_goal(g, case_fast, f"p90 {worst:.1f} ms (worst delay){cost}", target, _status(worst <= 5.0),
+                          "" if worst <= 5.0 else "2 ms polls plus one GET and a scheduler step; close: a push "
+                          "from the producer (no S3 API has one)"))
+    overall = (current.get("pickup_ms") or {}).get("p90")
+    if isinstance(overall, (int, float)):
+        dense = ((summary.get("dense") or {}).get("pickup_ms") or {}).get("p90")
+        rows.append(_goal(
+            g, case_all, f"p90 {overall:.1f} ms" + (f" (polling every 2 ms throughout: {dense:.1f} ms)" if dense else ""),
+            target, _status(overall <= 5.0),
+            "" if overall <= 5.0 else "after 100 ms the poll interval is 5% of the time waited (capped at 250 ms), "
+            "so a blob is picked up within ~5% of its upload time; 5 ms at every delay needs ~200 GET/s per "
+            "waiting item, or a push notification from the producer"))
+    return rows
 
 
 def _find(d: Any, keys: tuple[str, ...]) -> Any:
