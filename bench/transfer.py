@@ -6,6 +6,8 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 
 * ``ec-s3``: ``S3Store.put_async`` of an encoded blob and ``S3Store.get_async`` into a
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
+* ``ec-s3-botocore`` (opt-in, ``--clients``): the same with ``data_path: botocore``, every
+  request through aiobotocore (what ec-s3 did before its direct data path);
 * ``boto-default``: raw aioboto3 with botocore defaults (``put_object``,
   ``get_object`` + ``read``);
 * ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``
@@ -73,8 +75,10 @@ class Client:
 class EcS3Client(Client):
     name = "ec-s3"
 
-    def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
-        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31))
+    def __init__(self, ep: bl.Endpoint, bucket: str, data_path: str = "direct") -> None:
+        if data_path != "direct":
+            self.name = f"ec-s3-{data_path}"
+        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31, data_path=data_path))
 
     async def put(self, key: str, body: Any) -> None:
         await self.store.put_async(key, body)
@@ -327,6 +331,7 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
 def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list[str]) -> list[Client]:
     makers = {
         "ec-s3": lambda: EcS3Client(ep, bucket),
+        "ec-s3-botocore": lambda: EcS3Client(ep, bucket, "botocore"),
         "boto-default": lambda: BotoClient(ep, bucket, tuned=False),
         "boto-tuned": lambda: BotoClient(ep, bucket, tuned=True),
         "obstore": lambda: ObstoreClient(ep, bucket),
@@ -358,7 +363,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
         for c in clients:
             bg.run(c.setup(), timeout=120)
             # warm-up: connections, credentials, code paths
-            bg.run(_run_ops(c, "put", [f"warm/{c.name}"], blob if c.name == "ec-s3" else body_bytes, 1), timeout=120)
+            bg.run(_run_ops(c, "put", [f"warm/{c.name}"], blob if c.name.startswith("ec-s3") else body_bytes, 1), timeout=120)
             bg.run(_run_ops(c, "get", [f"warm/{c.name}"], None, 1), timeout=120)
             bg.run(_run_ops(c, "delete", [f"warm/{c.name}"], None, 1), timeout=120)
         for conc in concs:
@@ -373,7 +378,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
                 for c in order:
                     if not c.concurrent and conc != concs[0]:
                         continue  # synchronous baseline: measured once, at the first concurrency
-                    body = blob if c.name == "ec-s3" else body_bytes
+                    body = blob if c.name.startswith("ec-s3") else body_bytes
                     r = run_cell(bg, ep, c, size, conc, n_obj, body, f"{conc}-{rep}")
                     cell.setdefault(c.name, []).append(r)
             rss = ep.server_rss()
@@ -418,7 +423,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     theirs = [r[op]["mib_per_s"] for r in cres["runs"][best]]
                     per = [a / b for a, b in zip(ours, theirs)]
                     entry["ec_s3_vs_best_raw_range"] = [min(per), max(per)]
-                for base in ("boto-default", "example-connector"):
+                for base in ("boto-default", "example-connector", "ec-s3-botocore"):
                     if base in med and "ec-s3" in med:
                         entry[f"ec_s3_vs_{base}"] = med["ec-s3"]["mib_per_s"] / med[base]["mib_per_s"]
                 row[op] = entry
@@ -445,13 +450,15 @@ def print_tables(summ: dict[str, Any]) -> None:
                 e.get("ec_s3_vs_best_raw"),
                 e.get("ec_s3_vs_boto-default"),
                 e.get("ec_s3_vs_example-connector"),
+                e.get("ec_s3_vs_ec-s3-botocore"),
                 c.get("ec-s3", {}).get("client_cpu_s_per_gib"),
+                c.get("ec-s3-botocore", {}).get("client_cpu_s_per_gib"),
                 c.get(e.get("best_raw") or "", {}).get("client_cpu_s_per_gib"),
                 c.get("ec-s3", {}).get("server_cpu_s_per_gib"),
             ])
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def", "vs example",
-             "ec-s3 CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
+             "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
             rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)",
         ))
 

@@ -37,6 +37,7 @@ LookupPolicy = Literal["always", "promised"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
 StartupCheck = Literal["fatal", "warn", "off"]
+DataPath = Literal["direct", "botocore"]
 
 
 class ConfigError(ValueError):
@@ -124,6 +125,13 @@ class ECS3Config:
     # --- client tuning ----------------------------------------------------------
     max_pool_connections: int = dataclasses.field(
         default=32, metadata=_doc("HTTP connections kept to the endpoint.", min=1, max=1024)
+    )
+    data_path: DataPath = dataclasses.field(
+        default="direct",
+        metadata=_doc(
+            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent by ec-s3's own aiohttp "
+            "pool: 2-4x less client CPU) or `botocore` (every request through aiobotocore; the escape hatch)."
+        ),
     )
     max_concurrency: int = dataclasses.field(
         default=16,
@@ -452,6 +460,7 @@ _LITERALS: dict[str, tuple[str, ...]] = {
     "AddressingStyle": get_args(AddressingStyle),
     "ChecksumAlgorithm": get_args(ChecksumAlgorithm),
     "StartupCheck": get_args(StartupCheck),
+    "DataPath": get_args(DataPath),
 }
 
 
