@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import html
 import inspect
-import ipaddress
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -101,27 +100,26 @@ class _ChainPayload(aiohttp.payload.Payload):
             left -= len(part)
 
 
-def _virtual_hosted(style: str, host: str, bucket: str) -> bool:
-    """botocore's choice (its S3 endpoint rules): ``auto`` addresses the bucket as a
-    host name when the bucket is one DNS label (no dots: a TLS wildcard certificate
-    covers one level) and the endpoint is not an IP address."""
+def _virtual_hosted(style: str, custom_endpoint: bool, bucket: str) -> bool:
+    """botocore's choice (``args.py`` and its S3 endpoint rules): ``auto`` addresses the
+    bucket as a host name only on AWS's own endpoints, and only a bucket that is one DNS
+    label (no dots: a TLS wildcard certificate covers one level); with an
+    ``endpoint_url`` (MinIO, SeaweedFS, ...) ``auto`` means path style."""
     if style == "virtual":
         return True
-    if style == "path":
+    if style == "path" or custom_endpoint:
         return False
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return False
-    except ValueError:
-        return "." not in bucket
+    return "." not in bucket
 
 
-def object_url(endpoint_url: str, bucket: str, key: str, addressing_style: str) -> str:
-    """The URL of ``key``, percent-encoded as S3 signs it (``/`` and ``~`` kept)."""
+def object_url(endpoint_url: str, bucket: str, key: str, addressing_style: str, *, custom_endpoint: bool) -> str:
+    """The URL of ``key``, percent-encoded as S3 signs it (``/`` and ``~`` kept).
+    ``endpoint_url`` is the one the client resolved (a region's on AWS);
+    ``custom_endpoint`` says whether the configuration named it."""
     parts = urlsplit(endpoint_url)
     path = parts.path.rstrip("/")
     quoted = quote(key, safe="/~")
-    if _virtual_hosted(addressing_style, parts.hostname or "", bucket):
+    if _virtual_hosted(addressing_style, custom_endpoint, bucket):
         return f"{parts.scheme}://{bucket}.{parts.netloc}{path}/{quoted}"
     return f"{parts.scheme}://{parts.netloc}{path}/{bucket}/{quoted}"
 
@@ -136,12 +134,13 @@ class DirectWire:
     def __init__(self, config: ECS3Config, client: Any) -> None:
         self._bucket = config.bucket
         self._style = config.addressing_style
+        self._custom_endpoint = config.endpoint_url is not None
         self._endpoint = str(client.meta.endpoint_url)
         self._region = str(client.meta.region_name or config.region)
         # The client's credential object, not a frozen copy: refreshable credentials
         # (instance role, SSO, credential_process) rotate under it.
         self._credentials = client._request_signer._credentials
-        base = object_url(self._endpoint, self._bucket, "", self._style)
+        base = self.url("")
         proxies = ProxyConfiguration(proxies=get_environ_proxies(base))
         self._proxy = proxies.proxy_url_for(base)
         self._proxy_headers = proxies.proxy_headers_for(self._proxy) if self._proxy else None
@@ -171,7 +170,7 @@ class DirectWire:
         return self._session
 
     def url(self, key: str, query: str = "") -> str:
-        url = object_url(self._endpoint, self._bucket, key, self._style)
+        url = object_url(self._endpoint, self._bucket, key, self._style, custom_endpoint=self._custom_endpoint)
         return f"{url}?{query}" if query else url
 
     async def close(self) -> None:
