@@ -137,13 +137,23 @@ def test_error_answers_are_typed_with_status_and_code(direct: Callable[..., S3St
 
 
 def test_conditional_put_412_is_already_exists(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """Bodies sent without ``Expect: 100-continue``: an early refusal of a large body
+    must still come back as the answer, not as a reset mid-body."""
+    plain = direct()  # straight to the server: the proxy reads whole bodies before forwarding
+    data = os.urandom(12 * MiB)  # the largest single PUT (< multipart_threshold_bytes)
+    assert plain.run(plain.put_async("k", data), timeout=30) is PutOutcome.CREATED
+    assert plain.run(plain.put_async("k", os.urandom(12 * MiB)), timeout=30) is PutOutcome.ALREADY_EXISTS
     store = direct(fault_proxy.endpoint_url)
-    data = os.urandom(2 * MiB)  # > 1 MiB: sent with Expect: 100-continue
-    assert store.run(store.put_async("k", data), timeout=30) is PutOutcome.CREATED
-    assert store.run(store.put_async("k", os.urandom(2 * MiB)), timeout=30) is PutOutcome.ALREADY_EXISTS  # the server's 412
     fault_proxy.error_next(1, 412, methods=["PUT"])
     assert store.run(store.put_async("k2", b"y" * 10), timeout=30) is PutOutcome.ALREADY_EXISTS
     assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_large_put_with_wrong_credentials_is_access_denied(direct: Callable[..., S3Store]) -> None:
+    store = direct(secret_access_key="wrong-secret", max_attempts=3)
+    with pytest.raises(AccessDenied):
+        store.run(store.put_async("k", os.urandom(12 * MiB)), timeout=30)
+    assert store.stats.retries == 0
 
 
 # ---------------------------------------------------------------------------- bodies

@@ -54,10 +54,6 @@ __all__ = ["DirectWire", "object_url"]
 _KEEPALIVE_S = 12.0
 # An error body is a small XML document; anything longer is not worth reading.
 _ERROR_BODY_LIMIT = 64 * 1024
-# botocore asks for 100-continue on bodies over 1 MB so that an early final answer (a
-# 412 of a conditional PUT, a 403) arrives before the body is sent, not as a reset
-# halfway through it.
-_EXPECT_CONTINUE_BYTES = 1 << 20
 # The StreamReader pauses the socket above 2x this; 64 KiB (aiohttp's default) pauses
 # and resumes it dozens of times per MiB.
 _READ_BUFSIZE = 1 << 20
@@ -186,9 +182,12 @@ class DirectWire:
         self, op: str, key: str, body: BufferChain, headers: dict[str, str], query: str = ""
     ) -> Mapping[str, str]:
         """PUT ``body`` (a single PUT, or with ``query`` an UploadPart); the answer's headers."""
+        # No ``Expect: 100-continue`` (botocore sends one over 1 MB): waiting for the
+        # server's go-ahead made 8 MiB PUTs 1.3-1.6x slower on SeaweedFS, and neither
+        # obstore nor raw clients ask. Early refusals (412, 403) of bodies up to a part
+        # still arrive as answers (tests/test_store_wire.py), and multipart uploads ask
+        # with a HEAD before sending any part.
         headers = {**headers, "Content-Length": str(len(body))}
-        if len(body) > _EXPECT_CONTINUE_BYTES:
-            headers["Expect"] = "100-continue"
         async with self._request(op, "PUT", key, headers, query=query, data=_ChainPayload(body)) as resp:
             return resp.headers
 
