@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ec_s3.config import ECS3Config
+from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.store.client import (
     AccessDenied,
     BucketNotFound,
@@ -46,6 +46,13 @@ def direct(make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
         return store
 
     return make
+
+
+def test_data_path_key_is_validated() -> None:
+    assert ECS3Config.from_extra_config({"bucket": "b-1"}, environ={}).data_path == "direct"
+    assert ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "botocore"}, environ={}).data_path == "botocore"
+    with pytest.raises(ConfigError, match="data_path='fast' is invalid: expected one of 'direct', 'botocore'"):
+        ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "fast"}, environ={})
 
 
 # ---------------------------------------------------------------------------- URLs
