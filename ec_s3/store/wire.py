@@ -88,6 +88,10 @@ class _ChainPayload(aiohttp.payload.Payload):
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
         left = len(self._value) if content_length is None else content_length
+        # An empty first write sends the request head alone: aiohttp coalesces the head
+        # with the first chunk, and on Python 3.11 that is a b"".join, a copy of the
+        # whole body (~0.25 ms per MiB, a third of a 1 MiB PUT's client CPU).
+        await writer.write(b"")
         for view in self._value.views:
             if left <= 0:
                 return
