@@ -291,3 +291,24 @@ def test_rotated_credentials_are_used(
         assert creds.secret_access_key not in repr(store) and creds.secret_access_key not in repr(store._wire)
     finally:
         store.close(timeout=2)
+
+
+def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
+    direct: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's client and its direct path are built together: when the second
+    cannot be built, the first is closed and the next request tries both again
+    (it once kept the client, and every later request died on an assertion)."""
+    import ec_s3.store.client as client_module
+
+    store = direct()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(client_module, "DirectWire", refuse)
+    for _ in range(2):
+        with pytest.raises(StoreRequestError, match="cannot create the S3 client"):
+            store.run(store.head_async("k"), timeout=30)
+    monkeypatch.undo()
+    assert store.run(store.head_async("k"), timeout=30) is None

@@ -265,7 +265,13 @@ class S3Store:
                 try:
                     # Resolves the credential chain (profile, SSO, instance role) when
                     # the config names no keys: that can fail, and must fail typed.
-                    self._client = await open_client(self.config, stack)
+                    client = await open_client(self.config, stack)
+                    if self.config.data_path == "direct":
+                        # Its own pool next to the client's, which then carries only
+                        # the rare other requests; closed before the client (LIFO).
+                        wire = DirectWire(self.config, client)
+                        stack.push_async_callback(wire.close)
+                        self._wire = wire
                 except Exception as exc:  # noqa: BLE001 - mapped below
                     await stack.aclose()
                     error = to_store_error("connect", "", exc)
@@ -274,13 +280,10 @@ class S3Store:
                         error.__cause__ = exc
                     raise error from exc
                 self._exit_stack = stack
-                if self.config.data_path == "direct":
-                    # Its own pool next to the client's: the client's carries only
-                    # the rare non-data requests.
-                    self._wire = DirectWire(self.config, self._client)
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
                 self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
+                self._client = client  # last: its being set means the store is ready
         return self._client
 
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
@@ -632,10 +635,7 @@ class S3Store:
                 logger.warning("ec-s3: cancelled %d S3 operations still pending after %.1fs", len(still), timeout)
                 await asyncio.gather(*still, return_exceptions=True)
         self._client_gone = True
-        if self._wire is not None:
-            with contextlib.suppress(Exception):
-                await self._wire.close()
-            self._wire = None
+        self._wire = None  # closed by the exit stack, before the client
         if self._exit_stack is not None:
             await self._exit_stack.aclose()
             self._client = None
