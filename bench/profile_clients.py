@@ -81,6 +81,8 @@ def main() -> int:
             prof.disable()
             cpu, wall = time.process_time() - c0, time.perf_counter() - w0
             await client.close()
+            if hasattr(client, "store"):  # ec-s3: its pools live on this loop, close them here
+                await client.store._aclose(2.0)
             run.prof = prof  # type: ignore[attr-defined]
             return cpu, wall, 0.0
 
