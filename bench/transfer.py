@@ -16,6 +16,8 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
   multipart PUT for large bodies, single GET);
 * ``aiohttp``: raw aiohttp + SigV4 ``UNSIGNED-PAYLOAD`` signed by botocore
   (single PUT, single streamed GET into a buffer);
+* ``bufferedprotocol`` (opt-in): GETs on an ``asyncio.BufferedProtocol`` that reads
+  bodies straight into the buffer (the ceiling of a Python GET path), PUTs as ``aiohttp``;
 * ``example-connector``: vLLM's ``ECExampleConnector`` (the seed: synchronous
   safetensors save/load on local disk) for the same tensors, one at a time.
 
@@ -227,6 +229,89 @@ class AiohttpClient(Client):
         await self.session.close()
 
 
+class _IntoBuffer(asyncio.BufferedProtocol):
+    """One keep-alive HTTP/1.1 connection whose GET bodies the kernel copies straight
+    into the destination buffer (``recv_into``): no bytes objects, no parser copy."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.head = bytearray(64 * 1024)
+        self.done: asyncio.Future[int] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def expect(self) -> asyncio.Future[int]:
+        self.hlen, self.out, self.pos, self.size = 0, None, 0, -1
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.head)[self.hlen :] if self.out is None else self.out[self.pos :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.done is not None
+        if self.out is None:
+            self.hlen += nbytes
+            end = self.head.find(b"\r\n\r\n", 0, self.hlen)
+            if end < 0:
+                return
+            lines = bytes(self.head[:end]).split(b"\r\n")
+            if int(lines[0].split()[1]) != 200:
+                self.done.set_exception(RuntimeError(lines[0].decode()))
+                return
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+            self.size = int(headers[b"content-length"])
+            self.out = memoryview(bytearray(self.size))
+            already = self.hlen - (end + 4)
+            self.out[:already] = self.head[end + 4 : self.hlen]
+            self.pos = already
+        else:
+            self.pos += nbytes
+        if self.pos >= self.size and not self.done.done():
+            self.done.set_result(self.pos)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(exc or ConnectionError("closed mid-answer"))
+
+
+class BufferedProtocolClient(AiohttpClient):
+    """What-if for GET (opt-in, ``--clients bufferedprotocol``): a minimal HTTP/1.1 GET on
+    an ``asyncio.BufferedProtocol`` that reads the body straight into the buffer, signed
+    like ``aiohttp``; PUTs as ``aiohttp``. The ceiling of a Python GET path here."""
+
+    name = "bufferedprotocol"
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.idle: list[_IntoBuffer] = []
+
+    async def get(self, key: str) -> int:
+        from urllib.parse import urlsplit
+
+        url = self._url(key)
+        parts = urlsplit(url)
+        conn = self.idle.pop() if self.idle else None
+        if conn is None or conn.transport.is_closing():
+            _, conn = await asyncio.get_running_loop().create_connection(_IntoBuffer, parts.hostname, parts.port)
+        head = "".join(f"{k}: {v}\r\n" for k, v in self._headers("GET", url).items())
+        done = conn.expect()
+        conn.transport.write(f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}\r\n".encode())
+        try:
+            n = await done
+        except BaseException:
+            conn.transport.close()
+            raise
+        self.idle.append(conn)
+        return n
+
+    async def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        await super().close()
+
+
 class ExampleConnectorClient(Client):
     """vLLM's ECExampleConnector: ``save_caches`` / ``start_load_caches`` to local disk.
 
@@ -336,6 +421,7 @@ def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list
         "boto-tuned": lambda: BotoClient(ep, bucket, tuned=True),
         "obstore": lambda: ObstoreClient(ep, bucket),
         "aiohttp": lambda: AiohttpClient(ep, bucket),
+        "bufferedprotocol": lambda: BufferedProtocolClient(ep, bucket),
         "example-connector": lambda: ExampleConnectorClient(tensor),
     }
     clients = []
@@ -398,7 +484,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Medians per (size, conc, client, op) and ratios vs the best raw client."""
-    raw = ("boto-default", "boto-tuned", "obstore", "aiohttp")
+    raw = ("boto-default", "boto-tuned", "obstore", "aiohttp", "bufferedprotocol")
     out: dict[str, Any] = {}
     for size, sres in results.items():
         for conc, cres in sres["cells"].items():
