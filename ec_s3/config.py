@@ -130,7 +130,7 @@ class ECS3Config:
         default="direct",
         metadata=_doc(
             "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent on ec-s3's own aiohttp "
-            "pool: 2-3x less client CPU per 1 MiB blob) or `botocore` (every request through aiobotocore; the "
+            "pool: 2-3.5x less client CPU per 1 MiB blob) or `botocore` (every request through aiobotocore; the "
             "escape hatch). Other requests always go through aiobotocore."
         ),
     )
