@@ -4,6 +4,9 @@ in the main thread, so cProfile sees it all), to find where ec-s3 spends CPU.
     .venv/bin/python bench/profile_clients.py --client ec-s3 --op get --size-mib 1 --n 64 --conc 8
     .venv/bin/python bench/profile_clients.py --client boto-default --op get --size-mib 1 --n 64 --conc 8
 
+Clients are bench/transfer.py's (``ec-s3``, ``ec-s3-botocore``: the store with
+``data_path: botocore``, ``boto-default``, ``boto-tuned``, ``obstore``, ``aiohttp``).
+
 Prints the top functions by cumulative and by own time, and the CPU-seconds per GiB;
 ``--out`` also writes the pstats text to a file.
 """
@@ -59,7 +62,7 @@ def main() -> int:
     rows = args.size_mib * bl.MiB // (WIDTH * 2)
     tensor = torch.randn(rows, WIDTH).to(torch.bfloat16)
     blob = encode_blob(tensor, BlobMeta("bench", torch.bfloat16, (rows, WIDTH), "ns", "p"))
-    body = blob if args.client == "ec-s3" else bytes(blob)
+    body = blob if args.client.startswith("ec-s3") else bytes(blob)
     keys = [f"prof/{i}" for i in range(args.n)]
     with bl.s3_endpoint("prof") as ep:
         bucket = bl.create_bucket(ep)
@@ -78,6 +81,8 @@ def main() -> int:
             prof.disable()
             cpu, wall = time.process_time() - c0, time.perf_counter() - w0
             await client.close()
+            if hasattr(client, "store"):  # ec-s3: its pools live on this loop, close them here
+                await client.store._aclose(2.0)
             run.prof = prof  # type: ignore[attr-defined]
             return cpu, wall, 0.0
 

@@ -6,6 +6,8 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 
 * ``ec-s3``: ``S3Store.put_async`` of an encoded blob and ``S3Store.get_async`` into a
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
+* ``ec-s3-botocore`` (opt-in, ``--clients``): the same with ``data_path: botocore``, every
+  request through aiobotocore (what ec-s3 did before its direct data path);
 * ``boto-default``: raw aioboto3 with botocore defaults (``put_object``,
   ``get_object`` + ``read``);
 * ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``
@@ -14,6 +16,8 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
   multipart PUT for large bodies, single GET);
 * ``aiohttp``: raw aiohttp + SigV4 ``UNSIGNED-PAYLOAD`` signed by botocore
   (single PUT, single streamed GET into a buffer);
+* ``bufferedprotocol`` (opt-in): GETs on an ``asyncio.BufferedProtocol`` that reads
+  bodies straight into the buffer (the ceiling of a Python GET path), PUTs as ``aiohttp``;
 * ``example-connector``: vLLM's ``ECExampleConnector`` (the seed: synchronous
   safetensors save/load on local disk) for the same tensors, one at a time.
 
@@ -73,8 +77,10 @@ class Client:
 class EcS3Client(Client):
     name = "ec-s3"
 
-    def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
-        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31))
+    def __init__(self, ep: bl.Endpoint, bucket: str, data_path: str = "direct") -> None:
+        if data_path != "direct":
+            self.name = f"ec-s3-{data_path}"
+        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31, data_path=data_path))
 
     async def put(self, key: str, body: Any) -> None:
         await self.store.put_async(key, body)
@@ -223,6 +229,89 @@ class AiohttpClient(Client):
         await self.session.close()
 
 
+class _IntoBuffer(asyncio.BufferedProtocol):
+    """One keep-alive HTTP/1.1 connection whose GET bodies the kernel copies straight
+    into the destination buffer (``recv_into``): no bytes objects, no parser copy."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.head = bytearray(64 * 1024)
+        self.done: asyncio.Future[int] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def expect(self) -> asyncio.Future[int]:
+        self.hlen, self.out, self.pos, self.size = 0, None, 0, -1
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.head)[self.hlen :] if self.out is None else self.out[self.pos :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        assert self.done is not None
+        if self.out is None:
+            self.hlen += nbytes
+            end = self.head.find(b"\r\n\r\n", 0, self.hlen)
+            if end < 0:
+                return
+            lines = bytes(self.head[:end]).split(b"\r\n")
+            if int(lines[0].split()[1]) != 200:
+                self.done.set_exception(RuntimeError(lines[0].decode()))
+                return
+            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+            self.size = int(headers[b"content-length"])
+            self.out = memoryview(bytearray(self.size))
+            already = self.hlen - (end + 4)
+            self.out[:already] = self.head[end + 4 : self.hlen]
+            self.pos = already
+        else:
+            self.pos += nbytes
+        if self.pos >= self.size and not self.done.done():
+            self.done.set_result(self.pos)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(exc or ConnectionError("closed mid-answer"))
+
+
+class BufferedProtocolClient(AiohttpClient):
+    """What-if for GET (opt-in, ``--clients bufferedprotocol``): a minimal HTTP/1.1 GET on
+    an ``asyncio.BufferedProtocol`` that reads the body straight into the buffer, signed
+    like ``aiohttp``; PUTs as ``aiohttp``. The ceiling of a Python GET path here."""
+
+    name = "bufferedprotocol"
+
+    async def setup(self) -> None:
+        await super().setup()
+        self.idle: list[_IntoBuffer] = []
+
+    async def get(self, key: str) -> int:
+        from urllib.parse import urlsplit
+
+        url = self._url(key)
+        parts = urlsplit(url)
+        conn = self.idle.pop() if self.idle else None
+        if conn is None or conn.transport.is_closing():
+            _, conn = await asyncio.get_running_loop().create_connection(_IntoBuffer, parts.hostname, parts.port)
+        head = "".join(f"{k}: {v}\r\n" for k, v in self._headers("GET", url).items())
+        done = conn.expect()
+        conn.transport.write(f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}\r\n".encode())
+        try:
+            n = await done
+        except BaseException:
+            conn.transport.close()
+            raise
+        self.idle.append(conn)
+        return n
+
+    async def close(self) -> None:
+        for conn in self.idle:
+            conn.transport.close()
+        await super().close()
+
+
 class ExampleConnectorClient(Client):
     """vLLM's ECExampleConnector: ``save_caches`` / ``start_load_caches`` to local disk.
 
@@ -327,10 +416,12 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
 def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list[str]) -> list[Client]:
     makers = {
         "ec-s3": lambda: EcS3Client(ep, bucket),
+        "ec-s3-botocore": lambda: EcS3Client(ep, bucket, "botocore"),
         "boto-default": lambda: BotoClient(ep, bucket, tuned=False),
         "boto-tuned": lambda: BotoClient(ep, bucket, tuned=True),
         "obstore": lambda: ObstoreClient(ep, bucket),
         "aiohttp": lambda: AiohttpClient(ep, bucket),
+        "bufferedprotocol": lambda: BufferedProtocolClient(ep, bucket),
         "example-connector": lambda: ExampleConnectorClient(tensor),
     }
     clients = []
@@ -358,7 +449,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
         for c in clients:
             bg.run(c.setup(), timeout=120)
             # warm-up: connections, credentials, code paths
-            bg.run(_run_ops(c, "put", [f"warm/{c.name}"], blob if c.name == "ec-s3" else body_bytes, 1), timeout=120)
+            bg.run(_run_ops(c, "put", [f"warm/{c.name}"], blob if c.name.startswith("ec-s3") else body_bytes, 1), timeout=120)
             bg.run(_run_ops(c, "get", [f"warm/{c.name}"], None, 1), timeout=120)
             bg.run(_run_ops(c, "delete", [f"warm/{c.name}"], None, 1), timeout=120)
         for conc in concs:
@@ -373,7 +464,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
                 for c in order:
                     if not c.concurrent and conc != concs[0]:
                         continue  # synchronous baseline: measured once, at the first concurrency
-                    body = blob if c.name == "ec-s3" else body_bytes
+                    body = blob if c.name.startswith("ec-s3") else body_bytes
                     r = run_cell(bg, ep, c, size, conc, n_obj, body, f"{conc}-{rep}")
                     cell.setdefault(c.name, []).append(r)
             rss = ep.server_rss()
@@ -393,7 +484,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Medians per (size, conc, client, op) and ratios vs the best raw client."""
-    raw = ("boto-default", "boto-tuned", "obstore", "aiohttp")
+    raw = ("boto-default", "boto-tuned", "obstore", "aiohttp", "bufferedprotocol")
     out: dict[str, Any] = {}
     for size, sres in results.items():
         for conc, cres in sres["cells"].items():
@@ -418,7 +509,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     theirs = [r[op]["mib_per_s"] for r in cres["runs"][best]]
                     per = [a / b for a, b in zip(ours, theirs)]
                     entry["ec_s3_vs_best_raw_range"] = [min(per), max(per)]
-                for base in ("boto-default", "example-connector"):
+                for base in ("boto-default", "example-connector", "ec-s3-botocore"):
                     if base in med and "ec-s3" in med:
                         entry[f"ec_s3_vs_{base}"] = med["ec-s3"]["mib_per_s"] / med[base]["mib_per_s"]
                 row[op] = entry
@@ -445,13 +536,15 @@ def print_tables(summ: dict[str, Any]) -> None:
                 e.get("ec_s3_vs_best_raw"),
                 e.get("ec_s3_vs_boto-default"),
                 e.get("ec_s3_vs_example-connector"),
+                e.get("ec_s3_vs_ec-s3-botocore"),
                 c.get("ec-s3", {}).get("client_cpu_s_per_gib"),
+                c.get("ec-s3-botocore", {}).get("client_cpu_s_per_gib"),
                 c.get(e.get("best_raw") or "", {}).get("client_cpu_s_per_gib"),
                 c.get("ec-s3", {}).get("server_cpu_s_per_gib"),
             ])
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def", "vs example",
-             "ec-s3 CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
+             "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
             rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)",
         ))
 

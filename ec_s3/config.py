@@ -38,6 +38,7 @@ LookupPolicy = Literal["always", "promised"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
 StartupCheck = Literal["fatal", "warn", "off"]
+DataPath = Literal["direct", "botocore"]
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,14 @@ class ECS3Config:
     # --- client tuning ----------------------------------------------------------
     max_pool_connections: int = dataclasses.field(
         default=32, metadata=_doc("HTTP connections kept to the endpoint.", min=1, max=1024)
+    )
+    data_path: DataPath = dataclasses.field(
+        default="direct",
+        metadata=_doc(
+            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent on ec-s3's own aiohttp "
+            "pool: 2-3.5x less client CPU per 1 MiB blob) or `botocore` (every request through aiobotocore; the "
+            "escape hatch). Other requests always go through aiobotocore."
+        ),
     )
     max_concurrency: int = dataclasses.field(
         default=16,
@@ -505,6 +514,7 @@ _LITERALS: dict[str, tuple[str, ...]] = {
     "AddressingStyle": get_args(AddressingStyle),
     "ChecksumAlgorithm": get_args(ChecksumAlgorithm),
     "StartupCheck": get_args(StartupCheck),
+    "DataPath": get_args(DataPath),
 }
 
 

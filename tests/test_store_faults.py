@@ -9,14 +9,22 @@ breaker open for good.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
 
 import pytest
 
+from ec_s3.config import ECS3Config
 from ec_s3.store.client import PutOutcome, S3Store, StoreError, StoreUnavailable
 from support.faultproxy import FaultProxy
+
+
+@pytest.fixture(params=["direct", "botocore"])
+def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
+    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
+    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 
@@ -50,12 +58,20 @@ def test_waiting_for_a_pooled_connection_is_bounded(make_store: Callable[..., S3
 
     async def scenario() -> object:
         client = await store._get_client()
-        held = await client.get_object(Bucket=store.bucket, Key="k")  # pins the only connection
+        if store._wire is not None:  # the direct path's pool, the one HEAD uses there
+            holding = store._wire.get("k", 0, 6 * MiB - 1)
+            await holding.__aenter__()  # pins the only connection
+            release = functools.partial(holding.__aexit__, None, None, None)
+        else:
+            held = await client.get_object(Bucket=store.bucket, Key="k")  # pins the only connection
+
+            async def release() -> None:
+                held["Body"].close()
         try:
             with pytest.raises(StoreUnavailable):
                 await store.head_async("k")
         finally:
-            held["Body"].close()
+            await release()
         return await store.head_async("k")
 
     assert store.run(scenario(), timeout=30) is not None

@@ -6,12 +6,14 @@ fetcher and a stopped I/O loop."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from ec_s3.blob.codec import BlobExpectation, BlobMeta, encode_blob
@@ -21,6 +23,12 @@ from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.fetcher import Failed, FetchResult, ItemFetcher, Missing, Present, Staged
 from ec_s3.transfer.staging import StagingArea
+
+
+@pytest.fixture(params=["direct", "botocore"])
+def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
+    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
+    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 

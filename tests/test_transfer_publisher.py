@@ -5,9 +5,11 @@ refuses to send and a stopped I/O loop."""
 
 from __future__ import annotations
 
+import functools
 import socket
 from collections.abc import Callable
 
+import pytest
 import torch
 
 from ec_s3.config import ECS3Config
@@ -15,6 +17,12 @@ from ec_s3.loop import BackgroundLoop
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.publisher import BlobPublisher
+
+
+@pytest.fixture(params=["direct", "botocore"])
+def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
+    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
+    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 

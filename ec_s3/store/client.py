@@ -8,17 +8,23 @@ jitter, only on throttling, 5xx and connection errors, never on 4xx, so that a b
 bounds the time a caller can wait), the concurrency bound (``max_concurrency``
 requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
 at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
-process-wide cache of shared stores. Does not own building the client
-(:mod:`.connection`), the error types and their mapping (:mod:`.errors`), the circuit
-breaker (:mod:`.breaker`) or request bodies (:mod:`.body`); their names are re-exported
-here for importers of this module.
+process-wide cache of shared stores, and which path each request takes: with
+``data_path: direct`` (the default) HEAD, single PUT, UploadPart and GET go through
+:mod:`.wire` (botocore-signed, ec-s3's own aiohttp pool), everything else (and every
+request with ``data_path: botocore``, or a checksum algorithm only botocore computes)
+through the aiobotocore client. Does not own building the client (:mod:`.connection`),
+sending the direct requests (:mod:`.wire`), the error types and their mapping
+(:mod:`.errors`), the circuit breaker (:mod:`.breaker`) or request bodies
+(:mod:`.body`); their names are re-exported here for importers of this module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
+import email.utils
 import enum
 import hashlib
 import hmac
@@ -26,7 +32,8 @@ import random
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from urllib.parse import quote
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ec_s3.blob.format import MAX_HEADER_BYTES
@@ -53,6 +60,7 @@ from ec_s3.store.errors import (
     TLSError,
     to_store_error,
 )
+from ec_s3.store.wire import DirectWire, read_into
 
 __all__ = [
     "AccessDenied",
@@ -162,6 +170,7 @@ class S3Store:
         self.bucket = config.bucket
         self._bg = loop or shared_loop()
         self._client: Any = None
+        self._wire: DirectWire | None = None
         self._client_lock: asyncio.Lock | None = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._sem: asyncio.Semaphore | None = None
@@ -256,7 +265,13 @@ class S3Store:
                 try:
                     # Resolves the credential chain (profile, SSO, instance role) when
                     # the config names no keys: that can fail, and must fail typed.
-                    self._client = await open_client(self.config, stack)
+                    client = await open_client(self.config, stack)
+                    if self.config.data_path == "direct":
+                        # Its own pool next to the client's, which then carries only
+                        # the rare other requests; closed before the client (LIFO).
+                        wire = DirectWire(self.config, client)
+                        stack.push_async_callback(wire.close)
+                        self._wire = wire
                 except Exception as exc:  # noqa: BLE001 - mapped below
                     await stack.aclose()
                     error = to_store_error("connect", "", exc)
@@ -268,6 +283,7 @@ class S3Store:
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
                 self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
+                self._client = client  # last: its being set means the store is ready
         return self._client
 
     async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
@@ -320,6 +336,8 @@ class S3Store:
         """Size and metadata of ``key``, or None if it does not exist."""
 
         async def _head(client: Any) -> ObjectInfo:
+            if self._wire is not None:
+                return _info_from_headers(key, await self._wire.head(key))
             resp = await client.head_object(Bucket=self.bucket, Key=key)
             return _info(key, resp)
 
@@ -339,23 +357,33 @@ class S3Store:
         view = body if isinstance(body, BufferChain) else BufferChain([body])
         if len(view) > self.config.max_blob_bytes:
             raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
+        crc: int | None = None
         if self.config.checksum_algorithm != "none":
-            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{await crc32_of(view):08x}"}
+            crc = await crc32_of(view)
+            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{crc:08x}"}
         if len(view) >= self.config.multipart_threshold_bytes:
             # One HEAD is cheap next to uploading every part only to meet a 412.
             if await self.head_async(key) is not None:
                 return PutOutcome.ALREADY_EXISTS
             outcome = await self._put_multipart(key, view, metadata or {})
         else:
-            outcome = await self._put_single(key, view, metadata or {})
+            outcome = await self._put_single(key, view, metadata or {}, crc)
         if outcome is PutOutcome.CREATED:
             self.stats.bytes_uploaded += len(view)
         return outcome
 
-    async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str]) -> PutOutcome:
+    async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str], crc: int | None) -> PutOutcome:
         extra = self._checksum_args()
+        direct = await self._direct_checksum(view, crc)
 
         async def _put(client: Any) -> PutOutcome:
+            if self._wire is not None and direct is not None:
+                headers = {
+                    "If-None-Match": "*", "Content-Type": "application/octet-stream",
+                    **{f"x-amz-meta-{k}": v for k, v in metadata.items()}, **direct,
+                }
+                await self._wire.put("PUT", key, view, headers)
+                return PutOutcome.CREATED
             await client.put_object(
                 Bucket=self.bucket, Key=key, Body=ChainReader(view), ContentLength=len(view),
                 IfNoneMatch="*", Metadata=metadata, ContentType="application/octet-stream", **extra,
@@ -386,8 +414,18 @@ class S3Store:
         try:
             async def _part(number: int, start: int) -> dict[str, Any]:
                 chunk = view.slice(start, start + part)
+                direct = await self._direct_checksum(chunk, None)
 
                 async def _upload(client: Any) -> dict[str, Any]:
+                    if self._wire is not None and direct is not None:
+                        query = f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}"
+                        headers = await self._wire.put("UploadPart", key, chunk, dict(direct), query=query)
+                        done = {"PartNumber": number, "ETag": headers.get("ETag", "")}
+                        for field, header in _CHECKSUM_HEADERS.items():
+                            value = headers.get(header) or direct.get(header)
+                            if value:
+                                done[field] = value
+                        return done
                     resp = await client.upload_part(
                         Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
                         Body=ChainReader(chunk), ContentLength=len(chunk), **extra,
@@ -449,21 +487,32 @@ class S3Store:
         # part plus a header's worth keeps an N-part blob from needing one more request.
         first_span = part + MAX_HEADER_BYTES
 
+        def _place(length: int, total: int | None) -> memoryview:
+            if total is None:  # a 200 with the whole object (servers may ignore Range)
+                total = length
+            if total > self.config.max_blob_bytes:
+                raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
+            if not holder:
+                holder.append(alloc(total))
+            out = holder[0]
+            if len(out) != total:
+                raise StoreUnavailable("GET", key, "object size changed between attempts")
+            return out
+
         async def _first(client: Any) -> int:
+            if self._wire is not None:
+                async with self._wire.get(key, 0, first_span - 1) as resp:
+                    headers = resp.headers
+                    stored_crc[:] = [headers.get(_CRC_HEADER, "")]
+                    length = _content_length(headers, key)
+                    out = _place(length, _content_range_total(headers.get("Content-Range")))
+                    await read_into(resp, out[:length], key)
+                    return length
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
             with _closing(resp["Body"]) as body:
                 stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
                 length = int(resp["ContentLength"])
-                total = _content_range_total(resp.get("ContentRange"))
-                if total is None:  # a 200 with the whole object (servers may ignore Range)
-                    total = length
-                if total > self.config.max_blob_bytes:
-                    raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
-                if not holder:
-                    holder.append(alloc(total))
-                out = holder[0]
-                if len(out) != total:
-                    raise StoreUnavailable("GET", key, "object size changed between attempts")
+                out = _place(length, _content_range_total(resp.get("ContentRange")))
                 await _read_into(body, out[:length], key)
                 return length
 
@@ -483,6 +532,13 @@ class S3Store:
 
     async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
         async def _get(client: Any) -> None:
+            if self._wire is not None:
+                async with self._wire.get(key, start, end - 1) as wresp:
+                    total = _content_range_total(wresp.headers.get("Content-Range"))
+                    if total != len(out):
+                        raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
+                    await read_into(wresp, out[start:end], key)
+                return
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
             with _closing(resp["Body"]) as body:
                 total = _content_range_total(resp.get("ContentRange"))
@@ -579,6 +635,7 @@ class S3Store:
                 logger.warning("ec-s3: cancelled %d S3 operations still pending after %.1fs", len(still), timeout)
                 await asyncio.gather(*still, return_exceptions=True)
         self._client_gone = True
+        self._wire = None  # closed by the exit stack, before the client
         if self._exit_stack is not None:
             await self._exit_stack.aclose()
             self._client = None
@@ -587,6 +644,20 @@ class S3Store:
     def _checksum_args(self) -> dict[str, str]:
         algo = self.config.checksum_algorithm
         return {} if algo == "none" else {"ChecksumAlgorithm": algo}
+
+    async def _direct_checksum(self, body: BufferChain, crc: int | None) -> dict[str, str] | None:
+        """The checksum headers of ``body`` for the direct path, or None when that
+        request must go through botocore (``CRC32C`` needs awscrt, which botocore
+        drives). CRC32 reuses the CRC the store computed for its metadata."""
+        algo = self.config.checksum_algorithm
+        if self._wire is None or algo == "none":
+            return {}
+        if algo == "CRC32":
+            value = crc if crc is not None else await crc32_of(body)
+            return {_CHECKSUM_HEADERS["ChecksumCRC32"]: base64.b64encode(value.to_bytes(4, "big")).decode()}
+        if algo == "SHA256":
+            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await _sha256_of(body)).decode()}
+        return None
 
 
 @contextlib.contextmanager
@@ -634,6 +705,45 @@ def _content_range_total(value: str | None) -> int | None:
         return None
     total = value.rsplit("/", 1)[1]
     return int(total) if total.isdigit() else None
+
+
+_CRC_HEADER = f"x-amz-meta-{CRC_METADATA_KEY}"
+_CHECKSUM_HEADERS = {
+    "ChecksumCRC32": "x-amz-checksum-crc32",
+    "ChecksumCRC32C": "x-amz-checksum-crc32c",
+    "ChecksumSHA256": "x-amz-checksum-sha256",
+}
+
+
+async def _sha256_of(body: BufferChain) -> bytes:
+    def digest() -> bytes:
+        h = hashlib.sha256()
+        for view in body.views:
+            h.update(view)
+        return h.digest()
+
+    return digest() if len(body) < (1 << 20) else await asyncio.to_thread(digest)
+
+
+def _content_length(headers: Mapping[str, str], key: str) -> int:
+    value = headers.get("Content-Length", "")
+    if not value.isdigit():
+        raise StoreUnavailable("GET", key, "answer without a Content-Length")
+    return int(value)
+
+
+def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
+    """A HEAD answer's headers as botocore's ``head_object`` would have parsed them."""
+    modified = headers.get("Last-Modified")
+    when = email.utils.parsedate_to_datetime(modified).timestamp() if modified else time.time()
+    prefix = "x-amz-meta-"
+    return ObjectInfo(
+        key=key,
+        size=int(headers.get("Content-Length", "0") or 0),
+        etag=headers.get("ETag", "").strip('"'),
+        last_modified=when,
+        metadata={k.lower()[len(prefix):]: v for k, v in headers.items() if k.lower().startswith(prefix)},
+    )
 
 
 def _info(key: str, resp: dict[str, Any]) -> ObjectInfo:

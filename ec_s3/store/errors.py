@@ -2,7 +2,8 @@
 
 Owns the :class:`StoreError` tree, whose instances carry what failed (``op``, ``key``)
 and why (``status``, the HTTP status; ``code``, the S3 error code; ``message``) as
-fields, and :func:`to_store_error`, the only place in ec-s3 that looks at botocore,
+fields, :func:`from_status` (an answer's status and S3 code to its type) and
+:func:`to_store_error`, the only place in ec-s3 that looks at botocore,
 aiohttp, asyncio or OS exception types. Callers branch on the class and on those
 fields, never on text. Does not own retrying or the circuit breaker
 (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.breaker`) nor the wording for an operator
@@ -35,6 +36,7 @@ __all__ = [
     "StoreUnavailable",
     "StoreUnreachable",
     "TLSError",
+    "from_status",
     "to_store_error",
 ]
 
@@ -201,7 +203,15 @@ def _from_client_error(op: str, key: str, exc: boto_exc.ClientError) -> StoreErr
     if status is None and raw_code.isdigit():
         status = int(raw_code)
     message = _clean(str(error.get("Message", "") or ""))
-    kw: dict[str, Any] = {"status": status, "code": code}
+    return from_status(op, key, status, code, message)
+
+
+def from_status(op: str, key: str, status: int | None, code: str | None, message: str = "") -> StoreError:
+    """The typed error for an answer of the server: its HTTP ``status`` and the S3 error
+    ``code`` of its body (None when it had none, as a HEAD's). The one place that decides
+    which answers are missing objects, refusals, transient or the request's fault, for
+    the botocore path and the direct one (:mod:`ec_s3.store.wire`) alike."""
+    kw: dict[str, Any] = {"status": status, "code": code or None}
     if code == "NoSuchBucket":
         return BucketNotFound(op, key, message or "bucket does not exist", **kw)
     if status == 404 or code in _NOT_FOUND_CODES:

@@ -1,0 +1,314 @@
+"""The direct data path (store/wire.py) against a real server, faults from the proxy.
+
+What it must keep from the botocore path: the same URL as botocore for every
+addressing style and endpoint, typed errors from the status and the S3 ``<Code>`` of
+the answer, the conditional PUT, checksums, no pinned connection after an error, a
+short body or a cancellation, and credentials that rotate under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ec_s3.config import ConfigError, ECS3Config
+from ec_s3.store.client import (
+    AccessDenied,
+    BucketNotFound,
+    IntegrityError,
+    ObjectNotFound,
+    PutOutcome,
+    S3Store,
+    StoreRequestError,
+    StoreUnavailable,
+)
+from ec_s3.store.connection import open_client
+from ec_s3.store.errors import from_status
+from ec_s3.store.wire import object_url
+from support.faultproxy import FaultProxy
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def direct(make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
+    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Store:
+        store = make_store(endpoint_url, data_path="direct", **overrides)
+        return store
+
+    return make
+
+
+def test_data_path_key_is_validated() -> None:
+    assert ECS3Config.from_extra_config({"bucket": "b-1"}, environ={}).data_path == "direct"
+    assert ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "botocore"}, environ={}).data_path == "botocore"
+    with pytest.raises(ConfigError, match="data_path='fast' is invalid: expected one of 'direct', 'botocore'"):
+        ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "fast"}, environ={})
+
+
+# ---------------------------------------------------------------------------- URLs
+class _Sent(Exception):
+    """Stops a botocore request right before it would leave, carrying its URL."""
+
+
+@pytest.mark.parametrize(
+    ("endpoint_url", "region", "style", "bucket"),
+    [
+        ("http://127.0.0.1:9000", "us-east-1", "path", "b-1"),
+        ("http://127.0.0.1:9000", "us-east-1", "auto", "b-1"),
+        ("http://minio.example:9000", "us-east-1", "virtual", "b-1"),
+        ("http://minio.example:9000", "us-east-1", "auto", "b-1"),  # an endpoint_url: path style
+        (None, "us-west-2", "virtual", "b-1"),  # AWS: the client resolves the regional endpoint
+        (None, "eu-central-1", "auto", "b-1"),
+        (None, "eu-central-1", "auto", "b.dotted"),  # dots: path style
+        (None, "us-east-2", "path", "b-1"),
+        # Not compared: us-east-1 on AWS, where botocore sends to the legacy global
+        # s3.amazonaws.com and the direct path to client.meta.endpoint_url,
+        # s3.us-east-1.amazonaws.com; both serve us-east-1 buckets.
+    ],
+)
+@pytest.mark.parametrize("key", ["ns/abc.safetensors", "odd key/ü~x+y=z&q"])
+def test_object_url_is_botocores(endpoint_url: str | None, region: str, style: str, bucket: str, key: str) -> None:
+    """The URL (and so the signed path) equals the one botocore sends for the same
+    client, for path, virtual and auto addressing, custom endpoints and AWS regions.
+    botocore's own request is stopped by its ``before-send`` event, unsent."""
+    extra: dict[str, Any] = {"bucket": bucket, "region": region, "addressing_style": style,
+                             "access_key_id": "AKIDEXAMPLE", "secret_access_key": "not-a-secret"}
+    if endpoint_url:
+        extra["endpoint_url"] = endpoint_url
+    config = ECS3Config.from_extra_config(extra, environ={})
+
+    def stop(request: Any, **_: Any) -> None:
+        raise _Sent(request.url)
+
+    async def urls() -> tuple[str, str]:
+        async with contextlib.AsyncExitStack() as stack:
+            client = await open_client(config, stack)
+            client.meta.events.register("before-send.s3.GetObject", stop)
+            with pytest.raises(_Sent) as sent:
+                await client.get_object(Bucket=bucket, Key=key)
+            ours = object_url(client.meta.endpoint_url, bucket, key, style, custom_endpoint=endpoint_url is not None)
+            return str(sent.value.args[0]), ours
+
+    theirs, ours = asyncio.run(urls())
+    assert ours == theirs
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("status", "code", "kind", "transient"),
+    [
+        (404, None, ObjectNotFound, False),  # a HEAD's: no body, no code
+        (404, "NoSuchKey", ObjectNotFound, False),
+        (404, "NoSuchBucket", BucketNotFound, False),
+        (403, "SignatureDoesNotMatch", AccessDenied, False),
+        (412, "PreconditionFailed", StoreRequestError, False),
+        (503, "SlowDown", StoreUnavailable, True),
+        (400, "RequestTimeout", StoreUnavailable, True),
+        (400, "InvalidArgument", StoreRequestError, False),
+    ],
+)
+def test_from_status(status: int, code: str | None, kind: type, transient: bool) -> None:
+    error = from_status("GET", "k", status, code, "msg")
+    assert type(error) is kind and error.transient is transient
+    assert (error.status, error.code, error.message) == (status, code, "msg")
+
+
+def test_error_answers_are_typed_with_status_and_code(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    store = direct(fault_proxy.endpoint_url, max_attempts=3)
+    assert store.run(store.put_async("k", b"x" * 1000), timeout=30) is PutOutcome.CREATED
+    fault_proxy.error_next(1, 403, methods=["GET"])
+    with pytest.raises(AccessDenied) as denied:
+        store.run(store.get_async("k"), timeout=30)
+    assert (denied.value.status, denied.value.code) == (403, "AccessDenied")
+    with pytest.raises(ObjectNotFound) as missing:
+        store.run(store.get_async("missing"), timeout=30)  # the real server's answer
+    assert (missing.value.status, missing.value.code) == (404, "NoSuchKey")
+    fault_proxy.set_error_rate(1.0, 503, methods=["GET"])
+    with pytest.raises(StoreUnavailable) as slow:
+        store.run(store.get_async("k"), timeout=30)
+    assert (slow.value.status, slow.value.code) == (503, "SlowDown")
+    assert store.stats.retries == 2  # 403 never retried, 503 twice
+    fault_proxy.clear()
+    fault_proxy.error_next(2, 503, methods=["HEAD"])
+    assert store.run(store.head_async("k"), timeout=30) is not None  # retried through
+
+
+def test_conditional_put_412_is_already_exists(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """Bodies sent without ``Expect: 100-continue``: an early refusal of a large body
+    must still come back as the answer, not as a reset mid-body."""
+    plain = direct()  # straight to the server: the proxy reads whole bodies before forwarding
+    data = os.urandom(12 * MiB)  # the largest single PUT (< multipart_threshold_bytes)
+    assert plain.run(plain.put_async("k", data), timeout=30) is PutOutcome.CREATED
+    assert plain.run(plain.put_async("k", os.urandom(12 * MiB)), timeout=30) is PutOutcome.ALREADY_EXISTS
+    store = direct(fault_proxy.endpoint_url)
+    fault_proxy.error_next(1, 412, methods=["PUT"])
+    assert store.run(store.put_async("k2", b"y" * 10), timeout=30) is PutOutcome.ALREADY_EXISTS
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_large_put_with_wrong_credentials_is_access_denied(direct: Callable[..., S3Store]) -> None:
+    store = direct(secret_access_key="wrong-secret", max_attempts=3)
+    with pytest.raises(AccessDenied):
+        store.run(store.put_async("k", os.urandom(12 * MiB)), timeout=30)
+    assert store.stats.retries == 0
+
+
+# ---------------------------------------------------------------------------- bodies
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+@pytest.mark.parametrize("size", [100_000, 20 * MiB])
+def test_checksums_round_trip(direct: Callable[..., S3Store], algorithm: str, size: int) -> None:
+    """The checksum headers are computed here (single PUT and every part); the server
+    accepts them and the CRC metadata comes back."""
+    store = direct(checksum_algorithm=algorithm)
+    data = os.urandom(size)
+    assert store.run(store.put_async("k", data), timeout=60) is PutOutcome.CREATED
+    assert bytes(store.run(store.get_async("k"), timeout=60)) == data
+    info = store.run(store.head_async("k"), timeout=30)
+    assert info is not None and info.size == size and len(info.metadata["ec-s3-crc32"]) == 8
+
+
+def test_corrupt_body_is_an_integrity_error(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    store = direct(fault_proxy.endpoint_url, checksum_algorithm="CRC32")
+    data = os.urandom(MiB)
+    store.run(store.put_async("k", data), timeout=30)
+    fault_proxy.corrupt_next(1, methods=["GET"])
+    with pytest.raises(IntegrityError):
+        store.run(store.get_async("k"), timeout=30)
+    assert store.stats.integrity_failures == 1 and fault_proxy.counters.corrupted == 1
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_body_cut_mid_get_fails_transient_and_frees_the_pool(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """One pooled connection: a GET whose body is cut must not keep it (the HEAD after
+    it would wait for the pool, bounded at connect + read timeout, and fail)."""
+    store = direct(fault_proxy.endpoint_url, max_pool_connections=1, max_attempts=1, connect_timeout_s=0.5,
+                   read_timeout_s=2.0)
+    data = os.urandom(6 * MiB)
+    store.run(store.put_async("k", data), timeout=30)
+    for _ in range(3):
+        fault_proxy.truncate_next(1, methods=["GET"])
+        with pytest.raises(StoreUnavailable):
+            store.run(store.get_async("k"), timeout=30)
+    assert fault_proxy.counters.truncated == 3
+    assert store.run(store.head_async("k"), timeout=30) is not None
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_cancelled_get_releases_its_connection(direct: Callable[..., S3Store]) -> None:
+    """Cancelled while its body streams into the buffer (the caller gave up), a GET
+    must close its connection: with a pool of one, every later request waits otherwise."""
+    store = direct(max_pool_connections=1, max_attempts=1, connect_timeout_s=0.5, read_timeout_s=2.0)
+    data = os.urandom(6 * MiB)
+    store.run(store.put_async("k", data), timeout=30)
+
+    async def scenario() -> bool:
+        tasks: list[asyncio.Future[Any]] = []
+
+        def allocate(nbytes: int) -> memoryview:
+            # The answer's head is in, the body not yet read: cancel at the next await.
+            asyncio.get_running_loop().call_soon(tasks[0].cancel)
+            return memoryview(bytearray(nbytes))
+
+        for _ in range(3):
+            tasks[:] = [asyncio.ensure_future(store.get_async("k", allocate=allocate))]
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[0]
+        return await store.head_async("k") is not None
+
+    assert store.run(scenario(), timeout=60)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_max_blob_bytes_refuses_a_large_object(direct: Callable[..., S3Store], make_store: Callable[..., S3Store]) -> None:
+    writer = direct()
+    writer.run(writer.put_async("k", os.urandom(4096)), timeout=30)
+    reader = direct(max_blob_bytes=1024)
+    with pytest.raises(StoreRequestError, match="max_blob_bytes"):
+        reader.run(reader.get_async("k"), timeout=30)
+    assert reader.run(reader.head_async("k"), timeout=30) is not None  # its connection was not kept
+
+
+# ---------------------------------------------------------------------------- credentials
+@pytest.fixture
+def rotating_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str], None]]:
+    """A profile whose ``credential_process`` prints whatever keys the test last wrote,
+    expiring within botocore's advisory refresh window: every signing refreshes them
+    (RefreshableCredentials, as an instance role's or SSO's would)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    current = tmp_path / "creds.json"
+    script = tmp_path / "creds.sh"
+    script.write_text(f"#!/bin/sh\ncat {current}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "config").write_text(f"[profile rotating]\ncredential_process = {script}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "nonexistent"))
+    monkeypatch.setenv("AWS_PROFILE", "rotating")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+    def write(access_key_id: str, secret_access_key: str) -> None:
+        expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=12)
+        current.write_text(json.dumps({
+            "Version": 1, "AccessKeyId": access_key_id, "SecretAccessKey": secret_access_key,
+            "Expiration": expires.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }))
+
+    yield write
+
+
+@pytest.mark.parametrize("data_path", ["direct", "botocore"])
+def test_rotated_credentials_are_used(
+    data_path: str, s3_endpoint: Any, bucket: str, rotating_credentials: Callable[[str, str], None]
+) -> None:
+    """Keys rotate under a running store: good, then revoked, then good again. A data
+    path that froze the first keys would still succeed with them after the rotation."""
+    creds = s3_endpoint.credentials
+    rotating_credentials(creds.access_key_id, creds.secret_access_key)
+    store = S3Store(ECS3Config.from_extra_config(
+        {"bucket": bucket, "endpoint_url": s3_endpoint.url, "data_path": data_path, "max_attempts": 1}, environ={}
+    ))
+    try:
+        assert store.run(store.put_async("k", b"x" * 100), timeout=30) is PutOutcome.CREATED
+        assert store.run(store.head_async("k"), timeout=30) is not None
+        rotating_credentials(creds.access_key_id, "revoked-" + creds.secret_access_key[:8])
+        with pytest.raises(AccessDenied):
+            store.run(store.head_async("k"), timeout=30)
+        with pytest.raises(AccessDenied):
+            store.run(store.get_async("k"), timeout=30)
+        rotating_credentials(creds.access_key_id, creds.secret_access_key)
+        assert bytes(store.run(store.get_async("k"), timeout=30)) == b"x" * 100
+        assert creds.secret_access_key not in repr(store) and creds.secret_access_key not in repr(store._wire)
+    finally:
+        store.close(timeout=2)
+
+
+def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
+    direct: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's client and its direct path are built together: when the second
+    cannot be built, the first is closed and the next request tries both again
+    (it once kept the client, and every later request died on an assertion)."""
+    import ec_s3.store.client as client_module
+
+    store = direct()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(client_module, "DirectWire", refuse)
+    for _ in range(2):
+        with pytest.raises(StoreRequestError, match="cannot create the S3 client"):
+            store.run(store.head_async("k"), timeout=30)
+    monkeypatch.undo()
+    assert store.run(store.head_async("k"), timeout=30) is None
