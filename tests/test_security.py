@@ -133,7 +133,8 @@ def test_oversized_header_and_checksum_mismatch_never_load(
         store = make_store()
         huge_header = struct.pack("<Q", 1 << 20) + b"{" + b" " * (1 << 20)
         put_blob(store, keyspace, "img-huge", raw=huge_header)
-        fault_proxy.corrupt_next(1, methods=["GET"])
+        # The promised blob's GET, whichever of the two GETs reaches the proxy first.
+        fault_proxy.corrupt_next(1, methods=["GET"], target_contains=keyspace.key_for("img-ok"))
         node.driver.add("r1", ["img-ok", "img-huge"], ec_transfer_params=params)
         drive(node.driver)
         assert sorted(node.sim.encoded) == ["img-huge", "img-ok"]  # corrupted in flight: encoded locally

@@ -95,9 +95,10 @@ class _Rule:
     status: int = 503
     seconds: float = 0.0
     access_key_id: str = ""
+    target_contains: str = ""  # only requests whose target (path and query) holds this
 
-    def matches(self, method: str) -> bool:
-        return self.methods is None or method in self.methods
+    def matches(self, method: str, target: str = "") -> bool:
+        return (self.methods is None or method in self.methods) and self.target_contains in target
 
 
 @dataclass
@@ -305,9 +306,10 @@ class FaultProxy:
         """Forward, then close after half of the next ``n`` non-empty response bodies."""
         self._set("truncate", _Rule(_methods(methods), remaining=n))
 
-    def corrupt_next(self, n: int, methods: Iterable[str] | None = None) -> None:
-        """Forward, flipping a few bytes mid-body (same length) in the next ``n`` bodies."""
-        self._set("corrupt", _Rule(_methods(methods), remaining=n))
+    def corrupt_next(self, n: int, methods: Iterable[str] | None = None, target_contains: str = "") -> None:
+        """Forward, flipping a few bytes mid-body (same length) in the next ``n`` bodies
+        (of requests whose target holds ``target_contains``: one object's key)."""
+        self._set("corrupt", _Rule(_methods(methods), remaining=n, target_contains=target_contains))
 
     def drop_response_next(self, n: int, methods: Iterable[str] | None = None) -> None:
         """Forward the next ``n`` requests, then reset instead of relaying the answer.
@@ -373,11 +375,11 @@ class FaultProxy:
             rule = self._rules.get(kind)
             return rule if rule is not None and rule.matches(method) else None
 
-    def _take(self, kind: str, method: str) -> _Rule | None:
+    def _take(self, kind: str, method: str, target: str = "") -> _Rule | None:
         """Return the rule if it fires for this request, spending one-shot budget."""
         with self._lock:
             rule = self._rules.get(kind)
-            if rule is None or not rule.matches(method):
+            if rule is None or not rule.matches(method, target):
                 return None
             if rule.remaining is not None:
                 if rule.remaining <= 0:
@@ -559,7 +561,7 @@ class FaultProxy:
         until_close = not no_body and not chunked and length is None
         has_body = chunked or until_close or bool(length)
         truncate = has_body and self._take("truncate", request.method) is not None
-        corrupt = has_body and self._take("corrupt", request.method) is not None
+        corrupt = has_body and self._take("corrupt", request.method, request.target) is not None
         self._count("truncated", int(truncate))
         self._count("corrupted", int(corrupt))
 
