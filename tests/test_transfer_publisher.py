@@ -1,20 +1,34 @@
 """The publisher ends every upload uploaded, spooled, or dropped with a count and a log
 line, whatever the store raises, and its in-flight budget always comes back. Faults
 come from a real server (wrong credentials), a closed endpoint, a request botocore
-refuses to send and a stopped I/O loop."""
+refuses to send, a stalled store (fault proxy) and a stopped I/O loop.
+
+Memory and step cost: uploads hold pool buffers (reused), not the encoder outputs, and
+a batch of saves wakes the I/O loop once."""
 
 from __future__ import annotations
 
+import gc
 import socket
+import subprocess
+import sys
+import threading
+import weakref
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
+import pytest
 import torch
 
 from ec_s3.config import ECS3Config
 from ec_s3.loop import BackgroundLoop
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
+from ec_s3.blob.codec import BlobExpectation, decode_blob
 from ec_s3.transfer.publisher import BlobPublisher
+from support.faultproxy import FaultProxy
 
 MiB = 1 << 20
 
@@ -80,3 +94,136 @@ def test_publish_after_the_loop_stopped_neither_raises_nor_leaks(make_config: Ca
     assert publisher.publish("img", _tensor(), "k/late") is False
     assert publisher.budget.used == 0 and publisher.pending == 0
     assert counters.get("upload_failed") == 1
+
+
+def test_stalled_uploads_hold_pool_buffers_not_the_encoder_outputs(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    """While PUTs stall, the saved tensors are gone once the loop copied them: what stays
+    is the pool, at most max_inflight_bytes, whatever the allocator does with freed
+    outputs (the publisher used to keep every tensor until its upload ended: 2x RSS)."""
+    config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=4 * MiB, read_timeout_s=30)
+    publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config)
+    fault_proxy.set_stall(True, methods=["PUT"])
+    arrays: list[weakref.ref[np.ndarray]] = []
+    for i in range(4):
+        array = np.full((256, 1024), i, dtype=np.float16)  # 512 KiB; its tensor shares this memory
+        arrays.append(weakref.ref(array))
+        assert publisher.publish(f"id{i}", torch.from_numpy(array), f"k/{i}")
+        del array
+    fault_proxy.wait_until(lambda c: c.held_now >= 4, timeout_s=15)
+    gc.collect()
+    assert [r() is None for r in arrays] == [True] * 4, "an encoder output is kept alive during its upload"
+    pool = publisher.budget
+    assert 0 < pool.used <= pool.held <= 4 * MiB and pool.allocations == 4
+    fault_proxy.set_stall(False)
+    assert publisher.flush(30) == 0 and pool.used == 0
+    assert counters.get("blobs_uploaded") == 4
+    store = make_store()
+    for i in range(4):
+        blob = decode_blob(store.run(store.get_async(f"k/{i}")), BlobExpectation(f"id{i}", "ns"))
+        assert torch.equal(blob.tensor, torch.full((256, 1024), i, dtype=torch.float16))
+
+
+def test_buffers_are_reused_from_one_upload_to_the_next(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
+) -> None:
+    publisher, counters = _publisher(make_store(), make_config(max_inflight_bytes=8 * MiB))
+    for i in range(12):
+        assert publisher.publish(f"id{i}", torch.full((256, 1024), float(i)).to(torch.bfloat16), f"k/{i}")
+        assert publisher.flush(15) == 0
+    assert counters.get("blobs_uploaded") == 12
+    assert publisher.budget.allocations == 1 and publisher.budget.used == 0
+
+
+def test_shutdown_with_stalled_uploads_gives_every_buffer_back(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=4 * MiB, read_timeout_s=30)
+    publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config)
+    fault_proxy.set_stall(True, methods=["PUT"])
+    for i in range(3):
+        assert publisher.publish(f"id{i}", _tensor(), f"k/{i}")
+    fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=15)
+    pending, abandoned = publisher.shutdown(0.2)
+    assert (pending, abandoned) == (3, 3)
+    assert publisher.pending == 0 and publisher.budget.used == 0 and publisher.budget.held == 0
+
+
+class _CountingCallSoon:
+    """Counts the callbacks handed to a loop (each one wakes its thread), then passes them on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, loop: Any) -> None:
+        self.calls = 0
+        self._call_soon = loop.call_soon
+        monkeypatch.setattr(loop, "call_soon", self)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self.calls += 1
+        self._call_soon(fn, *args)
+
+
+def test_saves_queued_while_a_wakeup_is_pending_share_it(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop is busy: eight saves post one wake-up, not eight."""
+    store = make_store()
+    publisher, counters = _publisher(store, make_config(max_inflight_bytes=8 * MiB))
+    gate, busy = threading.Event(), threading.Event()
+    store.background.call_soon(lambda: (busy.set(), gate.wait(10)))
+    assert busy.wait(10)
+    counting = _CountingCallSoon(monkeypatch, store.background)
+    try:
+        for i in range(8):
+            assert publisher.publish(f"id{i}", _tensor(), f"k/{i}")
+    finally:
+        gate.set()
+    assert counting.calls == 1
+    assert publisher.flush(15) == 0 and counters.get("blobs_uploaded") == 8
+
+
+def test_a_producer_step_of_many_saves_wakes_the_loop_once(
+    tiny_model_dir: Path, extra_config: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's producer step: start_save_caches, save_caches per item, then
+    build_connector_worker_meta. The I/O loop is woken once, at the end."""
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+
+    from ec_s3.connector.facade import ECS3Connector
+    from ec_s3.connector.messages import ECS3ConnectorMetadata
+    from ec_s3.sandbox.vllm_server import ec_transfer_config
+    from support.vllm_rig import make_vllm_config
+
+    conn = ECS3Connector(make_vllm_config(tiny_model_dir, ec_transfer_config("ec_producer", extra_config())),
+                         ECConnectorRole.WORKER)
+    try:
+        publisher = conn._worker._publisher  # noqa: SLF001
+        assert publisher is not None
+        counting = _CountingCallSoon(monkeypatch, publisher._store.background)  # noqa: SLF001
+        cache = {f"img{i}": torch.full((64, 128), float(i)).to(torch.bfloat16) for i in range(6)}
+        conn.bind_connector_metadata(ECS3ConnectorMetadata())
+        conn.start_save_caches(encoder_cache=cache)
+        for ident in cache:
+            conn.save_caches(cache, ident)
+        assert counting.calls == 0, "a save woke the loop inside the step"
+        conn.build_connector_worker_meta()
+        conn.clear_connector_metadata()
+        assert counting.calls == 1
+        assert publisher.flush(30) == 0 and conn.counters.get("blobs_uploaded") == 6
+    finally:
+        conn.shutdown()
+
+
+def test_importable_without_s3_client_libraries() -> None:
+    """A GPU host with torch only (bench/gpu_check.py) imports the publisher as is."""
+    code = (
+        "import sys\n"
+        "for name in ('aiohttp', 'aiobotocore', 'aioboto3', 'botocore', 'boto3', 'vllm'):\n"
+        "    sys.modules[name] = None\n"
+        "from ec_s3.transfer.publisher import BlobPublisher\n"
+        "assert 'ec_s3.store.client' not in sys.modules\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
