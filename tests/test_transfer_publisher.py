@@ -39,9 +39,9 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def _publisher(store: S3Store, config: ECS3Config) -> tuple[BlobPublisher, Counters]:
+def _publisher(store: S3Store, config: ECS3Config, **kw: Any) -> tuple[BlobPublisher, Counters]:
     counters = Counters()
-    return BlobPublisher(store, config, namespace="ns", producer="p", counters=counters), counters
+    return BlobPublisher(store, config, namespace="ns", producer="p", counters=counters, **kw), counters
 
 
 def _tensor() -> torch.Tensor:
@@ -96,14 +96,34 @@ def test_publish_after_the_loop_stopped_neither_raises_nor_leaks(make_config: Ca
     assert counters.get("upload_failed") == 1
 
 
-def test_stalled_uploads_hold_pool_buffers_not_the_encoder_outputs(
+def test_cpu_outputs_are_sent_in_place_on_a_loan_of_the_bound(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
 ) -> None:
-    """While PUTs stall, the saved tensors are gone once the loop copied them: what stays
-    is the pool, at most max_inflight_bytes, whatever the allocator does with freed
-    outputs (the publisher used to keep every tensor until its upload ended: 2x RSS)."""
+    """By default a CPU tensor is uploaded from its own memory: the pool lends room, no
+    buffer, and counts exactly what is held."""
     config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=4 * MiB, read_timeout_s=30)
     publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config)
+    fault_proxy.set_stall(True, methods=["PUT"])
+    for i in range(3):
+        assert publisher.publish(f"id{i}", torch.full((256, 1024), float(i)).to(torch.bfloat16), f"k/{i}")
+    fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=15)
+    pool = publisher.budget
+    assert pool.allocations == 0 and pool.used == pool.held
+    assert 3 * 512 * 1024 < pool.used < 3 * (512 + 16) * 1024  # data plus a bounded header room
+    fault_proxy.set_stall(False)
+    assert publisher.flush(30) == 0 and pool.used == pool.held == 0
+    assert counters.get("blobs_uploaded") == 3
+
+
+def test_buffered_uploads_hold_pool_buffers_not_the_encoder_outputs(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    """The buffer path (pinned on CUDA; on CPU with copy_cpu_outputs): while PUTs stall,
+    the saved tensors are gone once copied, the pool holds at most max_inflight_bytes,
+    and the blobs arrive intact once the store answers again."""
+    config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=4 * MiB, read_timeout_s=30)
+    publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config,
+                                     copy_cpu_outputs=True)
     fault_proxy.set_stall(True, methods=["PUT"])
     arrays: list[weakref.ref[np.ndarray]] = []
     for i in range(4):
@@ -125,10 +145,28 @@ def test_stalled_uploads_hold_pool_buffers_not_the_encoder_outputs(
         assert torch.equal(blob.tensor, torch.full((256, 1024), i, dtype=torch.float16))
 
 
+@pytest.mark.parametrize(
+    "identifier", ["\U0001f600" * 256, "\x01" * 1024, "x" * 5000, ""], ids=["astral", "control", "long", "empty"]
+)
+def test_the_header_always_fits_the_room_the_step_reserved(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], identifier: str
+) -> None:
+    """The step reserves header room before the loop plans the header: the worst JSON
+    escaping of a stored identifier must fit, and the blob must decode."""
+    store = make_store()
+    publisher, counters = _publisher(store, make_config(max_inflight_bytes=4 * MiB), copy_cpu_outputs=True)
+    x = torch.arange(64 * 128, dtype=torch.float32).reshape(64, 128)
+    assert publisher.publish(identifier, x, "k/h")
+    assert publisher.flush(15) == 0 and counters.get("blobs_uploaded") == 1, counters.snapshot()
+    blob = decode_blob(store.run(store.get_async("k/h")), BlobExpectation(identifier, "ns"))
+    assert torch.equal(blob.tensor, x)
+
+
 def test_buffers_are_reused_from_one_upload_to_the_next(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
 ) -> None:
-    publisher, counters = _publisher(make_store(), make_config(max_inflight_bytes=8 * MiB))
+    """One buffer serves a dozen uploads: pinned memory is pinned once, not per blob."""
+    publisher, counters = _publisher(make_store(), make_config(max_inflight_bytes=8 * MiB), copy_cpu_outputs=True)
     for i in range(12):
         assert publisher.publish(f"id{i}", torch.full((256, 1024), float(i)).to(torch.bfloat16), f"k/{i}")
         assert publisher.flush(15) == 0
@@ -136,11 +174,13 @@ def test_buffers_are_reused_from_one_upload_to_the_next(
     assert publisher.budget.allocations == 1 and publisher.budget.used == 0
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "buffered"])
 def test_shutdown_with_stalled_uploads_gives_every_buffer_back(
-    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], fault_proxy: FaultProxy, copy: bool
 ) -> None:
     config = make_config(fault_proxy.endpoint_url, max_inflight_bytes=4 * MiB, read_timeout_s=30)
-    publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config)
+    publisher, counters = _publisher(make_store(fault_proxy.endpoint_url, read_timeout_s=30), config,
+                                     copy_cpu_outputs=copy)
     fault_proxy.set_stall(True, methods=["PUT"])
     for i in range(3):
         assert publisher.publish(f"id{i}", _tensor(), f"k/{i}")

@@ -8,6 +8,9 @@ buffer once, lends it out again and again, and counts what it *holds*, lent or i
 against ``capacity``: the in-flight bound is the memory the pool holds, whatever the
 allocator does, and pinned memory is pinned once per buffer, never per blob.
 
+A caller that sends memory of its own (a CPU tensor uploaded in place) takes a *loan*
+instead: room counted against the same bound, exactly its size, with no buffer.
+
 Buffers come in size classes so that different blob sizes can reuse them: sixteen per
 octave for plain host memory (at most 6.25% rounding), powers of two for pinned memory
 (torch's pinned allocator rounds every block up to a power of two: the class is what is
@@ -36,17 +39,19 @@ _OCTAVE_SHIFT = 4  # 2**4 = 16 classes per octave
 
 
 class HostBuffer:
-    """One buffer of the pool: ``data`` is a flat uint8 tensor of ``nbytes`` bytes."""
+    """One buffer of the pool: ``data`` is a flat uint8 tensor of ``nbytes`` bytes, or
+    None for a loan (room only: the borrower sends memory of its own)."""
 
     __slots__ = ("data", "nbytes", "lent")
 
-    def __init__(self, data: torch.Tensor) -> None:
+    def __init__(self, data: torch.Tensor | None, nbytes: int) -> None:
         self.data = data
-        self.nbytes = data.numel()
+        self.nbytes = nbytes
         self.lent = False
 
     def view(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the buffer, without a copy."""
+        assert self.data is not None, "a loan has no buffer"
         return memoryview(self.data.numpy())[start:end]
 
 
@@ -61,7 +66,7 @@ def _pinned(nbytes: int) -> torch.Tensor:
 class HostBufferPool:
     """Reusable host buffers; what the pool holds never exceeds ``capacity`` bytes.
 
-    ``used`` is the bytes lent out, ``held`` the bytes allocated (lent plus idle),
+    ``used`` is the bytes lent out (buffers and loans), ``held`` that plus idle buffers,
     ``peak`` the most ever held, ``allocations`` how many buffers were ever allocated
     (a pool that reuses its buffers stops counting up).
     """
@@ -93,26 +98,27 @@ class HostBufferPool:
         step = 1 << ((nbytes - 1).bit_length() - 1 - _OCTAVE_SHIFT)
         return -(-nbytes // step) * step
 
-    def fits(self, nbytes: int) -> bool:
+    def fits(self, nbytes: int, *, buffer: bool = True) -> bool:
         """Whether a request of ``nbytes`` can ever be served (its class fits the bound)."""
-        return self.class_size(nbytes) <= self.capacity
+        return (self.class_size(nbytes) if buffer else nbytes) <= self.capacity
 
     # ------------------------------------------------------------------ lending
-    def try_acquire(self, nbytes: int) -> HostBuffer | None:
-        """A buffer of at least ``nbytes``, or None at once if the pool has no room."""
-        size = self.class_size(nbytes)
+    def try_acquire(self, nbytes: int, *, buffer: bool = True) -> HostBuffer | None:
+        """A buffer of at least ``nbytes`` (a loan of exactly ``nbytes`` without
+        ``buffer``), or None at once if the pool has no room."""
+        size = self.class_size(nbytes) if buffer else nbytes
         with self._cond:
-            return self._take(size)
+            return self._take(size, buffer)
 
-    def acquire(self, nbytes: int, timeout: float | None = None) -> HostBuffer | None:
-        """A buffer of at least ``nbytes``, waiting up to ``timeout`` s for room."""
-        size = self.class_size(nbytes)
+    def acquire(self, nbytes: int, timeout: float | None = None, *, buffer: bool = True) -> HostBuffer | None:
+        """As :meth:`try_acquire`, waiting up to ``timeout`` s for room."""
+        size = self.class_size(nbytes) if buffer else nbytes
         if size > self.capacity:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                buf = self._take(size)
+                buf = self._take(size, buffer)
                 if buf is not None:
                     return buf
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -127,6 +133,10 @@ class HostBufferPool:
                 return
             buf.lent = False
             self.used -= buf.nbytes
+            if buf.data is None:  # a loan: nothing to keep
+                self.held -= buf.nbytes
+                self._cond.notify_all()
+                return
             self._idle[buf.nbytes].append(buf)
             self._idle_order[buf.nbytes] = None
             self._idle_order.move_to_end(buf.nbytes)
@@ -153,10 +163,10 @@ class HostBufferPool:
             self._idle_order.clear()
 
     # ------------------------------------------------------------------ inside the lock
-    def _take(self, size: int) -> HostBuffer | None:
+    def _take(self, size: int, buffer: bool) -> HostBuffer | None:
         if size > self.capacity:
             return None
-        idle = self._idle.get(size)
+        idle = self._idle.get(size) if buffer else None
         if idle:
             buf = idle.pop()
             if not idle:
@@ -167,8 +177,8 @@ class HostBufferPool:
                 return None
             # Allocated while holding the lock: a concurrent acquire must not count the
             # same room twice. This runs once per buffer, not per blob.
-            buf = HostBuffer(self._allocate(size))
-            self.allocations += 1
+            buf = HostBuffer(self._allocate(size) if buffer else None, size)
+            self.allocations += buffer
             self.held += size
             self.peak = max(self.peak, self.held)
         buf.lent = True

@@ -1,18 +1,20 @@
 """Producer side: publish encoder outputs to S3 without stalling the model step.
 
 ``publish`` runs inside vLLM's model step, so it does no network I/O, no
-serialization, no header planning and no blocking device sync. It takes a buffer from
-the host pool (:mod:`ec_s3.transfer.hostpool`; pinned on CUDA), on CUDA queues the copy
-of the encoder output into it on a side stream (after an event on the current stream),
-and queues the upload. The background loop lays the blob out in that buffer
-(``[header | data]``; on CPU it first copies the tensor in, off the step) and uploads
-the buffer as one body with a conditional put. The loop is woken once per batch of
+serialization, no header planning and no blocking device sync. On CUDA it takes a
+pinned buffer from the host pool (:mod:`ec_s3.transfer.hostpool`), queues the copy of
+the encoder output into it on a side stream (after an event on the current stream) and
+queues the upload; the loop writes the header in front of the data and uploads the
+buffer as one body. On CPU it takes a loan of the same bound and keeps a reference: the
+loop sends the header and the tensor's own memory without joining them. (A CPU copy
+into pool buffers was measured and rejected: bench/memory.py grew 2.2-2.5x the bound
+against 2.0x, since the outputs still exist until copied and glibc keeps them after.) The loop is woken once per batch of
 saves, not per item: ``publish`` queues the job and wakes the loop only when no wake-up
 is pending, and between ``defer_wakeups`` and ``wake`` (the worker brackets a model
 step with them) not at all.
 
-Memory is bounded by ``max_inflight_bytes``: the pool never holds more, lent out or
-idle. When it is full, ``block`` makes the step wait for room (backpressure slows the
+Memory is bounded by ``max_inflight_bytes``: the pool never holds more, buffers lent
+out or idle and CPU loans together. When it is full, ``block`` makes the step wait for room (backpressure slows the
 encoder to the store's pace) and ``drop`` skips the upload and counts it.
 
 Every upload ends in one of: uploaded, already there, spooled, or dropped with a
@@ -38,9 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ec_s3.blob.codec import BlobError, BlobLayout, BlobMeta
+from ec_s3.blob.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
+from ec_s3.store.body import BufferChain  # stdlib only: no S3 client library
 from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.hostpool import HostBuffer, HostBufferPool
 
@@ -52,8 +55,7 @@ __all__ = ["BlobPublisher"]
 
 _SEEN_LIMIT = 65536
 _SLOW_SAVE_WARN_S = 1.0
-# The loop copies a CPU tensor into its buffer in slices of this size and lets other
-# uploads run in between (the copy releases the GIL, not the loop).
+# copy_cpu_outputs: the loop copies in slices, letting other uploads' I/O run in between.
 _COPY_SLICE = 4 * 1024 * 1024
 # Header room: a blob's header is planned on the loop, after the step has placed the
 # data, so the step reserves an upper bound. JSON escapes a character in at most 12
@@ -87,7 +89,7 @@ class _Job:
         self.room = room  # the data starts here in buf; the header ends here
         self.buf: HostBuffer | None = buf
         self.event: Any = None  # CUDA event: device->host copy done
-        self.source: torch.Tensor | None = None  # CPU tensor the loop copies into buf
+        self.source: torch.Tensor | None = None  # CPU tensor: sent in place (buf is a loan) or copied into buf
         self.settled = False  # buffer and pending count given back
 
 
@@ -96,9 +98,13 @@ class BlobPublisher:
 
     def __init__(
         self, store: S3Store, config: ECS3Config, *, namespace: str, producer: str, counters: Counters,
-        spool: Spool | None = None,
+        spool: Spool | None = None, copy_cpu_outputs: bool = False,
     ) -> None:
+        """``copy_cpu_outputs``: stage CPU tensors in pool buffers too (copied on the
+        loop) instead of sending them in place; measured no better for memory, kept so
+        that benches and tests exercise the buffer path without a GPU."""
         self._store = store
+        self._copy_cpu = copy_cpu_outputs
         self._spool = spool
         self._tasks: set[asyncio.Task[None]] = set()
         self._config = config
@@ -137,14 +143,15 @@ class BlobPublisher:
         nbytes = tensor.numel() * tensor.element_size()
         room = self._header_room(identifier)
         pool = self._pool_for(tensor)
-        if nbytes > self._config.max_blob_bytes or not pool.fits(room + nbytes):
+        buffered = tensor.is_cuda or self._copy_cpu
+        if nbytes > self._config.max_blob_bytes or not pool.fits(room + nbytes, buffer=buffered):
             self._counters.inc("upload_dropped")
             logger.warning(
                 "ec-s3: encoder output %s is %d bytes, above max_blob_bytes/max_inflight_bytes; not published",
                 identifier[:64], nbytes,
             )
             return False
-        buf = self._reserve(pool, room + nbytes, identifier)
+        buf = self._reserve(pool, room + nbytes, identifier, buffer=buffered)
         if buf is None:
             return False
         self._remember(key)
@@ -217,8 +224,8 @@ class BlobPublisher:
             self._pool = HostBufferPool(self._config.max_inflight_bytes, pinned=True)
         return self._pool
 
-    def _reserve(self, pool: HostBufferPool, nbytes: int, identifier: str) -> HostBuffer | None:
-        buf = pool.try_acquire(nbytes)
+    def _reserve(self, pool: HostBufferPool, nbytes: int, identifier: str, *, buffer: bool) -> HostBuffer | None:
+        buf = pool.try_acquire(nbytes, buffer=buffer)
         if buf is not None:
             return buf
         if self._config.backpressure == "drop":
@@ -232,7 +239,7 @@ class BlobPublisher:
         self.wake()
         started = time.monotonic()
         warned = False
-        while (buf := pool.acquire(nbytes, timeout=_SLOW_SAVE_WARN_S)) is None:
+        while (buf := pool.acquire(nbytes, timeout=_SLOW_SAVE_WARN_S, buffer=buffer)) is None:
             if not warned:
                 warned = True
                 logger.warning(
@@ -329,7 +336,7 @@ class BlobPublisher:
             self._idle.notify_all()
 
     async def _upload(self, job: _Job) -> None:
-        body: memoryview | None = None
+        body: memoryview | BufferChain | None = None
         errors = _store_errors()
         try:
             body = await self._body(job)
@@ -366,7 +373,7 @@ class BlobPublisher:
             self._settle(job)
 
     async def _spool_or_drop(
-        self, job: _Job, body: memoryview | None, reason: str, *, cancelled: bool = False
+        self, job: _Job, body: memoryview | BufferChain | None, reason: str, *, cancelled: bool = False
     ) -> None:
         """Retries are spent (or we are shutting down): spool the blob, else drop it."""
         if self._spool is not None and body is not None:
@@ -384,11 +391,15 @@ class BlobPublisher:
         log = logger.debug if quiet else logger.warning
         log("ec-s3: upload of %s to %s dropped: %s", job.identifier[:64], job.key, reason)
 
-    async def _body(self, job: _Job) -> memoryview:
-        """Lay the blob out in the job's buffer: ``[header | data]``, one contiguous body."""
+    async def _body(self, job: _Job) -> memoryview | BufferChain:
+        """The blob: ``[header | data]`` in the job's pinned buffer (CUDA), or the header
+        and the tensor's own memory, sent without joining them (CPU)."""
         buf = job.buf
         assert buf is not None
         layout = BlobLayout.plan(BlobMeta(job.identifier, job.dtype, job.shape, self._namespace, self._producer))
+        if buf.data is None:
+            assert job.source is not None
+            return BufferChain([layout.header, memoryview(tensor_bytes(job.source).numpy())])
         start = job.room - layout.data_offset
         if start < 0 or layout.data_nbytes != job.nbytes:
             raise BlobError("header_size", f"header of {layout.data_offset} bytes exceeds its {job.room}-byte room")
@@ -403,19 +414,14 @@ class BlobPublisher:
 
     @staticmethod
     async def _copy_in(job: _Job, buf: HostBuffer) -> None:
-        """Copy the CPU tensor into the buffer off the step, then let the tensor go: the
-        pool, not the encoder output, is what stays in memory while the upload runs."""
-        src = job.source
-        assert src is not None
-        if not src.is_contiguous():
-            src = src.contiguous()
-        flat = src.reshape(-1).view(torch.uint8).numpy()
+        """Copy a CPU tensor into its buffer (``copy_cpu_outputs``), then let it go."""
+        assert job.source is not None and buf.data is not None
+        src = tensor_bytes(job.source).numpy()
         dst = buf.data[job.room : job.room + job.nbytes].numpy()
         for lo in range(0, job.nbytes, _COPY_SLICE):
             if lo:
                 await asyncio.sleep(0)  # other uploads' I/O between slices
-            hi = min(lo + _COPY_SLICE, job.nbytes)
-            dst[lo:hi] = flat[lo:hi]  # numpy releases the GIL for the copy
+            dst[lo : lo + _COPY_SLICE] = src[lo : lo + _COPY_SLICE]  # numpy releases the GIL here
         job.source = None
 
     # ------------------------------------------------------------ shutdown
