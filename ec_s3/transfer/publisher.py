@@ -160,7 +160,7 @@ class BlobPublisher:
             if tensor.is_cuda:
                 self._start_device_copy(job, tensor)
             else:
-                job.source = tensor.detach()
+                job.source = tensor  # detached on the loop (tensor_bytes): one C call less in the step
         except Exception as exc:  # noqa: BLE001 - a failed copy must not crash the step
             self._forget(key)
             self._give_back(job)
