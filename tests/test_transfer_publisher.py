@@ -267,3 +267,29 @@ def test_importable_without_s3_client_libraries() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_a_buffer_a_device_copy_may_still_write_into_is_never_lent_again(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
+) -> None:
+    """An upload that ends (cancelled, failed) before its device->host copy completed
+    gives its room back but not its buffer: lending it again could let the copy
+    overwrite the next blob."""
+    from ec_s3.transfer.publisher import _Job
+
+    class PendingEvent:
+        def query(self) -> bool:
+            return False
+
+    publisher, _ = _publisher(make_store(), make_config(max_inflight_bytes=4 * MiB))
+    pool = publisher.budget
+    buf = pool.try_acquire(MiB)
+    assert buf is not None
+    job = _Job("img", "k/x", _tensor(), 16384, 8192, buf)
+    job.event = PendingEvent()
+    with publisher._idle:  # noqa: SLF001 - as publish counts it
+        publisher._pending += 1  # noqa: SLF001
+    publisher._settle(job)  # noqa: SLF001
+    assert pool.used == 0 and pool.held == 0 and publisher.pending == 0
+    again = pool.try_acquire(MiB)
+    assert again is not None and again is not buf

@@ -17,6 +17,8 @@ octave for plain host memory (at most 6.25% rounding), powers of two for pinned 
 actually pinned). A request that fits no idle buffer allocates a new one while the pool
 has room; when it has none, idle buffers of other classes are freed to make room; when
 everything is lent out the caller waits (``acquire``) or gives up (``try_acquire``).
+(A freed pinned buffer goes back to torch's pinned cache, which keeps it for torch's
+next pinned allocation of that size: outside this count, and only when sizes change.)
 
 Owns buffer memory and the bound. Does not own what goes into a buffer (the publisher
 lays out the blob), the device copy or the upload.
