@@ -3,19 +3,22 @@
 ``publish`` runs inside vLLM's model step, so it does no network I/O, no
 serialization, no header planning and no blocking device sync. On CUDA it takes a
 pinned buffer from the host pool (:mod:`ec_s3.transfer.hostpool`), queues the copy of
-the encoder output into it on a side stream (after an event on the current stream) and
-queues the upload; the loop writes the header in front of the data and uploads the
-buffer as one body. On CPU it takes a loan of the same bound and keeps a reference: the
-loop sends the header and the tensor's own memory without joining them. (A CPU copy
-into pool buffers was measured and rejected: bench/memory.py grew 2.2-2.5x the bound
-against 2.0x, since the outputs still exist until copied and glibc keeps them after.) The loop is woken once per batch of
-saves, not per item: ``publish`` queues the job and wakes the loop only when no wake-up
-is pending, and between ``defer_wakeups`` and ``wake`` (the worker brackets a model
-step with them) not at all.
+the encoder output into it on a side stream (after an event on the current stream)
+and queues the upload; the loop writes the header in front of the data and uploads
+the buffer as one body. On CPU it takes a loan of the same bound and keeps a
+reference: the loop sends the header and the tensor's own memory without joining
+them. (Copying CPU outputs into pool buffers was measured and rejected: bench/memory.py
+grew 1.8-2.5x the bound against 1.0-2.0x in place, since an output exists until it is
+copied and glibc keeps it after.)
+
+The loop is woken once per batch of saves, not per item: ``publish`` queues the job
+and posts a wake-up only when none is pending, and between ``defer_wakeups`` and
+``wake`` (the worker brackets a model step with them) not at all.
 
 Memory is bounded by ``max_inflight_bytes``: the pool never holds more, buffers lent
-out or idle and CPU loans together. When it is full, ``block`` makes the step wait for room (backpressure slows the
-encoder to the store's pace) and ``drop`` skips the upload and counts it.
+out or idle and CPU loans together. When it is full, ``block`` makes the step wait
+for room (backpressure slows the encoder to the store's pace) and ``drop`` skips the
+upload and counts it.
 
 Every upload ends in one of: uploaded, already there, spooled, or dropped with a
 count and a log line, whatever the store raises; its buffer goes back to the pool on
@@ -218,9 +221,11 @@ class BlobPublisher:
         return -(-(self._header_base + _ESCAPED_CHAR_BYTES * chars) // 8) * 8
 
     def _pool_for(self, tensor: torch.Tensor) -> HostBufferPool:
-        if tensor.is_cuda and not self._pool.pinned and self._pool.held == 0:
+        if tensor.is_cuda and not self._pool.pinned and self._pool.used == 0:
             # Device copies need pinned buffers to run asynchronously; decided at the
-            # first CUDA tensor, so a CPU-only host never touches CUDA.
+            # first CUDA tensor, so a CPU-only host never touches CUDA. Nothing is lent
+            # out of the old pool, so no job returns a buffer to it later.
+            self._pool.clear()
             self._pool = HostBufferPool(self._config.max_inflight_bytes, pinned=True)
         return self._pool
 
@@ -252,7 +257,7 @@ class BlobPublisher:
 
     def _start_device_copy(self, job: _Job, tensor: torch.Tensor) -> None:
         """Queue the device→pinned-host copy on a side stream; never syncs the host."""
-        assert job.buf is not None
+        assert job.buf is not None and job.buf.data is not None
         dst = job.buf.data[job.room : job.room + job.nbytes]
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=tensor.device)
