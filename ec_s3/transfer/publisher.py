@@ -289,6 +289,11 @@ class BlobPublisher:
 
     # ------------------------------------------------------------ loop side
     def _drain(self) -> None:
+        # The step thread that posted this wake-up wants the GIL back at once; the
+        # uploads' Python (request building: milliseconds for a multipart upload) can
+        # run when the step next waits (a device sync, the engine's socket I/O) instead
+        # of making the step wait for a switch interval (5 ms). sleep(0) drops the GIL.
+        time.sleep(0)
         # Cleared before popping: a job queued after this line posts a new wake-up or
         # is popped below, never neither.
         self._wake_pending = False
