@@ -62,15 +62,17 @@ def test_unexpected_store_error_is_counted_and_frees_the_budget(
     assert publisher.flush(15) == 0 and publisher.budget.used == 0
 
 
+@pytest.mark.parametrize("copy", [False, True], ids=["in-place", "buffered"])
 def test_wrong_credentials_drop_counted_and_free_the_budget(
-    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], copy: bool
 ) -> None:
     config = make_config(secret_access_key="wrong", max_inflight_bytes=MiB)
-    publisher, counters = _publisher(make_store(secret_access_key="wrong"), config)
+    publisher, counters = _publisher(make_store(secret_access_key="wrong"), config, copy_cpu_outputs=copy)
     for i in range(3):
         assert publisher.publish(f"img{i}", _tensor(), f"k/{i}")
     assert publisher.flush(15) == 0
     assert publisher.budget.used == 0 and counters.get("upload_failed") == 3
+    assert publisher.budget.allocations <= 3 and publisher.budget.held <= MiB
 
 
 def test_closed_endpoint_drops_counted_and_frees_the_budget(
@@ -293,3 +295,28 @@ def test_a_buffer_a_device_copy_may_still_write_into_is_never_lent_again(
     assert pool.used == 0 and pool.held == 0 and publisher.pending == 0
     again = pool.try_acquire(MiB)
     assert again is not None and again is not buf
+
+
+def test_an_upload_that_fails_over_to_the_spool_gives_its_buffer_back(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], tmp_path: Path
+) -> None:
+    """The store is unreachable: the blob (the buffer's bytes) is spooled intact, and the
+    buffer serves the next upload."""
+    from ec_s3.transfer.spool import Spool
+
+    url = f"http://127.0.0.1:{_closed_port()}"
+    store = make_store(url, max_attempts=1)
+    counters = Counters()
+    spool = Spool(str(tmp_path / "spool"), 64 * MiB, 60.0, store, counters, owns=lambda key: True)
+    publisher = BlobPublisher(store, make_config(url, max_inflight_bytes=4 * MiB), namespace="ns", producer="p",
+                              counters=counters, spool=spool, copy_cpu_outputs=True)
+    for i in range(3):
+        assert publisher.publish(f"img{i}", torch.full((64, 128), float(i)).to(torch.bfloat16), f"k/{i}")
+        assert publisher.flush(30) == 0
+    assert counters.get("blobs_spooled") == 3 and counters.get("upload_failed") == 0
+    assert publisher.budget.used == 0 and publisher.budget.allocations == 1
+    files = sorted((tmp_path / "spool").iterdir())
+    assert len(files) == 3
+    for i in range(3):  # each file ends with its own blob's data, not a later one's
+        want = torch.full((64, 128), float(i)).to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+        assert any(f.read_bytes().endswith(want) for f in files)

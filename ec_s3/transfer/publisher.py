@@ -81,7 +81,7 @@ def _created(outcome: object) -> bool:
 
 
 class _Job:
-    __slots__ = ("identifier", "key", "dtype", "shape", "nbytes", "room", "buf", "event", "source", "settled")
+    __slots__ = ("identifier", "key", "dtype", "shape", "nbytes", "room", "buf", "event", "source", "settled", "shared")
 
     def __init__(self, identifier: str, key: str, tensor: torch.Tensor, nbytes: int, room: int, buf: HostBuffer) -> None:
         self.identifier = identifier
@@ -94,6 +94,7 @@ class _Job:
         self.event: Any = None  # CUDA event: device->host copy done
         self.source: torch.Tensor | None = None  # CPU tensor: sent in place (buf is a loan) or copied into buf
         self.settled = False  # buffer and pending count given back
+        self.shared = False  # a spool writer thread may still read the buffer: never lend it again
 
 
 class BlobPublisher:
@@ -323,12 +324,13 @@ class BlobPublisher:
             self._settle(job)
 
     def _give_back(self, job: _Job) -> None:
-        """Return ``job``'s buffer to the pool, unless a device copy may still write into it."""
+        """Return ``job``'s buffer to the pool, unless a device copy may still write into it
+        or a spool writer read it (then only its room comes back; it is freed when unused)."""
         buf, job.buf = job.buf, None
         if buf is None:
             return
         event, job.event = job.event, None
-        if event is not None and not event.query():
+        if job.shared or (event is not None and not event.query()):
             self._pool.discard(buf)  # torch frees the pinned block once the copy is done
         else:
             self._pool.release(buf)
@@ -390,6 +392,10 @@ class BlobPublisher:
             try:
                 if await self._spool.save(job.key, body):
                     return  # still in _seen: the spool will deliver it
+            except asyncio.CancelledError:
+                # The spool's writer thread goes on reading the body after we stop waiting.
+                job.shared = True
+                raise
             except Exception as exc:  # noqa: BLE001 - the blob is dropped below, counted
                 logger.warning("ec-s3: cannot spool %s: %r", job.key, exc)
         # During an outage the breaker logs once; per-item lines would flood the log.
