@@ -9,7 +9,14 @@ save, as vLLM frees its encoder cache.
 
 Shown: RSS growth (peak minus the level before the saves) per configuration, against
 ``max_inflight_bytes`` and against what the saves would hold unbounded (saves x blob).
-Goal: growth ~ max_inflight_bytes, independent of the number of saves.
+Goal: growth <= 1.2x max_inflight_bytes, independent of the number of saves.
+
+Two axes separate ec-s3's memory from the allocator's: ``--encoders`` ``cast`` makes
+each output as ``randn(fp32).to(bf16)`` (a freed temporary twice the output's size next
+to every output held: glibc keeps those holes) and ``direct`` makes it in bf16;
+``--variants`` ``in-place`` is the publisher's CPU default (the tensor's own memory is
+uploaded, the pool lends room) and ``buffered`` copies each output into a pool buffer on
+the loop (``copy_cpu_outputs``, the pinned path's layout on CPU).
 
     .venv/bin/python bench/memory.py [--quick] [--budgets-mib 64 256 512] [--blob-mib 8] [--saves-x 2 4]
 """
@@ -35,7 +42,8 @@ WIDTH = 4096
 # --------------------------------------------------------------------------- one configuration
 
 
-def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: str) -> dict[str, Any]:
+def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: str, encoder: str = "cast",
+               variant: str = "in-place") -> dict[str, Any]:
     """In a fresh process: publish ``saves`` blobs while PUTs stall; report RSS."""
     bl.setup_env()
     import torch
@@ -54,10 +62,17 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
         config = ep.config(bucket, **over)
         store = S3Store(config)
         counters = Counters()
-        pub = BlobPublisher(store, config, namespace="ns", producer="bench", counters=counters)
+        pub = BlobPublisher(store, config, namespace="ns", producer="bench", counters=counters,
+                            copy_cpu_outputs=variant == "buffered")
         rows = blob_mib * bl.MiB // (WIDTH * 2)
+
+        def encoder_output() -> torch.Tensor:
+            if encoder == "direct":
+                return torch.randn(rows, WIDTH, dtype=torch.bfloat16)
+            return torch.randn(rows, WIDTH).to(torch.bfloat16)
+
         # warm-up: client, connections, code paths, one tensor of the size
-        pub.publish("warm", torch.randn(rows, WIDTH).to(torch.bfloat16), "warm")
+        pub.publish("warm", encoder_output(), "warm")
         assert pub.flush(60) == 0
         proxy.stall_put()
         time.sleep(0.2)
@@ -70,7 +85,7 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
             for i in range(saves):
                 if stop.is_set():
                     break  # measured; no need to upload the rest
-                t = torch.randn(rows, WIDTH).to(torch.bfloat16)  # a fresh encoder output
+                t = encoder_output()  # a fresh encoder output
                 accepted[0] += bool(pub.publish(f"id{i}", t, f"k/{i}"))
                 del t  # vLLM frees its encoder cache entry
             done.set()
@@ -103,7 +118,8 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
         after = bl.proc_rss_bytes() or 0
         blob_bytes = rows * WIDTH * 2
         return {
-            "budget_mib": budget_mib, "blob_mib": blob_mib, "saves": saves, "mode": mode,
+            "budget_mib": budget_mib, "blob_mib": blob_mib, "saves": saves, "mode": mode, "encoder": encoder,
+            "variant": variant, "pool_held_peak_bytes": pub.budget.peak, "pool_allocations": pub.budget.allocations,
             "rss_before": rss0, "rss_stalled": stalled_rss, "rss_peak_stalled": peak_stalled, "rss_after_release": after,
             "growth_bytes": peak_stalled - (rss0 or 0),
             "growth_vs_budget": (peak_stalled - (rss0 or 0)) / (budget_mib * bl.MiB),
@@ -133,6 +149,11 @@ def main() -> int:
     parser.add_argument("--allocators", nargs="+", default=None, choices=["default", "fixed-mmap-threshold"],
                         help="glibc malloc as is, or with MALLOC_MMAP_THRESHOLD_=128KiB (freed blobs go back to the OS: "
                              "separates ec-s3's live bytes from allocator retention)")
+    parser.add_argument("--encoders", nargs="+", default=None, choices=["cast", "direct"],
+                        help="how the stand-in encoder makes an output: fp32 then cast (a freed temporary per output), "
+                             "or bf16 directly")
+    parser.add_argument("--variants", nargs="+", default=None, choices=["in-place", "buffered"],
+                        help="publisher on CPU: upload the tensor in place (default) or copy it into a pool buffer")
     parser.add_argument("--config-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.config_child:
@@ -143,6 +164,8 @@ def main() -> int:
     saves_x = args.saves_x or ([4] if q else [2, 4])
     modes = args.modes or (["block"] if q else ["block", "drop"])
     allocators = args.allocators or (["default"] if q else ["default", "fixed-mmap-threshold"])
+    encoders = args.encoders or ["cast", "direct"]
+    variants = args.variants or ["in-place", "buffered"]
 
     runs: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -150,22 +173,27 @@ def main() -> int:
     def save() -> None:  # after every configuration, so a time limit keeps what was measured
         bl.write_json("memory", {
             "params": {"budgets_mib": budgets, "blob_mib": args.blob_mib, "saves_x": saves_x, "modes": modes,
-                       "allocators": allocators, "quick": q},
+                       "allocators": allocators, "encoders": encoders, "variants": variants, "quick": q},
             "elapsed_s": time.monotonic() - started,
-            "goal": "RSS growth ~ max_inflight_bytes, independent of the number of saves",
+            "goal": "RSS growth <= 1.2x max_inflight_bytes, independent of the number of saves",
             "runs": runs,
         }, args.out_dir)
 
     with bl.s3_endpoint("memory") as ep:
         ep_json = json.dumps({"url": ep.url, "access_key_id": ep.access_key_id, "secret_access_key": ep.secret_access_key})
-        plan = [(a, m, b, x) for a in allocators for m in modes for b in budgets for x in saves_x
+        plan = [(a, m, b, x, encoders[0], variants[0]) for a in allocators for m in modes for b in budgets
+                for x in saves_x
                 if (m == modes[0] and (a == "default" or x == saves_x[-1])) or (a == "default" and x == saves_x[-1])]
-        # the drop mode and the allocator diagnostic need one point per budget
-        for alloc, mode, budget, x in plan:
+        # the drop mode and the allocator diagnostic need one point per budget; so do the
+        # other encoder stand-ins and publisher variants (block, default malloc, most saves)
+        plan += [("default", modes[0], b, saves_x[-1], e, v) for e in encoders for v in variants for b in budgets
+                 if (e, v) != (encoders[0], variants[0])]
+        for alloc, mode, budget, x, encoder, variant in plan:
             saves = max(1, int(round(x * budget / args.blob_mib)))
-            bl.log(f"memory: {mode}, {alloc} malloc, max_inflight {budget} MiB, {saves} saves of {args.blob_mib} MiB")
+            bl.log(f"memory: {mode}, {alloc} malloc, {encoder} encoder, {variant}, max_inflight {budget} MiB, "
+                   f"{saves} saves of {args.blob_mib} MiB")
             child = json.dumps({"ep_json": ep_json, "budget_mib": budget, "blob_mib": args.blob_mib,
-                                "saves": saves, "mode": mode})
+                                "saves": saves, "mode": mode, "encoder": encoder, "variant": variant})
             env = dict(os.environ)
             if alloc != "default":
                 env["MALLOC_MMAP_THRESHOLD_"] = "131072"
@@ -181,11 +209,12 @@ def main() -> int:
             bl.log(f"  RSS +{r['growth_bytes'] / bl.MiB:.0f} MiB = {r['growth_vs_budget']:.2f} x budget "
                    f"({r['growth_vs_unbounded']:.2f} x unbounded); held PUTs {r['puts_held_by_proxy']}")
     save()
-    rows = [[r["mode"], r["allocator"], r["budget_mib"], r["saves"], r["saves"] * r["blob_mib"], r["growth_bytes"] / bl.MiB,
-             r["growth_vs_budget"], r["growth_vs_unbounded"], r["budget_peak_bytes"] / bl.MiB, r["dropped"]]
+    rows = [[r["mode"], r["allocator"], r["encoder"], r["variant"], r["budget_mib"], r["saves"],
+             r["saves"] * r["blob_mib"], r["growth_bytes"] / bl.MiB, r["growth_vs_budget"], r["growth_vs_unbounded"],
+             r["budget_peak_bytes"] / bl.MiB, r["dropped"]]
             for r in runs]
-    print(bl.table(["mode", "malloc", "max_inflight MiB", "saves", "unbounded MiB", "RSS growth MiB", "growth / budget",
-                    "growth / unbounded", "budget peak MiB", "dropped"], rows,
+    print(bl.table(["mode", "malloc", "encoder", "publisher", "max_inflight MiB", "saves", "unbounded MiB",
+                    "RSS growth MiB", "growth / budget", "growth / unbounded", "budget peak MiB", "dropped"], rows,
                    title="Producer RSS under a stalled store (peak growth)"))
     if not args.no_plot:
         plot(runs, args.out_dir)
@@ -197,16 +226,20 @@ def plot(runs: list[dict[str, Any]], out_dir: Path | None) -> None:
     if plt is None or not runs:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = sorted({(r["mode"], r.get("allocator", "default")) for r in runs})
-    for i, (mode, alloc) in enumerate(series):
-        rs = [r for r in runs if r["mode"] == mode and r.get("allocator", "default") == alloc]
+    def label(r: dict[str, Any]) -> tuple[str, str, str, str]:
+        return r["mode"], r.get("allocator", "default"), r.get("encoder", "cast"), r.get("variant", "in-place")
+
+    series = sorted({label(r) for r in runs})
+    for i, (mode, alloc, encoder, variant) in enumerate(series):
+        rs = [r for r in runs if label(r) == (mode, alloc, encoder, variant)]
         marker = "o" if alloc == "default" else "s"
         most = max(r["saves"] / r["budget_mib"] for r in rs)
         for r in rs:
             filled = r["saves"] / r["budget_mib"] >= most
             ax.scatter([r["budget_mib"] * (1 + 0.015 * i)], [r["growth_bytes"] / bl.MiB], marker=marker, s=36, zorder=3,
                        facecolors=f"C{i}" if filled else "none", edgecolors=f"C{i}")
-        ax.scatter([], [], marker=marker, color=f"C{i}", label=f"backpressure={mode}, {alloc} malloc")
+        ax.scatter([], [], marker=marker, color=f"C{i}",
+                   label=f"backpressure={mode}, {alloc} malloc, {encoder} encoder, {variant}")
     budgets = sorted({r["budget_mib"] for r in runs})
     ax.plot(budgets, budgets, "k--", label="y = max_inflight_bytes")
     ax.plot(budgets, [2 * b for b in budgets], "k:", label="y = 2 x max_inflight_bytes")

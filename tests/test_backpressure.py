@@ -78,3 +78,25 @@ def test_drop_skips_and_counts_then_flows(
             assert publisher.publish(f"id{i}", _tensor(i), f"k/{i}")
             assert publisher.flush(30) == 0
     assert counters.get("blobs_uploaded") == 10
+
+
+def test_a_save_blocked_inside_a_step_wakes_the_loop_it_waits_for(
+    make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
+) -> None:
+    """Inside a step the publisher holds wake-ups back until the step ends; a save that
+    must wait for room would then wait for uploads nobody started. It wakes the loop."""
+    config = make_config(max_inflight_bytes=MiB, backpressure="block")
+    publisher, counters = _publisher(make_store(), config)
+    done = threading.Event()
+
+    def step() -> None:
+        publisher.defer_wakeups()  # what the worker's start_save_caches does
+        for i in range(10):
+            publisher.publish(f"id{i}", _tensor(i), f"k/{i}")
+        done.set()
+        publisher.wake()  # the end of the step
+
+    threading.Thread(target=step, daemon=True).start()
+    assert done.wait(30), "a save blocked inside a step waited for uploads that never started"
+    assert publisher.flush(30) == 0
+    assert counters.get("blobs_uploaded") == 10 and publisher.budget.peak <= MiB

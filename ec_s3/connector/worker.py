@@ -127,7 +127,13 @@ class ECS3Worker:
         self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None
     ) -> None:
         """Publish items of this step that vLLM already had cached (it will not call
-        ``save_caches`` for them); the publisher skips what it already sent."""
+        ``save_caches`` for them); the publisher skips what it already sent.
+
+        vLLM calls this first in a producer's step and ``build_connector_worker_meta``
+        last, always: the step's saves are queued in between and handed to the I/O loop
+        in one wake-up at the end (a wake-up costs the step a GIL hand-off)."""
+        if self._publisher is not None:
+            self._publisher.defer_wakeups()
         if encoder_cache is None or not isinstance(metadata, ECS3ConnectorMetadata):
             return
         for ident in metadata.save_keys:
@@ -296,6 +302,8 @@ class ECS3Worker:
         return self._device
 
     def build_connector_worker_meta(self) -> ECS3WorkerMetadata | None:
+        if self._publisher is not None:
+            self._publisher.wake()  # the end of the step: hand its saves to the loop
         if not self._is_consumer or (self._host_reported and not self._failed_loads):
             return None
         failed, self._failed_loads = self._failed_loads, set()

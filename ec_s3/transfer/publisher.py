@@ -1,97 +1,100 @@
 """Producer side: publish encoder outputs to S3 without stalling the model step.
 
 ``publish`` runs inside vLLM's model step, so it does no network I/O, no
-serialization and no blocking device sync. On CUDA it records the copy of the
-encoder output into a pinned host buffer on a side stream (after an event on the
-current stream) and returns; on CPU it keeps a reference. The background loop waits
-for the copy, lays the blob out around it (the pinned buffer already has the header
-in front, so the buffer *is* the upload body) and uploads it with a conditional put.
+serialization, no header planning and no blocking device sync. On CUDA it takes a
+pinned buffer from the host pool (:mod:`ec_s3.transfer.hostpool`), queues the copy of
+the encoder output into it on a side stream (after an event on the current stream)
+and queues the upload; the loop writes the header in front of the data and uploads
+the buffer as one body. On CPU it takes a loan of the same bound and keeps a
+reference: the loop sends the header and the tensor's own memory without joining
+them. (Copying CPU outputs into pool buffers was measured and rejected: bench/memory.py
+grew 1.8-2.5x the bound against 1.0-2.0x in place, since an output exists until it is
+copied and glibc keeps it after.)
 
-Memory is bounded by ``max_inflight_bytes``: when full, ``block`` makes the step
-wait for room (backpressure slows the encoder to the store's pace) and ``drop``
-skips the upload and counts it.
+The loop is woken once per batch of saves, not per item: ``publish`` queues the job
+and posts a wake-up only when none is pending, and between ``defer_wakeups`` and
+``wake`` (the worker brackets a model step with them) not at all.
+
+Memory is bounded by ``max_inflight_bytes``: the pool never holds more, buffers lent
+out or idle and CPU loans together. When it is full, ``block`` makes the step wait
+for room (backpressure slows the encoder to the store's pace) and ``drop`` skips the
+upload and counts it.
 
 Every upload ends in one of: uploaded, already there, spooled, or dropped with a
-count and a log line, whatever the store raises; its bytes go back to the budget on
+count and a log line, whatever the store raises; its buffer goes back to the pool on
 every path, a task cancelled before it first ran and a loop that is gone included.
 
+Importable without S3 client libraries (a GPU host with torch only): the store is a
+parameter, and its error types are looked up only once some store has loaded them.
+
 Owns the in-flight budget and upload jobs. Does not own retries (the store), the
-outage spool's files (:mod:`ec_s3.transfer.spool`) or which key an output gets (the
-connector's key space).
+outage spool's files (:mod:`ec_s3.transfer.spool`), buffer memory (the pool) or which
+key an output gets (the connector's key space).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ec_s3.blob.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
-from ec_s3.transfer.spool import Spool
+from ec_s3.store.body import BufferChain  # stdlib only: no S3 client library
 from ec_s3.transfer.counters import Counters
-from ec_s3.store.client import BufferChain, PutOutcome, S3Store, StoreError, StoreUnavailable
+from ec_s3.transfer.hostpool import HostBuffer, HostBufferPool
 
-__all__ = ["BlobPublisher", "InflightBudget"]
+if TYPE_CHECKING:
+    from ec_s3.store.client import S3Store
+    from ec_s3.transfer.spool import Spool
+
+__all__ = ["BlobPublisher"]
 
 _SEEN_LIMIT = 65536
 _SLOW_SAVE_WARN_S = 1.0
+# copy_cpu_outputs: the loop copies in slices, letting other uploads' I/O run in between.
+_COPY_SLICE = 4 * 1024 * 1024
+# Header room: a blob's header is planned on the loop, after the step has placed the
+# data, so the step reserves an upper bound. JSON escapes a character in at most 12
+# bytes (a surrogate pair); identifiers longer than the codec stores are kept as a digest.
+_ESCAPED_CHAR_BYTES = 12
+_MAX_STORED_IDENTIFIER_CHARS = 1024
+_HEADER_MARGIN = 64  # dtype names differ in length; padding to 8
 
 
-class InflightBudget:
-    """A byte semaphore shared by the model step (acquire) and the loop (release)."""
+def _store_errors() -> Any:
+    """``ec_s3.store.errors`` once a store has loaded it, else None: only then can its
+    errors be raised, and this module must load without S3 client libraries."""
+    return sys.modules.get("ec_s3.store.errors")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self.peak = 0
-        self._cond = threading.Condition()
 
-    def try_acquire(self, n: int) -> bool:
-        with self._cond:
-            if self.used + n > self.capacity:
-                return False
-            self._take(n)
-            return True
-
-    def acquire(self, n: int, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self.used + n > self.capacity:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            self._take(n)
-            return True
-
-    def release(self, n: int) -> None:
-        with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-    def _take(self, n: int) -> None:
-        self.used += n
-        self.peak = max(self.peak, self.used)
+def _created(outcome: object) -> bool:
+    """Whether a put's outcome says the blob was created (not already there)."""
+    client = sys.modules.get("ec_s3.store.client")
+    return client is None or outcome is client.PutOutcome.CREATED
 
 
 class _Job:
-    __slots__ = ("identifier", "key", "layout", "host", "event", "source", "enqueued", "settled")
+    __slots__ = ("identifier", "key", "dtype", "shape", "nbytes", "room", "buf", "event", "source", "settled", "shared")
 
-    def __init__(self, identifier: str, key: str, layout: BlobLayout) -> None:
+    def __init__(self, identifier: str, key: str, tensor: torch.Tensor, nbytes: int, room: int, buf: HostBuffer) -> None:
         self.identifier = identifier
         self.key = key
-        self.layout = layout
-        self.host: torch.Tensor | None = None  # pinned [header | data] (CUDA path)
-        self.event: Any = None  # CUDA event: host copy done
-        self.source: torch.Tensor | None = None  # CPU tensor to lay out on the loop
-        self.enqueued = time.monotonic()
-        self.settled = False  # budget and pending count given back
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.nbytes = nbytes
+        self.room = room  # the data starts here in buf; the header ends here
+        self.buf: HostBuffer | None = buf
+        self.event: Any = None  # CUDA event: device->host copy done
+        self.source: torch.Tensor | None = None  # CPU tensor: sent in place (buf is a loan) or copied into buf
+        self.settled = False  # buffer and pending count given back
+        self.shared = False  # a spool writer thread may still read the buffer: never lend it again
 
 
 class BlobPublisher:
@@ -99,16 +102,21 @@ class BlobPublisher:
 
     def __init__(
         self, store: S3Store, config: ECS3Config, *, namespace: str, producer: str, counters: Counters,
-        spool: Spool | None = None,
+        spool: Spool | None = None, copy_cpu_outputs: bool = False,
     ) -> None:
+        """``copy_cpu_outputs``: stage CPU tensors in pool buffers too (copied on the
+        loop) instead of sending them in place; measured no better for memory, kept so
+        that benches and tests exercise the buffer path without a GPU."""
         self._store = store
+        self._copy_cpu = copy_cpu_outputs
         self._spool = spool
         self._tasks: set[asyncio.Task[None]] = set()
         self._config = config
         self._namespace = namespace
         self._producer = producer
         self._counters = counters
-        self.budget = InflightBudget(config.max_inflight_bytes)
+        # Plain host memory until the first CUDA tensor asks for pinned buffers.
+        self._pool = HostBufferPool(config.max_inflight_bytes)
         # key -> when it was last published or seen in the bucket; trusted for
         # present_ttl_s (gc or a lifecycle rule may delete a blob after that).
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
@@ -116,6 +124,19 @@ class BlobPublisher:
         self._idle = threading.Condition()
         self._stream: Any = None
         self._seen_unexpected: set[type[BaseException]] = set()
+        # Jobs the loop has not picked up yet. One wake-up hands over all of them: the
+        # flag is set by the step when it posts a wake-up, cleared by the loop's drain.
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._wake_pending = False
+        self._deferred = False
+        base = BlobLayout.plan(BlobMeta("", torch.float32, (1 << 62,) * 4, namespace, producer))
+        self._header_base = len(base.header) + _HEADER_MARGIN
+        self.wakeups = 0  # wake-ups posted to the loop (tests, benches)
+
+    @property
+    def budget(self) -> HostBufferPool:
+        """The in-flight bound: ``capacity``, ``used`` (lent out), ``held``, ``peak``."""
+        return self._pool
 
     # ------------------------------------------------------------ model-step side
     def publish(self, identifier: str, tensor: torch.Tensor, key: str) -> bool:
@@ -123,78 +144,122 @@ class BlobPublisher:
         seen = self._seen.get(key)
         if seen is not None and time.monotonic() - seen <= self._config.present_ttl_s:
             return False
-        try:
-            meta = BlobMeta(identifier, tensor.dtype, tuple(tensor.shape), self._namespace, self._producer)
-            layout = BlobLayout.plan(meta)
-        except BlobError as exc:
-            self._counters.inc("upload_failed")
-            logger.warning("ec-s3: cannot publish %s: %s", identifier[:64], exc)
-            return False
-        nbytes = layout.total_nbytes
-        if nbytes > self._config.max_blob_bytes or nbytes > self.budget.capacity:
+        nbytes = tensor.numel() * tensor.element_size()
+        room = self._header_room(identifier)
+        pool = self._pool_for(tensor)
+        buffered = tensor.is_cuda or self._copy_cpu
+        if nbytes > self._config.max_blob_bytes or not pool.fits(room + nbytes, buffer=buffered):
             self._counters.inc("upload_dropped")
             logger.warning(
                 "ec-s3: encoder output %s is %d bytes, above max_blob_bytes/max_inflight_bytes; not published",
                 identifier[:64], nbytes,
             )
             return False
-        if not self._reserve(nbytes, identifier):
+        buf = self._reserve(pool, room + nbytes, identifier, buffer=buffered)
+        if buf is None:
             return False
         self._remember(key)
-        job = _Job(identifier, key, layout)
+        job = _Job(identifier, key, tensor, nbytes, room, buf)
         try:
             if tensor.is_cuda:
                 self._start_device_copy(job, tensor)
             else:
-                job.source = tensor.detach()
+                job.source = tensor  # detached on the loop (tensor_bytes): one C call less in the step
         except Exception as exc:  # noqa: BLE001 - a failed copy must not crash the step
             self._forget(key)
-            self.budget.release(nbytes)
+            self._give_back(job)
             self._counters.inc("upload_failed")
             logger.warning("ec-s3: could not stage %s for upload: %s", identifier[:64], exc)
             return False
         with self._idle:
             self._pending += 1
-        self._counters.inc("upload_started")
-        self._counters.set_gauge("inflight_bytes", self.budget.used)
-        try:
-            self._store.background.call_soon(self._spawn, job)
-        except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown): never crash the step
-            self._forget(key)
-            self._settle(job)
-            self._counters.inc("upload_failed")
-            logger.warning("ec-s3: cannot upload %s: the I/O loop is not running (%s)", identifier[:64], exc)
+        self._queue.append(job)
+        if not self._wake_pending and not self._deferred and not self._post_wakeup():
             return False
         return True
 
-    def _reserve(self, nbytes: int, identifier: str) -> bool:
-        if self.budget.try_acquire(nbytes):
-            return True
+    def defer_wakeups(self) -> None:
+        """Queue saves without waking the loop until :meth:`wake` (the end of the step):
+        the step hands its uploads over in one wake-up. A deferral left open is ended
+        here, so queued jobs wait one step at most."""
+        if self._deferred:
+            self.wake()
+        self._deferred = True
+
+    def wake(self) -> None:
+        """End a deferral; wake the loop if jobs are queued and no wake-up is pending."""
+        self._deferred = False
+        if self._queue and not self._wake_pending:
+            self._post_wakeup()
+
+    def _post_wakeup(self) -> bool:
+        """Ask the loop to drain the queue; False if the loop is gone (then every queued
+        job ends here, counted)."""
+        self._wake_pending = True
+        self.wakeups += 1
+        try:
+            self._store.background.call_soon(self._drain)
+        except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown): never crash the step
+            self._wake_pending = False
+            self._abandon_queued(f"the I/O loop is not running ({exc})")
+            return False
+        return True
+
+    def _abandon_queued(self, reason: str) -> None:
+        while True:
+            try:
+                job = self._queue.popleft()
+            except IndexError:
+                return
+            self._forget(job.key)
+            self._settle(job)
+            self._counters.inc("upload_failed")
+            logger.warning("ec-s3: cannot upload %s: %s", job.identifier[:64], reason)
+
+    def _header_room(self, identifier: str) -> int:
+        """Bytes reserved in front of the data for the header (an upper bound)."""
+        chars = min(len(identifier), _MAX_STORED_IDENTIFIER_CHARS)
+        return -(-(self._header_base + _ESCAPED_CHAR_BYTES * chars) // 8) * 8
+
+    def _pool_for(self, tensor: torch.Tensor) -> HostBufferPool:
+        if tensor.is_cuda and not self._pool.pinned and self._pool.used == 0:
+            # Device copies need pinned buffers to run asynchronously; decided at the
+            # first CUDA tensor, so a CPU-only host never touches CUDA. Nothing is lent
+            # out of the old pool, so no job returns a buffer to it later.
+            self._pool.clear()
+            self._pool = HostBufferPool(self._config.max_inflight_bytes, pinned=True)
+        return self._pool
+
+    def _reserve(self, pool: HostBufferPool, nbytes: int, identifier: str, *, buffer: bool) -> HostBuffer | None:
+        buf = pool.try_acquire(nbytes, buffer=buffer)
+        if buf is not None:
+            return buf
         if self._config.backpressure == "drop":
             self._counters.inc("upload_dropped")
             logger.warning(
                 "ec-s3: %d bytes already waiting for upload (max_inflight_bytes=%d); dropping %s",
-                self.budget.used, self.budget.capacity, identifier[:64],
+                pool.used, pool.capacity, identifier[:64],
             )
-            return False
+            return None
+        # The loop must run what is queued, or the room this save waits for never comes.
+        self.wake()
         started = time.monotonic()
         warned = False
-        while not self.budget.acquire(nbytes, timeout=_SLOW_SAVE_WARN_S):
+        while (buf := pool.acquire(nbytes, timeout=_SLOW_SAVE_WARN_S, buffer=buffer)) is None:
             if not warned:
                 warned = True
                 logger.warning(
                     "ec-s3: save_caches waiting for upload room (%d of %d bytes in flight); the store is "
                     "slower than the encoder: raise max_inflight_bytes or use backpressure=drop",
-                    self.budget.used, self.budget.capacity,
+                    pool.used, pool.capacity,
                 )
         self._counters.inc("save_blocked_seconds", time.monotonic() - started)
-        return True
+        return buf
 
     def _start_device_copy(self, job: _Job, tensor: torch.Tensor) -> None:
-        """Queue device→pinned-host copy on a side stream; never syncs the host."""
-        layout = job.layout
-        host = torch.empty(layout.total_nbytes, dtype=torch.uint8, pin_memory=True)
-        host[: layout.data_offset].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        """Queue the device→pinned-host copy on a side stream; never syncs the host."""
+        assert job.buf is not None and job.buf.data is not None
+        dst = job.buf.data[job.room : job.room + job.nbytes]
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=tensor.device)
         current = torch.cuda.current_stream(tensor.device)
@@ -203,12 +268,12 @@ class BlobPublisher:
             src = tensor.detach()
             if not src.is_contiguous():
                 src = src.contiguous()
-            host[layout.data_offset :].copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         # The caching allocator must not reuse the tensor's memory before the copy.
         tensor.record_stream(self._stream)
-        job.host, job.event = host, event
+        job.event = event
 
     def _remember(self, key: str) -> None:
         self._seen[key] = time.monotonic()
@@ -224,6 +289,24 @@ class BlobPublisher:
         self._remember(key)
 
     # ------------------------------------------------------------ loop side
+    def _drain(self) -> None:
+        # The step thread that posted this wake-up wants the GIL back at once; the
+        # uploads' Python (request building: milliseconds for a multipart upload) can
+        # run when the step next waits (a device sync, the engine's socket I/O) instead
+        # of making the step wait for a switch interval (5 ms). sleep(0) drops the GIL.
+        time.sleep(0)
+        # Cleared before popping: a job queued after this line posts a new wake-up or
+        # is popped below, never neither.
+        self._wake_pending = False
+        self._counters.set_gauge("inflight_bytes", self._pool.used)
+        while True:
+            try:
+                job = self._queue.popleft()
+            except IndexError:
+                return
+            self._counters.inc("upload_started")
+            self._spawn(job)
+
     def _spawn(self, job: _Job) -> None:
         try:
             task = asyncio.ensure_future(self._upload(job))
@@ -240,48 +323,65 @@ class BlobPublisher:
             self._drop(job, "cancelled before it started", "upload_abandoned", quiet=False)
             self._settle(job)
 
+    def _give_back(self, job: _Job) -> None:
+        """Return ``job``'s buffer to the pool, unless a device copy may still write into it
+        or a spool writer read it (then only its room comes back; it is freed when unused)."""
+        buf, job.buf = job.buf, None
+        if buf is None:
+            return
+        event, job.event = job.event, None
+        if job.shared or (event is not None and not event.query()):
+            self._pool.discard(buf)  # torch frees the pinned block once the copy is done
+        else:
+            self._pool.release(buf)
+
     def _settle(self, job: _Job) -> None:
-        """Give ``job``'s bytes and pending count back, once."""
+        """Give ``job``'s buffer and pending count back, once."""
         if job.settled:
             return
         job.settled = True
-        job.host = job.source = job.event = None
-        self.budget.release(job.layout.total_nbytes)
-        self._counters.set_gauge("inflight_bytes", self.budget.used)
+        job.source = None
+        self._give_back(job)
+        self._counters.set_gauge("inflight_bytes", self._pool.used)
         with self._idle:
             self._pending -= 1
             self._idle.notify_all()
 
     async def _upload(self, job: _Job) -> None:
-        nbytes = job.layout.total_nbytes
         body: memoryview | BufferChain | None = None
+        errors = _store_errors()
         try:
             body = await self._body(job)
             started = time.monotonic()
             outcome = await self._store.put_async(job.key, body)
             self._counters.observe("upload_seconds", time.monotonic() - started)
-            if outcome is PutOutcome.CREATED:
+            if _created(outcome):
                 self._counters.inc("blobs_uploaded")
-                self._counters.inc("bytes_uploaded", nbytes)
+                self._counters.inc("bytes_uploaded", len(body))
             else:
                 self._counters.inc("upload_already_present")
-        except StoreUnavailable as exc:
-            await self._spool_or_drop(job, body, exc.reason)
-        except StoreError as exc:
-            # The store answered and refused (403, a bad request): retrying the same
-            # bytes later would be refused again.
-            self._drop(job, str(exc), "upload_failed", quiet=False)
+        except BlobError as exc:
+            self._drop(job, f"cannot encode: {exc}", "upload_failed", quiet=False)
         except asyncio.CancelledError:
             # Shutting down with the upload unfinished: keep it in the spool if any.
             await self._spool_or_drop(job, body, "shutdown", cancelled=True)
             raise
         except Exception as exc:  # noqa: BLE001 - whatever the store or the copy raises, the job ends here
-            kind = type(exc)
-            first = kind not in self._seen_unexpected
-            self._seen_unexpected.add(kind)
-            logger.warning("ec-s3: unexpected error uploading %s: %r", job.key, exc, exc_info=first)
-            await self._spool_or_drop(job, body, f"{kind.__name__}: {exc}")
+            errors = errors or _store_errors()
+            if errors is not None and isinstance(exc, errors.StoreUnavailable):
+                await self._spool_or_drop(job, body, exc.reason)
+            elif errors is not None and isinstance(exc, errors.StoreError):
+                # The store answered and refused (403, a bad request): retrying the same
+                # bytes later would be refused again.
+                self._drop(job, str(exc), "upload_failed", quiet=False)
+            else:
+                kind = type(exc)
+                first = kind not in self._seen_unexpected
+                self._seen_unexpected.add(kind)
+                logger.warning("ec-s3: unexpected error uploading %s: %r", job.key, exc, exc_info=first)
+                await self._spool_or_drop(job, body, f"{kind.__name__}: {exc}")
         finally:
+            body = None
             self._settle(job)
 
     async def _spool_or_drop(
@@ -292,6 +392,10 @@ class BlobPublisher:
             try:
                 if await self._spool.save(job.key, body):
                     return  # still in _seen: the spool will deliver it
+            except asyncio.CancelledError:
+                # The spool's writer thread goes on reading the body after we stop waiting.
+                job.shared = True
+                raise
             except Exception as exc:  # noqa: BLE001 - the blob is dropped below, counted
                 logger.warning("ec-s3: cannot spool %s: %r", job.key, exc)
         # During an outage the breaker logs once; per-item lines would flood the log.
@@ -304,16 +408,37 @@ class BlobPublisher:
         log("ec-s3: upload of %s to %s dropped: %s", job.identifier[:64], job.key, reason)
 
     async def _body(self, job: _Job) -> memoryview | BufferChain:
+        """The blob: ``[header | data]`` in the job's pinned buffer (CUDA), or the header
+        and the tensor's own memory, sent without joining them (CPU)."""
+        buf = job.buf
+        assert buf is not None
+        layout = BlobLayout.plan(BlobMeta(job.identifier, job.dtype, job.shape, self._namespace, self._producer))
+        if buf.data is None:
+            assert job.source is not None
+            return BufferChain([layout.header, memoryview(tensor_bytes(job.source).numpy())])
+        start = job.room - layout.data_offset
+        if start < 0 or layout.data_nbytes != job.nbytes:
+            raise BlobError("header_size", f"header of {layout.data_offset} bytes exceeds its {job.room}-byte room")
         if job.event is not None:
             event = job.event
             while not event.query():
                 await asyncio.sleep(0.0005)
-            assert job.host is not None
-            return memoryview(job.host.numpy())
-        assert job.source is not None
-        # CPU: the header plus the tensor's own memory, sent without joining them.
-        data = tensor_bytes(job.source)
-        return BufferChain([job.layout.header, memoryview(data.numpy())])
+        else:
+            await self._copy_in(job, buf)
+        buf.view(start, job.room)[:] = layout.header
+        return buf.view(start, job.room + job.nbytes)
+
+    @staticmethod
+    async def _copy_in(job: _Job, buf: HostBuffer) -> None:
+        """Copy a CPU tensor into its buffer (``copy_cpu_outputs``), then let it go."""
+        assert job.source is not None and buf.data is not None
+        src = tensor_bytes(job.source).numpy()
+        dst = buf.data[job.room : job.room + job.nbytes].numpy()
+        for lo in range(0, job.nbytes, _COPY_SLICE):
+            if lo:
+                await asyncio.sleep(0)  # other uploads' I/O between slices
+            dst[lo : lo + _COPY_SLICE] = src[lo : lo + _COPY_SLICE]  # numpy releases the GIL here
+        job.source = None
 
     # ------------------------------------------------------------ shutdown
     @property
@@ -332,10 +457,14 @@ class BlobPublisher:
         abandoned = int(self._counters.get("upload_abandoned"))
         if self._spool is not None:
             self._spool.stop()
+        self._pool.clear()
         return pending, abandoned
 
     def flush(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for pending uploads; returns how many remain."""
+        self.wake()  # nothing queued may wait for a step end that is not coming
+        if self._queue and not self._store.background.is_running:
+            self._abandon_queued("the I/O loop is not running")
         deadline = time.monotonic() + timeout
         with self._idle:
             while self._pending > 0:
@@ -344,4 +473,3 @@ class BlobPublisher:
                     break
                 self._idle.wait(remaining)
             return self._pending
-

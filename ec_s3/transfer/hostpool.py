@@ -1,0 +1,204 @@
+"""Producer host buffers: a bounded pool of reusable byte buffers (pinned on CUDA).
+
+An upload holds its blob in host memory from the model step until its PUT ends. Taking
+a fresh buffer per blob leaves the memory to the allocator: freed pinned blocks stay in
+torch's pinned cache, and glibc keeps freed encoder outputs interleaved with live ones
+(bench/memory.py measured 2.0x ``max_inflight_bytes`` of RSS). This pool allocates each
+buffer once, lends it out again and again, and counts what it *holds*, lent or idle,
+against ``capacity``: the in-flight bound is the memory the pool holds, whatever the
+allocator does, and pinned memory is pinned once per buffer, never per blob.
+
+A caller that sends memory of its own (a CPU tensor uploaded in place) takes a *loan*
+instead: room counted against the same bound, exactly its size, with no buffer.
+
+Buffers come in size classes so that different blob sizes can reuse them: sixteen per
+octave for plain host memory (at most 6.25% rounding), powers of two for pinned memory
+(torch's pinned allocator rounds every block up to a power of two: the class is what is
+actually pinned). A request that fits no idle buffer allocates a new one while the pool
+has room; when it has none, idle buffers of other classes are freed to make room; when
+everything is lent out the caller waits (``acquire``) or gives up (``try_acquire``).
+(A freed pinned buffer goes back to torch's pinned cache, which keeps it for torch's
+next pinned allocation of that size: outside this count, and only when sizes change.)
+
+Owns buffer memory and the bound. Does not own what goes into a buffer (the publisher
+lays out the blob), the device copy or the upload.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["HostBuffer", "HostBufferPool"]
+
+# Below this every request takes the smallest class: tiny blobs share buffers.
+_MIN_CLASS = 64 * 1024
+_OCTAVE_SHIFT = 4  # 2**4 = 16 classes per octave
+
+
+class HostBuffer:
+    """One buffer of the pool: ``data`` is a flat uint8 tensor of ``nbytes`` bytes, or
+    None for a loan (room only: the borrower sends memory of its own)."""
+
+    __slots__ = ("data", "nbytes", "lent")
+
+    def __init__(self, data: torch.Tensor | None, nbytes: int) -> None:
+        self.data = data
+        self.nbytes = nbytes
+        self.lent = False
+
+    def view(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of the buffer, without a copy."""
+        assert self.data is not None, "a loan has no buffer"
+        return memoryview(self.data.numpy())[start:end]
+
+
+def _plain(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class HostBufferPool:
+    """Reusable host buffers; what the pool holds never exceeds ``capacity`` bytes.
+
+    ``used`` is the bytes lent out (buffers and loans), ``held`` that plus idle buffers,
+    ``peak`` the most ever held, ``allocations`` how many buffers were ever allocated
+    (a pool that reuses its buffers stops counting up).
+    """
+
+    def __init__(
+        self, capacity: int, *, pinned: bool = False, allocate: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
+        self.capacity = capacity
+        self.pinned = pinned
+        self._allocate = allocate or (_pinned if pinned else _plain)
+        self.used = 0
+        self.held = 0
+        self.peak = 0
+        self.allocations = 0
+        self.evictions = 0
+        # size class -> idle buffers, most recently returned last (reused first: warm pages).
+        self._idle: dict[int, list[HostBuffer]] = collections.defaultdict(list)
+        # classes in the order their idle buffers were last touched, oldest first (eviction order)
+        self._idle_order: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._cond = threading.Condition()
+
+    def class_size(self, nbytes: int) -> int:
+        """The size of the buffer a request of ``nbytes`` gets."""
+        if nbytes <= _MIN_CLASS:
+            return _MIN_CLASS
+        if self.pinned:
+            return 1 << (nbytes - 1).bit_length()
+        # nbytes in (2**k, 2**(k+1)]: classes are multiples of 2**k / 16
+        step = 1 << ((nbytes - 1).bit_length() - 1 - _OCTAVE_SHIFT)
+        return -(-nbytes // step) * step
+
+    def fits(self, nbytes: int, *, buffer: bool = True) -> bool:
+        """Whether a request of ``nbytes`` can ever be served (its class fits the bound)."""
+        return (self.class_size(nbytes) if buffer else nbytes) <= self.capacity
+
+    # ------------------------------------------------------------------ lending
+    def try_acquire(self, nbytes: int, *, buffer: bool = True) -> HostBuffer | None:
+        """A buffer of at least ``nbytes`` (a loan of exactly ``nbytes`` without
+        ``buffer``), or None at once if the pool has no room."""
+        size = self.class_size(nbytes) if buffer else nbytes
+        with self._cond:
+            return self._take(size, buffer)
+
+    def acquire(self, nbytes: int, timeout: float | None = None, *, buffer: bool = True) -> HostBuffer | None:
+        """As :meth:`try_acquire`, waiting up to ``timeout`` s for room."""
+        size = self.class_size(nbytes) if buffer else nbytes
+        if size > self.capacity:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                buf = self._take(size, buffer)
+                if buf is not None:
+                    return buf
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+
+    def release(self, buf: HostBuffer) -> None:
+        """Give ``buf`` back for reuse (once; a second release is ignored)."""
+        with self._cond:
+            if not buf.lent:
+                return
+            buf.lent = False
+            self.used -= buf.nbytes
+            if buf.data is None:  # a loan: nothing to keep
+                self.held -= buf.nbytes
+                self._cond.notify_all()
+                return
+            self._idle[buf.nbytes].append(buf)
+            self._idle_order[buf.nbytes] = None
+            self._idle_order.move_to_end(buf.nbytes)
+            self._cond.notify_all()
+
+    def discard(self, buf: HostBuffer) -> None:
+        """Give ``buf``'s room back without reusing it (something may still write into
+        it, e.g. a device copy that never completed; its memory is freed when the last
+        reference goes)."""
+        with self._cond:
+            if not buf.lent:
+                return
+            buf.lent = False
+            self.used -= buf.nbytes
+            self.held -= buf.nbytes
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Free every idle buffer (shutdown)."""
+        with self._cond:
+            for size, bufs in self._idle.items():
+                self.held -= size * len(bufs)
+            self._idle.clear()
+            self._idle_order.clear()
+
+    # ------------------------------------------------------------------ inside the lock
+    def _take(self, size: int, buffer: bool) -> HostBuffer | None:
+        if size > self.capacity:
+            return None
+        idle = self._idle.get(size) if buffer else None
+        if idle:
+            buf = idle.pop()
+            if not idle:
+                del self._idle[size]
+                self._idle_order.pop(size, None)
+        else:
+            if self.held + size > self.capacity and not self._evict_for(size):
+                return None
+            # Allocated while holding the lock: a concurrent acquire must not count the
+            # same room twice. This runs once per buffer, not per blob.
+            buf = HostBuffer(self._allocate(size) if buffer else None, size)
+            self.allocations += buffer
+            self.held += size
+            self.peak = max(self.peak, self.held)
+        buf.lent = True
+        self.used += size
+        return buf
+
+    def _evict_for(self, size: int) -> bool:
+        """Free idle buffers (least recently used classes first) until ``size`` fits."""
+        idle_bytes = sum(s * len(b) for s, b in self._idle.items())
+        if self.held - idle_bytes + size > self.capacity:
+            return False  # lent-out buffers alone leave no room: wait instead of evicting
+        while self.held + size > self.capacity:
+            oldest = next(iter(self._idle_order))
+            bufs = self._idle[oldest]
+            bufs.pop(0)
+            self.held -= oldest
+            self.evictions += 1
+            if not bufs:
+                del self._idle[oldest]
+                del self._idle_order[oldest]
+        return True
