@@ -357,7 +357,7 @@ class DataPath:
             buf = memoryview(mm)
             decoded = decode_blob(buf, expect)
             spec = types.SimpleNamespace(
-                path=slot.path, nbytes=slot.nbytes, data_offset=decoded.data_offset,
+                identifier=expect.identifier, path=slot.path, nbytes=slot.nbytes, data_offset=decoded.data_offset,
                 dtype=str(decoded.tensor.dtype).removeprefix("torch."), shape=tuple(decoded.tensor.shape),
             )
             del decoded
@@ -383,7 +383,7 @@ class DataPath:
                     raise AssertionError(f"fetch of {key}: {result}")
                 self.fetch_area.pin(result.slot)
                 spec = types.SimpleNamespace(
-                    path=result.slot.path, nbytes=result.slot.nbytes, data_offset=result.data_offset,
+                    identifier=expect.identifier, path=result.slot.path, nbytes=result.slot.nbytes, data_offset=result.data_offset,
                     dtype=result.dtype, shape=result.shape,
                 )
                 return StagedItem(spec, result.slot, self.fetch_area)
