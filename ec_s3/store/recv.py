@@ -40,6 +40,7 @@ __all__ = ["RecvAnswer", "RecvPool"]
 
 # A response head longer than this is not S3's; refusing it bounds the scratch buffer.
 MAX_HEAD_BYTES = 64 * 1024
+_HEAD_READ = 4096
 
 
 class _Fault(Exception):
@@ -83,7 +84,9 @@ class _Conn(asyncio.BufferedProtocol):
             assert self._out is not None
             return self._out[self._pos :]
         if self._state == "head":
-            return memoryview(self._scratch)[self._hlen :]
+            # A few KiB at a time: a head is ~0.5 KiB, and the body bytes read along
+            # with it are the only ones copied (into ``early``), so keep them few.
+            return memoryview(self._scratch)[self._hlen : self._hlen + _HEAD_READ]
         return memoryview(self._scratch)  # idle: whatever comes is an error (buffer_updated)
 
     def buffer_updated(self, nbytes: int) -> None:
