@@ -1,4 +1,4 @@
-"""GET bodies read by the kernel straight into the caller's buffer (plain-HTTP endpoints).
+"""GET bodies read by the kernel (or, over TLS, the decryption) straight into the caller's buffer.
 
 Why: aiohttp hands every received chunk over as a new ``bytes`` object, which the
 direct path then copies into the caller's buffer (for the consumer, a shared-memory
@@ -8,8 +8,9 @@ caller's memoryview), so ``recv_into`` is the only copy, made by the kernel with
 GIL released (bench/transfer.py ``bufferedprotocol``: 0.5-0.7x the CPU per GiB of the
 aiohttp GET, 1.2-1.5x faster).
 
-Owns: a small keep-alive pool of HTTP/1.1 connections to one ``http://`` endpoint
-(at most ``limit`` open, a bounded wait for one, idle ones closed after
+Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint, ``http://``
+or ``https://`` with the caller's SSL context (asyncio's TLS transport decrypts into
+the protocol's buffer, 3.11+), (at most ``limit`` open, a bounded wait for one, idle ones closed after
 ``keepalive_s``), the connect and per-read timeouts, parsing a response head (status
 line, headers case-insensitive, at most 64 KiB), and the body's framing: exactly one
 ``Content-Length``, no ``Transfer-Encoding``. A connection is reused only after a
@@ -19,8 +20,8 @@ so no byte of a later response can land in an earlier caller's buffer. A reused
 connection that the server closed before answering (an idle keep-alive it timed out)
 is retried once on a fresh one: a GET is idempotent.
 
-Does not own: TLS and proxies (the caller uses aiohttp for those: :mod:`.wire`), the
-URL, signing and the request's headers (:mod:`.wire`), which answers are which typed
+Does not own: which SSL context (verification) and proxies (through a proxy the
+caller uses aiohttp: :mod:`.wire`), the URL, signing and the request's headers (:mod:`.wire`), which answers are which typed
 errors (:func:`.errors.from_status`), retries, the CRC (:mod:`.client`).
 """
 
@@ -28,13 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable
+from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, TLSError
 
 __all__ = ["RecvAnswer", "RecvPool"]
 
@@ -80,8 +82,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._state == "body":
-            assert self._out is not None
+        if self._state == "body" and self._out is not None:
             return self._out[self._pos :]
         if self._state == "head":
             # A few KiB at a time: a head is ~0.5 KiB, and the body bytes read along
@@ -104,7 +105,7 @@ class _Conn(asyncio.BufferedProtocol):
                 self._head_done(end)
             elif self._hlen >= MAX_HEAD_BYTES:
                 self._fail(_Fault(f"answer head over {MAX_HEAD_BYTES} bytes"))
-        else:
+        elif self._state != "closed":
             self._fail(_Fault("bytes arrived outside of an answer"))
 
     def eof_received(self) -> bool:
@@ -116,6 +117,7 @@ class _Conn(asyncio.BufferedProtocol):
         stale = self._state == "head" and self._hlen == 0 and self.exchanges > 0
         reason = f"{type(exc).__name__}: {exc}" if exc else "closed by the server"
         where = "before answering" if self._state == "head" else f"after {self._pos} body bytes"
+        self._state = "closed"
         self._fail(_Fault(f"connection {reason} {where}", stale=stale), close=False)
 
     # -- driven by the pool --------------------------------------------------------------
@@ -151,6 +153,7 @@ class _Conn(asyncio.BufferedProtocol):
     def abort(self) -> None:
         self.reusable = False
         self.closed = True
+        self._state = "closed"  # TLS may still hand over decrypted bytes: into the scratch
         self._disarm()
         self._out = None  # never again written into: the caller may reuse its buffer now
         if self.transport is not None:
@@ -281,12 +284,14 @@ class RecvPool:
     """
 
     def __init__(
-        self, endpoint_url: str, *, limit: int, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float
+        self, endpoint_url: str, *, limit: int, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         parts = urlsplit(endpoint_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"RecvPool serves http:// endpoints only, not {parts.scheme!r}")
-        self._host, self._port = parts.hostname, parts.port or 80
+        if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(ssl_context):
+            raise ValueError(f"RecvPool needs http://, or https:// with an SSL context, not {parts.scheme!r}")
+        self._host, self._port = parts.hostname, parts.port or (443 if ssl_context else 80)
+        self._ssl = ssl_context
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
         self._keepalive = keepalive_s
@@ -381,9 +386,13 @@ class RecvPool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, conn = await loop.create_connection(lambda: _Conn(loop, self._read_timeout), self._host, self._port)
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, self._read_timeout), self._host, self._port, ssl=self._ssl
+                )
         except TimeoutError:
             raise StoreUnreachable(op, key, f"connect timed out after {self._connect_timeout:g}s") from None
+        except ssl.SSLError as exc:  # an OSError too: first
+            raise TLSError(op, key, f"TLS handshake failed: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise StoreUnreachable(op, key, f"cannot connect: {type(exc).__name__}: {exc}") from exc
         self.opened += 1

@@ -6,9 +6,9 @@ a 1 MiB blob cost to move (bench/transfer.py: GET 0.41-0.67x the best raw client
 four requests that carry blobs are simple enough to build here: an URL, a handful of
 headers, a SigV4 signature by botocore's own :class:`~botocore.auth.S3SigV4Auth` with
 ``UNSIGNED-PAYLOAD`` (as the botocore path, whose payload signing is off too), and the
-body streamed from the caller's buffers or into the caller's buffer. On a plain-HTTP
-endpoint without a proxy, GET bodies go through :mod:`.recv` instead of aiohttp: the
-kernel writes them straight into the caller's buffer, no intermediate bytes objects.
+body streamed from the caller's buffers or into the caller's buffer. Without a proxy,
+GET bodies go through :mod:`.recv` instead of aiohttp: the kernel (or TLS decryption)
+writes them straight into the caller's buffer, no intermediate bytes objects.
 
 Owns: the aiohttp session of these requests (a pool of ``max_pool_connections``, the
 timeouts of :mod:`.connection`'s ``BoundedPoolSession`` including its bound on waiting
@@ -32,6 +32,7 @@ import contextlib
 import html
 import inspect
 import re
+import ssl as stdlib_ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -103,6 +104,15 @@ class _ChainPayload(aiohttp.payload.Payload):
             left -= len(part)
 
 
+def _unverified_context() -> stdlib_ssl.SSLContext:
+    """``verify_tls: false``: encrypted, no certificate or host name checked (as
+    aiohttp's ``ssl=False`` and botocore's ``verify=False``)."""
+    context = stdlib_ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = stdlib_ssl.CERT_NONE
+    return context
+
+
 def _virtual_hosted(style: str, custom_endpoint: bool, bucket: str) -> bool:
     """botocore's choice (``args.py`` and its S3 endpoint rules): ``auto`` addresses the
     bucket as a host name only on AWS's own endpoints, and only a bucket that is one DNS
@@ -148,16 +158,18 @@ class DirectWire:
         self._proxy = proxies.proxy_url_for(base)
         self._proxy_headers = proxies.proxy_headers_for(self._proxy) if self._proxy else None
         ssl: Any = False
-        if config.verify_tls and urlsplit(base).scheme == "https":
+        https = urlsplit(base).scheme == "https"
+        if config.verify_tls and https:
             ssl = create_urllib3_context()  # what aiobotocore's session verifies with
             ssl.load_verify_locations(get_cert_path(True))
         connect, read = config.connect_timeout_s, config.read_timeout_s
-        # GET bodies into the caller's buffer, the kernel copying (recv.py); over TLS
-        # or through a proxy they stay on aiohttp (recv.py speaks plain HTTP only).
+        # GET bodies into the caller's buffer, no bytes objects between (recv.py);
+        # through a proxy they stay on aiohttp (recv.py does not speak to proxies).
         self._recv: RecvPool | None = None
-        if self._proxy is None and urlsplit(base).scheme == "http":
+        if self._proxy is None:
             self._recv = RecvPool(base, limit=config.max_pool_connections, connect_timeout_s=connect,
-                                  read_timeout_s=read, keepalive_s=_KEEPALIVE_S)
+                                  read_timeout_s=read, keepalive_s=_KEEPALIVE_S,
+                                  ssl_context=(ssl or _unverified_context()) if https else None)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=config.max_pool_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S, ssl=ssl
@@ -180,7 +192,7 @@ class DirectWire:
 
     @property
     def recv_pool(self) -> RecvPool | None:
-        """The GET pool reading into callers' buffers; None over TLS or a proxy."""
+        """The GET pool reading into callers' buffers; None through a proxy."""
         return self._recv
 
     def url(self, key: str, query: str = "") -> str:
@@ -226,7 +238,8 @@ class DirectWire:
         url = self.url(key)
         parts = urlsplit(url)
         # Signed with the Host it is sent with (botocore drops a default port, as here).
-        host = parts.netloc[: -len(":80")] if parts.port == 80 else parts.netloc
+        default = {"http": 80, "https": 443}[parts.scheme]
+        host = parts.netloc[: -len(f":{default}")] if parts.port == default else parts.netloc
         signed = await self._sign("GET", url, {**headers, "Host": host})
         async with self._recv.get(parts.path, signed, "GET", key) as answer:
             if answer.status not in (200, 206):
