@@ -208,3 +208,51 @@ def test_an_unread_body_is_not_kept() -> None:
             assert await fetch(pool) == OK_BODY
 
     run(scenario())
+
+
+ERROR_XML = b"<?xml version='1.0'?><Error><Code>NoSuchKey</Code><Message>gone</Message></Error>"
+ERROR_ANSWERS = {
+    "length": b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\n\r\n%s" % (len(ERROR_XML), ERROR_XML),
+    # AWS sends some error answers chunked: a GET path that demanded a Content-Length
+    # would turn every such 404 into a transient failure, retried.
+    "chunked": b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+    % (len(ERROR_XML), ERROR_XML),
+    "until close": b"HTTP/1.1 404 Not Found\r\nConnection: close\r\n\r\n" + ERROR_XML,
+}
+
+
+@pytest.mark.parametrize("name", sorted(ERROR_ANSWERS))
+def test_error_answers_are_read_however_framed(name: str) -> None:
+    async def answer(writer: asyncio.StreamWriter) -> None:
+        writer.write(ERROR_ANSWERS[name])
+        if name == "until close":
+            await writer.drain()
+            writer.close()
+
+    async def scenario() -> None:
+        async with serving([answer, OK], read_timeout_s=2.0) as (canned, pool):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with pool.get("/b-1/k", {"Host": "x"}, "GET", "k") as got:
+                assert got.status == 404
+                assert b"<Code>NoSuchKey</Code>" in await got.read_error_body(64 * 1024)
+            assert loop.time() - started < 1.5  # ended by its framing, not by the read timeout
+            assert pool.in_use == 0 and pool.idle == 0
+            assert await fetch(pool) == OK_BODY
+
+    run(scenario())
+
+
+def test_a_stalled_error_body_gives_what_came() -> None:
+    async def stall(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Length: 500\r\n\r\n<Error><Code>SlowDown</Code>")
+        await asyncio.sleep(3.0)
+
+    async def scenario() -> None:
+        async with serving([stall], read_timeout_s=0.3) as (canned, pool):
+            async with pool.get("/b-1/k", {"Host": "x"}, "GET", "k") as got:
+                assert got.status == 503
+                assert await got.read_error_body(64 * 1024) == b"<Error><Code>SlowDown</Code>"
+            assert pool.in_use == 0 and pool.idle == 0
+
+    run(scenario())

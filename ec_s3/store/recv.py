@@ -73,6 +73,7 @@ class _Conn(asyncio.BufferedProtocol):
         self._hlen = 0
         self._out: memoryview | None = None
         self._pos = 0
+        self._until: bytes | None = None
         self._waiter: asyncio.Future[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
@@ -82,7 +83,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._state == "body" and self._out is not None:
+        if self._state in ("body", "raw") and self._out is not None:
             return self._out[self._pos :]
         if self._state == "head":
             # A few KiB at a time: a head is ~0.5 KiB, and the body bytes read along
@@ -95,6 +96,12 @@ class _Conn(asyncio.BufferedProtocol):
         if self._state == "body":
             self._pos += nbytes
             if self._out is not None and self._pos >= len(self._out):
+                self._state = "idle"
+                self._finish(None)
+        elif self._state == "raw":
+            self._pos += nbytes
+            tail = bytes(self._out[max(0, self._pos - nbytes - 8) : self._pos]) if self._out is not None else b""
+            if self._out is None or self._pos >= len(self._out) or (self._until is not None and self._until in tail):
                 self._state = "idle"
                 self._finish(None)
         elif self._state == "head":
@@ -150,6 +157,22 @@ class _Conn(asyncio.BufferedProtocol):
         self._arm()
         await self._waiter
 
+    async def read_raw(self, early: bytes, limit: int, until: bytes | None) -> bytes:
+        """Up to ``limit`` bytes, ending early once ``until`` has come; whatever
+        arrived when the server closed or went quiet."""
+        buf = bytearray(limit)
+        n = min(len(early), limit)
+        buf[:n] = early[:n]
+        if n >= limit or (until is not None and until in early) or self.closed or self.transport is None:
+            return bytes(buf[:n])
+        self._out, self._pos, self._state, self._until = memoryview(buf), n, "raw", until
+        self._waiter = self._loop.create_future()
+        self.transport.resume_reading()
+        self._arm()
+        with contextlib.suppress(_Fault):
+            await self._waiter
+        return bytes(buf[: self._pos])
+
     def abort(self) -> None:
         self.reusable = False
         self.closed = True
@@ -188,7 +211,7 @@ class _Conn(asyncio.BufferedProtocol):
         # One timer per read_timeout, not one per received chunk: each chunk only
         # stamps _last_read, and the timer re-arms itself for the remaining time.
         self._timer = None
-        if self._state not in ("head", "body"):
+        if self._state not in ("head", "body", "raw"):
             return
         due = self._last_read + self._read_timeout
         if self._loop.time() >= due:
@@ -242,18 +265,21 @@ class RecvAnswer:
         self.status, self.reason, self.headers = status, reason, headers
         self._early = early
         self.complete = False
-        if "Transfer-Encoding" in headers:
-            raise StoreUnavailable(op, key, f"unexpected Transfer-Encoding {headers['Transfer-Encoding']!r}")
+        self._chunked = "Transfer-Encoding" in headers
         lengths = headers.getall("Content-Length", [])
-        if len(lengths) != 1 or not lengths[0].isdigit():
+        self.content_length = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
+        if status not in (200, 206):
+            return  # an error answer's body is read as it comes (read_error_body), then dropped
+        if self._chunked:
+            raise StoreUnavailable(op, key, f"unexpected Transfer-Encoding {headers['Transfer-Encoding']!r}")
+        if self.content_length is None:
             raise StoreUnavailable(op, key, f"answer needs exactly one Content-Length, got {lengths!r}")
-        self.content_length = int(lengths[0])
         if len(early) > self.content_length:
             raise StoreUnavailable(op, key, "answer longer than its Content-Length")
 
     async def read_into(self, out: memoryview) -> None:
-        """Fill ``out`` with the whole body; ``len(out)`` must be its Content-Length."""
-        if len(out) != self.content_length:
+        """Fill ``out`` with the whole body of a 200/206; ``len(out)`` must be its Content-Length."""
+        if self.status not in (200, 206) or len(out) != self.content_length:
             raise StoreUnavailable(self._op, self._key, f"body is {self.content_length} bytes, buffer {len(out)}")
         if out.format != "B" or out.ndim != 1:
             out = out.cast("B")
@@ -264,12 +290,14 @@ class RecvAnswer:
         self.complete = True
 
     async def read_error_body(self, limit: int) -> bytes:
-        """Up to ``limit`` bytes of an error answer's body (its connection is closed after)."""
-        buf = bytearray(min(self.content_length, limit))
-        self._conn.reusable = False  # the rest of a long body stays unread
-        self.content_length = len(buf)  # reading stops there
-        await self.read_into(memoryview(buf))
-        return bytes(buf)
+        """Up to ``limit`` bytes of an error answer's body, however it is framed (S3
+        sends some errors chunked): what came before the end, a timeout or a close.
+        Raw: a chunked body keeps its size lines. The connection is closed after."""
+        self._conn.reusable = False
+        if self._chunked:
+            return await self._conn.read_raw(self._early, limit, b"0\r\n\r\n")
+        size = limit if self.content_length is None else min(self.content_length, limit)
+        return await self._conn.read_raw(self._early, size, None)
 
 
 def _typed(op: str, key: str, fault: _Fault) -> StoreError:
