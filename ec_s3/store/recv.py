@@ -8,21 +8,23 @@ caller's memoryview), so ``recv_into`` is the only copy, made by the kernel with
 GIL released (bench/transfer.py ``bufferedprotocol``: 0.5-0.7x the CPU per GiB of the
 aiohttp GET, 1.2-1.5x faster).
 
-Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint, ``http://``
-or ``https://`` with the caller's SSL context (asyncio's TLS transport decrypts into
-the protocol's buffer, 3.11+), (at most ``limit`` open, a bounded wait for one, idle ones closed after
-``keepalive_s``), the connect and per-read timeouts, parsing a response head (status
-line, headers case-insensitive, at most 64 KiB), and the body's framing: exactly one
-``Content-Length``, no ``Transfer-Encoding``. A connection is reused only after a
-whole, well-formed response; anything else (a short, long or chunked body, a parse
-error, a timeout, an error answer, the caller's exception, cancellation) aborts it,
-so no byte of a later response can land in an earlier caller's buffer. A reused
+Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint (``http://``,
+or ``https://`` with the caller's SSL context: asyncio's TLS transport decrypts into
+the protocol's buffer) with at most ``limit`` open, a bounded wait for one and idle ones
+closed after ``keepalive_s``; the connect and per-read timeouts; parsing a response
+head (status line, headers case-insensitive, at most 64 KiB); and the body's framing:
+a 200/206 needs exactly one ``Content-Length`` and no ``Transfer-Encoding``, an error
+answer's body is read however it comes, up to a bound. A connection is reused only
+after a whole, well-formed response; anything else (a short, long or chunked body, a
+parse error, a timeout, an error answer, the caller's exception, cancellation) aborts
+it, so no byte of a later response can land in an earlier caller's buffer. A reused
 connection that the server closed before answering (an idle keep-alive it timed out)
 is retried once on a fresh one: a GET is idempotent.
 
-Does not own: which SSL context (verification) and proxies (through a proxy the
-caller uses aiohttp: :mod:`.wire`), the URL, signing and the request's headers (:mod:`.wire`), which answers are which typed
-errors (:func:`.errors.from_status`), retries, the CRC (:mod:`.client`).
+Does not own: the SSL context (verification) and proxies (through a proxy the caller
+uses aiohttp), the URL, signing and the request's headers (all :mod:`.wire`), which
+answers are which typed errors (:func:`.errors.from_status`), retries and the CRC
+(:mod:`.client`).
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class _Conn(asyncio.BufferedProtocol):
     """One keep-alive connection. States: ``idle`` (between exchanges: any byte is a
     protocol error), ``head`` (reading a response head into the scratch buffer),
     ``paused`` (head in, socket reading paused until the caller names the body's
-    destination), ``body`` (the kernel writes into the caller's buffer)."""
+    destination), ``body`` (the kernel writes into the caller's buffer), ``raw`` (an
+    error answer's body, into a small buffer of its own), ``closed`` (aborted or lost:
+    nothing is written into a caller's buffer any more)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
         self._loop = loop
@@ -306,7 +310,7 @@ def _typed(op: str, key: str, fault: _Fault) -> StoreError:
 
 
 class RecvPool:
-    """Keep-alive connections to one ``http://`` endpoint, at most ``limit`` open.
+    """Keep-alive connections to one endpoint, at most ``limit`` open.
 
     Built and used on one event loop; :meth:`close` aborts every connection.
     """
