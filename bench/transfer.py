@@ -279,7 +279,9 @@ class _IntoBuffer(asyncio.BufferedProtocol):
 class BufferedProtocolClient(AiohttpClient):
     """What-if for GET (opt-in, ``--clients bufferedprotocol``): a minimal HTTP/1.1 GET on
     an ``asyncio.BufferedProtocol`` that reads the body straight into the buffer, signed
-    like ``aiohttp``; PUTs as ``aiohttp``. The ceiling of a Python GET path here."""
+    like ``aiohttp``; PUTs as ``aiohttp``. The ceiling of a Python GET path here; ec-s3's
+    direct GET reads the same way since ``ec_s3/store/recv.py`` (plus signing, the pool's
+    checks and the CRC)."""
 
     name = "bufferedprotocol"
 

@@ -58,8 +58,16 @@ def test_waiting_for_a_pooled_connection_is_bounded(make_store: Callable[..., S3
 
     async def scenario() -> object:
         client = await store._get_client()
-        if store._wire is not None:  # the direct path's pool, the one HEAD uses there
-            holding = store._wire.get("k", 0, 6 * MiB - 1)
+        if store._wire is not None:
+            # The direct path's aiohttp pool, the one HEAD uses there, then its GET pool.
+            held_get = store._wire.get("k", 0, 6 * MiB - 1)
+            await held_get.__aenter__()  # pins the only connection of the GET pool
+            try:
+                with pytest.raises(StoreUnavailable):
+                    await store.get_async("k")
+            finally:
+                await held_get.__aexit__(None, None, None)
+            holding = store._wire._request("GET", "GET", "k", {"Range": f"bytes=0-{6 * MiB - 1}"})
             await holding.__aenter__()  # pins the only connection
             release = functools.partial(holding.__aexit__, None, None, None)
         else:
@@ -72,9 +80,9 @@ def test_waiting_for_a_pooled_connection_is_bounded(make_store: Callable[..., S3
                 await store.head_async("k")
         finally:
             await release()
-        return await store.head_async("k")
+        return await store.head_async("k") is not None and len(await store.get_async("k")) == 6 * MiB
 
-    assert store.run(scenario(), timeout=30) is not None
+    assert store.run(scenario(), timeout=30) is True
 
 
 def test_failed_part_stops_the_other_parts(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:

@@ -312,3 +312,236 @@ def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
             store.run(store.head_async("k"), timeout=30)
     monkeypatch.undo()
     assert store.run(store.head_async("k"), timeout=30) is None
+
+
+# ---------------------------------------------------------------------------- GET into the buffer (recv.py)
+def _recv_pool(store: S3Store) -> Any:
+    store.run(store.head_async("warm-up"), timeout=30)  # builds the client and the wire
+    assert store._wire is not None and store._wire.recv_pool is not None
+    return store._wire.recv_pool
+
+
+def _cut_every_connection(proxy: FaultProxy) -> None:
+    """The server side closes every connection, idle keep-alives included (as a
+    server's idle timeout does); the proxy keeps listening."""
+    assert proxy._loop is not None
+    for task in list(proxy._tasks):
+        proxy._loop.call_soon_threadsafe(task.cancel)
+    proxy.wait_until(lambda c: not proxy._tasks)
+
+
+def test_get_body_is_never_held_in_python_objects(direct: Callable[..., S3Store]) -> None:
+    """The kernel writes the body into the caller's buffer: no chunk of it is ever a
+    Python object (aiohttp's path held 256 KiB-1 MiB of bytes objects at a time)."""
+    import tracemalloc
+
+    store = direct()
+    data = os.urandom(16 * MiB)
+    store.run(store.put_async("k", data), timeout=60)
+    out = memoryview(bytearray(len(data)))
+    store.run(store.get_async("k", allocate=lambda n: out), timeout=30)  # a kept connection
+    tracemalloc.start()
+    try:
+        got = store.run(store.get_async("k", allocate=lambda n: out), timeout=30)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got is out and bytes(out) == data
+    assert peak < 128 * 1024, f"{peak} bytes of Python objects allocated during a 16 MiB GET"
+
+
+def test_sequential_gets_keep_one_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    store = direct(fault_proxy.endpoint_url)
+    data = os.urandom(MiB)
+    store.run(store.put_async("k", data), timeout=30)
+    pool = _recv_pool(store)
+    before = fault_proxy.counters.connections
+    for _ in range(5):
+        assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+    assert fault_proxy.counters.connections - before == 1 and pool.opened == 1
+    assert (pool.in_use, pool.idle) == (0, 1)
+
+
+def test_cut_body_closes_its_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """A short body is a transient error, retried by the store on a new connection;
+    the cut one is never reused."""
+    store = direct(fault_proxy.endpoint_url, max_attempts=2)
+    data = os.urandom(6 * MiB)
+    store.run(store.put_async("k", data), timeout=30)
+    pool = _recv_pool(store)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+    fault_proxy.truncate_next(1, methods=["GET"])
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+    assert store.stats.retries == 1 and fault_proxy.counters.truncated == 1
+    assert pool.opened == 2 and (pool.in_use, pool.idle) == (0, 1)
+
+
+def test_error_answers_close_their_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    store = direct(fault_proxy.endpoint_url, max_attempts=1)
+    pool = _recv_pool(store)
+    for status, kind in ((403, AccessDenied), (503, StoreUnavailable), (400, StoreRequestError)):
+        fault_proxy.error_next(1, status, methods=["GET"])
+        with pytest.raises(kind) as err:
+            store.run(store.get_async("k"), timeout=30)
+        assert err.value.status == status and err.value.code is not None
+        assert (pool.in_use, pool.idle) == (0, 0)
+
+
+def test_cancelled_get_closes_its_socket_and_stops_writing(direct: Callable[..., S3Store]) -> None:
+    """Cancelled mid-body: the pool is back to its size, no descriptor is left open,
+    and not one more byte lands in the buffer its caller gave up."""
+    store = direct(max_attempts=1)
+    data = os.urandom(32 * MiB)
+    store.run(store.put_async("k", data), timeout=60)
+    pool = _recv_pool(store)
+    store.run(store.get_async("k"), timeout=30)  # kept connections (one per part): the steady state
+    idle_before, fds_before = pool.idle, len(os.listdir("/proc/self/fd"))
+    buffers: list[memoryview] = []
+
+    async def scenario() -> None:
+        tasks: list[asyncio.Future[Any]] = []
+
+        def allocate(nbytes: int) -> memoryview:
+            asyncio.get_running_loop().call_later(0.002, tasks[0].cancel)  # some of the body in
+            buffers.append(memoryview(bytearray(nbytes)))
+            return buffers[-1]
+
+        for _ in range(5):
+            tasks[:] = [asyncio.ensure_future(store.get_async("k", allocate=allocate))]
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[0]
+            seen = bytes(buffers[-1])
+            await asyncio.sleep(0.2)
+            assert bytes(buffers[-1]) == seen, "bytes were written after the GET was cancelled"
+        assert (pool.in_use, pool.idle) == (0, 0)
+
+    store.run(scenario(), timeout=60)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+    assert (pool.in_use, pool.idle) == (0, idle_before)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_stalled_get_times_out(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    import time
+
+    from ec_s3.store.errors import StoreTimeout
+
+    store = direct(fault_proxy.endpoint_url, max_attempts=1, read_timeout_s=0.5)
+    store.run(store.put_async("k", b"x" * 1000), timeout=30)
+    pool = _recv_pool(store)
+    fault_proxy.set_stall(True, methods=["GET"])
+    started = time.monotonic()
+    with pytest.raises(StoreTimeout):
+        store.run(store.get_async("k"), timeout=30)
+    assert time.monotonic() - started < 5.0  # 0.5 s; the property is that it ends
+    assert (pool.in_use, pool.idle) == (0, 0)
+    fault_proxy.set_stall(False)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == b"x" * 1000
+
+
+def test_idle_connection_closed_by_the_server_is_replaced(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """A server's idle timeout closes a kept connection: the next GET goes out on a
+    fresh one, without using up an attempt."""
+    store = direct(fault_proxy.endpoint_url, max_attempts=1)
+    store.run(store.put_async("k", b"y" * 1000), timeout=30)
+    pool = _recv_pool(store)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == b"y" * 1000
+    _cut_every_connection(fault_proxy)
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == b"y" * 1000
+    # Reset as the request arrives (the close raced it): resent once on a fresh one.
+    fault_proxy.reset_next(1, methods=["GET"])
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == b"y" * 1000
+    assert fault_proxy.counters.resets == 1 and store.stats.retries == 0 and pool.opened == 3
+
+
+# ---------------------------------------------------------------------------- TLS
+@pytest.fixture
+def tls_endpoint(s3_endpoint: Any, tmp_path: Path) -> Iterator[str]:
+    """``https://127.0.0.1:<port>``: TLS (a self-signed certificate) terminated here and
+    relayed to the S3 server in plain HTTP, on a thread of its own."""
+    import ipaddress
+    import ssl
+    import threading
+    from urllib.parse import urlsplit
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    upstream = urlsplit(s3_endpoint.url)
+    loop = asyncio.new_event_loop()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 18):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    writers: list[asyncio.StreamWriter] = []
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        ureader, uwriter = await asyncio.open_connection(upstream.hostname, upstream.port)
+        writers.extend((writer, uwriter))
+        await asyncio.gather(pipe(reader, uwriter), pipe(ureader, writer))
+
+    async def shutdown() -> None:
+        server.close()
+        for w in writers:
+            w.transport.abort()
+        await asyncio.sleep(0.05)
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    server = loop.run_until_complete(asyncio.start_server(relay, "127.0.0.1", 0, ssl=context))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_get_over_tls_reads_into_the_buffer(direct: Callable[..., S3Store], tls_endpoint: str) -> None:
+    """asyncio's TLS transport feeds a BufferedProtocol: the GET pool serves https too."""
+    store = direct(tls_endpoint, verify_tls=False)
+    pool = _recv_pool(store)
+    for size in (1000, 6 * MiB, 20 * MiB):
+        data = os.urandom(size)
+        store.run(store.put_async(f"k{size}", data), timeout=60)
+        assert bytes(store.run(store.get_async(f"k{size}"), timeout=60)) == data
+    assert pool.opened >= 1 and pool.in_use == 0
+
+
+def test_unverifiable_certificate_is_a_tls_error(direct: Callable[..., S3Store], tls_endpoint: str) -> None:
+    from ec_s3.store.errors import TLSError
+
+    store = direct(tls_endpoint, verify_tls=True, max_attempts=1)
+    with pytest.raises(TLSError):
+        store.run(store.get_async("k"), timeout=30)
+    with pytest.raises(TLSError):
+        store.run(store.head_async("k"), timeout=30)

@@ -97,3 +97,24 @@ def test_lookup_after_the_loop_stopped_reports(make_config: Callable[..., ECS3Co
     fetcher = ItemFetcher(store, None, Counters())
     fetcher.start("k/x", None)  # must not raise into the scheduler
     assert isinstance(_results(fetcher, 1)["k/x"], Failed)
+
+
+def test_staged_blob_lands_bit_exact_in_its_slot(tmp_path: Path, make_store: Callable[..., S3Store]) -> None:
+    """A multi-part blob fetched into its staging slot (a shared-memory mmap) is
+    bit-exact; on the direct path its GETs go through the recv pool, whose kernel
+    reads write into the slot's mapping."""
+    store = make_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=8 * MiB)
+    x = torch.randn(6 * MiB // 256, 128).to(torch.bfloat16)  # 12 MiB: three parts
+    blob = encode_blob(x, BlobMeta("img", x.dtype, tuple(x.shape), "ns", "p"))
+    store.run(store.put_async("k/blob", blob), timeout=60)
+    area = StagingArea(str(tmp_path), 64 * MiB)
+    fetcher = ItemFetcher(store, area, Counters())
+    fetcher.start("k/blob", BlobExpectation(identifier="img", namespace="ns"))
+    result = _results(fetcher, 1, timeout_s=60)["k/blob"]
+    assert isinstance(result, Staged), result
+    with open(result.slot.path, "rb") as f:
+        assert f.read() == blob
+    if store.config.data_path == "direct":
+        assert store._wire is not None and store._wire.recv_pool is not None
+        assert store._wire.recv_pool.opened >= 1 and store._wire.recv_pool.in_use == 0
+    area.close()

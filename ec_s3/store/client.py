@@ -60,7 +60,7 @@ from ec_s3.store.errors import (
     TLSError,
     to_store_error,
 )
-from ec_s3.store.wire import DirectWire, read_into
+from ec_s3.store.wire import DirectWire
 
 __all__ = [
     "AccessDenied",
@@ -506,7 +506,7 @@ class S3Store:
                     stored_crc[:] = [headers.get(_CRC_HEADER, "")]
                     length = _content_length(headers, key)
                     out = _place(length, _content_range_total(headers.get("Content-Range")))
-                    await read_into(resp, out[:length], key)
+                    await resp.read_into(out[:length])
                     return length
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
             with _closing(resp["Body"]) as body:
@@ -537,7 +537,7 @@ class S3Store:
                     total = _content_range_total(wresp.headers.get("Content-Range"))
                     if total != len(out):
                         raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
-                    await read_into(wresp, out[start:end], key)
+                    await wresp.read_into(out[start:end])
                 return
             resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
             with _closing(resp["Body"]) as body:

@@ -6,7 +6,9 @@ a 1 MiB blob cost to move (bench/transfer.py: GET 0.41-0.67x the best raw client
 four requests that carry blobs are simple enough to build here: an URL, a handful of
 headers, a SigV4 signature by botocore's own :class:`~botocore.auth.S3SigV4Auth` with
 ``UNSIGNED-PAYLOAD`` (as the botocore path, whose payload signing is off too), and the
-body streamed from the caller's buffers or into the caller's buffer.
+body streamed from the caller's buffers or into the caller's buffer. Without a proxy,
+GET bodies go through :mod:`.recv` instead of aiohttp: the kernel (or TLS decryption)
+writes them straight into the caller's buffer, no intermediate bytes objects.
 
 Owns: the aiohttp session of these requests (a pool of ``max_pool_connections``, the
 timeouts of :mod:`.connection`'s ``BoundedPoolSession`` including its bound on waiting
@@ -30,6 +32,7 @@ import contextlib
 import html
 import inspect
 import re
+import ssl as stdlib_ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -46,8 +49,9 @@ from yarl import URL
 from ec_s3.config import ECS3Config
 from ec_s3.store.body import BufferChain
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable, from_status
+from ec_s3.store.recv import RecvAnswer, RecvPool
 
-__all__ = ["DirectWire", "object_url"]
+__all__ = ["DirectWire", "GetAnswer", "object_url"]
 
 # aiobotocore's keep-alive (its DEFAULT_KEEPALIVE_TIMEOUT): idle pooled connections
 # close after this, before a server's own idle timeout can race a reuse.
@@ -100,6 +104,15 @@ class _ChainPayload(aiohttp.payload.Payload):
             left -= len(part)
 
 
+def _unverified_context() -> stdlib_ssl.SSLContext:
+    """``verify_tls: false``: encrypted, no certificate or host name checked (as
+    aiohttp's ``ssl=False`` and botocore's ``verify=False``)."""
+    context = stdlib_ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = stdlib_ssl.CERT_NONE
+    return context
+
+
 def _virtual_hosted(style: str, custom_endpoint: bool, bucket: str) -> bool:
     """botocore's choice (``args.py`` and its S3 endpoint rules): ``auto`` addresses the
     bucket as a host name only on AWS's own endpoints, and only a bucket that is one DNS
@@ -145,10 +158,18 @@ class DirectWire:
         self._proxy = proxies.proxy_url_for(base)
         self._proxy_headers = proxies.proxy_headers_for(self._proxy) if self._proxy else None
         ssl: Any = False
-        if config.verify_tls and urlsplit(base).scheme == "https":
+        https = urlsplit(base).scheme == "https"
+        if config.verify_tls and https:
             ssl = create_urllib3_context()  # what aiobotocore's session verifies with
             ssl.load_verify_locations(get_cert_path(True))
         connect, read = config.connect_timeout_s, config.read_timeout_s
+        # GET bodies into the caller's buffer, no bytes objects between (recv.py);
+        # through a proxy they stay on aiohttp (recv.py does not speak to proxies).
+        self._recv: RecvPool | None = None
+        if self._proxy is None:
+            self._recv = RecvPool(base, limit=config.max_pool_connections, connect_timeout_s=connect,
+                                  read_timeout_s=read, keepalive_s=_KEEPALIVE_S,
+                                  ssl_context=(ssl or _unverified_context()) if https else None)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
                 limit=config.max_pool_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S, ssl=ssl
@@ -169,12 +190,21 @@ class DirectWire:
         """The pool (tests hold a connection of it to fill it)."""
         return self._session
 
+    @property
+    def recv_pool(self) -> RecvPool | None:
+        """The GET pool reading into callers' buffers; None through a proxy."""
+        return self._recv
+
     def url(self, key: str, query: str = "") -> str:
         url = object_url(self._endpoint, self._bucket, key, self._style, custom_endpoint=self._custom_endpoint)
         return f"{url}?{query}" if query else url
 
     async def close(self) -> None:
-        await self._session.close()
+        try:
+            if self._recv is not None:
+                await self._recv.close()
+        finally:
+            await self._session.close()
 
     # ------------------------------------------------------------------ requests
     async def head(self, key: str) -> Mapping[str, str]:
@@ -196,10 +226,25 @@ class DirectWire:
             return resp.headers
 
     @contextlib.asynccontextmanager
-    async def get(self, key: str, first: int, last: int) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def get(self, key: str, first: int, last: int) -> AsyncIterator[GetAnswer]:
         """A 200/206 answer to ``Range: bytes=first-last``, its body unread; released on exit."""
-        async with self._request("GET", "GET", key, {"Range": f"bytes={first}-{last}"}) as resp:
-            yield resp
+        headers = {"Range": f"bytes={first}-{last}"}
+        if self._recv is None:
+            async with self._request("GET", "GET", key, headers) as resp:
+                yield _AiohttpAnswer(resp, key)
+            return
+        if not key:
+            raise StoreConfigError("GET", key, "an object key must not be empty")
+        url = self.url(key)
+        parts = urlsplit(url)
+        # Signed with the Host it is sent with (botocore drops a default port, as here).
+        default = {"http": 80, "https": 443}[parts.scheme]
+        host = parts.netloc[: -len(f":{default}")] if parts.port == default else parts.netloc
+        signed = await self._sign("GET", url, {**headers, "Host": host})
+        async with self._recv.get(parts.path, signed, "GET", key) as answer:
+            if answer.status not in (200, 206):
+                raise await _recv_error("GET", key, answer)
+            yield _RecvGetAnswer(answer)
 
     @contextlib.asynccontextmanager
     async def _request(
@@ -252,12 +297,54 @@ async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
                 body += chunk
         except (aiohttp.ClientError, TimeoutError):  # the status alone still says enough
             body = b""
+    return _typed_error(op, key, resp.status, resp.reason or "", body)
+
+
+class GetAnswer:
+    """A GET's answer, either path: its headers, and its body read into a buffer."""
+
+    headers: Mapping[str, str]
+
+    async def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the whole body (``len(out)`` is its Content-Length); a
+        short or long body is a transient error."""
+        raise NotImplementedError
+
+
+class _RecvGetAnswer(GetAnswer):
+    def __init__(self, answer: RecvAnswer) -> None:
+        self._answer = answer
+        self.headers = answer.headers
+
+    async def read_into(self, out: memoryview) -> None:
+        await self._answer.read_into(out)
+
+
+class _AiohttpAnswer(GetAnswer):
+    def __init__(self, resp: aiohttp.ClientResponse, key: str) -> None:
+        self._resp, self._key = resp, key
+        self.headers = resp.headers
+
+    async def read_into(self, out: memoryview) -> None:
+        await read_into(self._resp, out, self._key)
+
+
+async def _recv_error(op: str, key: str, answer: RecvAnswer) -> StoreError:
+    """As :func:`_error`, for an answer of the recv pool (closed afterwards)."""
+    try:
+        body = await answer.read_error_body(_ERROR_BODY_LIMIT)
+    except StoreError:  # the status alone still says enough
+        body = b""
+    return _typed_error(op, key, answer.status, answer.reason, body)
+
+
+def _typed_error(op: str, key: str, status: int, reason: str, body: bytes) -> StoreError:
     code = _CODE_RE.search(body)
     message = _MESSAGE_RE.search(body)
     return from_status(
-        op, key, resp.status,
+        op, key, status,
         html.unescape(code.group(1).decode("utf-8", "replace")) if code else None,
-        html.unescape(message.group(1).decode("utf-8", "replace")) if message else (resp.reason or ""),
+        html.unescape(message.group(1).decode("utf-8", "replace")) if message else reason,
     )
 
 

@@ -1,0 +1,431 @@
+"""GET bodies read by the kernel (or, over TLS, the decryption) straight into the caller's buffer.
+
+Why: aiohttp hands every received chunk over as a new ``bytes`` object, which the
+direct path then copies into the caller's buffer (for the consumer, a shared-memory
+staging slot) while holding the GIL. Here an :class:`asyncio.BufferedProtocol` hands
+the socket the destination itself (``get_buffer`` returns the unread rest of the
+caller's memoryview), so ``recv_into`` is the only copy, made by the kernel with the
+GIL released (bench/transfer.py ``bufferedprotocol``: 0.5-0.7x the CPU per GiB of the
+aiohttp GET, 1.2-1.5x faster).
+
+Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint (``http://``,
+or ``https://`` with the caller's SSL context: asyncio's TLS transport decrypts into
+the protocol's buffer) with at most ``limit`` open, a bounded wait for one and idle ones
+closed after ``keepalive_s``; the connect and per-read timeouts; parsing a response
+head (status line, headers case-insensitive, at most 64 KiB); and the body's framing:
+a 200/206 needs exactly one ``Content-Length`` and no ``Transfer-Encoding``, an error
+answer's body is read however it comes, up to a bound. A connection is reused only
+after a whole, well-formed response; anything else (a short, long or chunked body, a
+parse error, a timeout, an error answer, the caller's exception, cancellation) aborts
+it, so no byte of a later response can land in an earlier caller's buffer. A reused
+connection that the server closed before answering (an idle keep-alive it timed out)
+is retried once on a fresh one: a GET is idempotent.
+
+Does not own: the SSL context (verification) and proxies (through a proxy the caller
+uses aiohttp), the URL, signing and the request's headers (all :mod:`.wire`), which
+answers are which typed errors (:func:`.errors.from_status`), retries and the CRC
+(:mod:`.client`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, TLSError
+
+__all__ = ["RecvAnswer", "RecvPool"]
+
+# A response head longer than this is not S3's; refusing it bounds the scratch buffer.
+MAX_HEAD_BYTES = 64 * 1024
+_HEAD_READ = 4096
+
+
+class _Fault(Exception):
+    """A broken exchange, typed by the pool once it knows the op and key."""
+
+    def __init__(self, message: str, *, timeout: bool = False, stale: bool = False) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+        self.stale = stale  # nothing of an answer came back: safe to resend
+
+
+class _Conn(asyncio.BufferedProtocol):
+    """One keep-alive connection. States: ``idle`` (between exchanges: any byte is a
+    protocol error), ``head`` (reading a response head into the scratch buffer),
+    ``paused`` (head in, socket reading paused until the caller names the body's
+    destination), ``body`` (the kernel writes into the caller's buffer), ``raw`` (an
+    error answer's body, into a small buffer of its own), ``closed`` (aborted or lost:
+    nothing is written into a caller's buffer any more)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
+        self._loop = loop
+        self._read_timeout = read_timeout_s
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.reusable = False
+        self.exchanges = 0
+        self.last_used = loop.time()
+        self._state = "idle"
+        self._scratch = bytearray(MAX_HEAD_BYTES)
+        self._hlen = 0
+        self._out: memoryview | None = None
+        self._pos = 0
+        self._until: bytes | None = None
+        self._waiter: asyncio.Future[Any] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
+
+    # -- asyncio.BufferedProtocol ------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._state in ("body", "raw") and self._out is not None:
+            return self._out[self._pos :]
+        if self._state == "head":
+            # A few KiB at a time: a head is ~0.5 KiB, and the body bytes read along
+            # with it are the only ones copied (into ``early``), so keep them few.
+            return memoryview(self._scratch)[self._hlen : self._hlen + _HEAD_READ]
+        return memoryview(self._scratch)  # idle: whatever comes is an error (buffer_updated)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last_read = self._loop.time()
+        if self._state == "body":
+            self._pos += nbytes
+            if self._out is not None and self._pos >= len(self._out):
+                self._state = "idle"
+                self._finish(None)
+        elif self._state == "raw":
+            self._pos += nbytes
+            tail = bytes(self._out[max(0, self._pos - nbytes - 8) : self._pos]) if self._out is not None else b""
+            if self._out is None or self._pos >= len(self._out) or (self._until is not None and self._until in tail):
+                self._state = "idle"
+                self._finish(None)
+        elif self._state == "head":
+            start = max(0, self._hlen - 3)
+            self._hlen += nbytes
+            end = self._scratch.find(b"\r\n\r\n", start, self._hlen)
+            if end >= 0:
+                self._head_done(end)
+            elif self._hlen >= MAX_HEAD_BYTES:
+                self._fail(_Fault(f"answer head over {MAX_HEAD_BYTES} bytes"))
+        elif self._state != "closed":
+            self._fail(_Fault("bytes arrived outside of an answer"))
+
+    def eof_received(self) -> bool:
+        return False  # close the transport: connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.reusable = False
+        stale = self._state == "head" and self._hlen == 0 and self.exchanges > 0
+        reason = f"{type(exc).__name__}: {exc}" if exc else "closed by the server"
+        where = "before answering" if self._state == "head" else f"after {self._pos} body bytes"
+        self._state = "closed"
+        self._fail(_Fault(f"connection {reason} {where}", stale=stale), close=False)
+
+    # -- driven by the pool --------------------------------------------------------------
+    async def exchange(self, request: bytes) -> tuple[int, str, CIMultiDictProxy[str], bytes]:
+        """Send ``request`` and wait for the answer's head: (status, reason, headers,
+        the body bytes that came with the head)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise _Fault("connection closed while idle", stale=self.exchanges > 0)
+        self.reusable = False
+        self._state, self._hlen, self._pos, self._out = "head", 0, 0, None
+        self._waiter = self._loop.create_future()
+        self.transport.write(request)
+        self._arm()
+        return await self._waiter  # type: ignore[no-any-return]
+
+    async def read_body(self, out: memoryview, early: bytes) -> None:
+        """Fill ``out`` (the whole rest of the body): first the bytes that came with the
+        head, then the kernel writes the rest in place."""
+        if self.closed or self.transport is None:
+            raise _Fault("connection closed before the body")
+        n = min(len(early), len(out))
+        out[:n] = early[:n]
+        if n >= len(out):
+            self._state = "idle"
+            self.transport.resume_reading()  # idle: notice the server closing it
+            return
+        self._out, self._pos, self._state = out, n, "body"
+        self._waiter = self._loop.create_future()
+        self.transport.resume_reading()
+        self._arm()
+        await self._waiter
+
+    async def read_raw(self, early: bytes, limit: int, until: bytes | None) -> bytes:
+        """Up to ``limit`` bytes, ending early once ``until`` has come; whatever
+        arrived when the server closed or went quiet."""
+        buf = bytearray(limit)
+        n = min(len(early), limit)
+        buf[:n] = early[:n]
+        if n >= limit or (until is not None and until in early) or self.closed or self.transport is None:
+            return bytes(buf[:n])
+        self._out, self._pos, self._state, self._until = memoryview(buf), n, "raw", until
+        self._waiter = self._loop.create_future()
+        self.transport.resume_reading()
+        self._arm()
+        with contextlib.suppress(_Fault):
+            await self._waiter
+        return bytes(buf[: self._pos])
+
+    def abort(self) -> None:
+        self.reusable = False
+        self.closed = True
+        self._state = "closed"  # TLS may still hand over decrypted bytes: into the scratch
+        self._disarm()
+        self._out = None  # never again written into: the caller may reuse its buffer now
+        if self.transport is not None:
+            self.transport.abort()  # stops reading at once, before returning
+
+    # -- internals -----------------------------------------------------------------------
+    def _head_done(self, end: int) -> None:
+        try:
+            status, reason, headers, keep_alive = _parse_head(bytes(self._scratch[:end]))
+        except ValueError as exc:
+            self._fail(_Fault(f"malformed answer head: {exc}"))
+            return
+        early = bytes(self._scratch[end + 4 : self._hlen])
+        self.reusable = keep_alive
+        self._state = "paused"
+        self._disarm()  # the caller, not the server, is what we wait for now
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self._finish((status, reason, headers, early))
+
+    def _arm(self) -> None:
+        self._last_read = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._check_timeout)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_timeout(self) -> None:
+        # One timer per read_timeout, not one per received chunk: each chunk only
+        # stamps _last_read, and the timer re-arms itself for the remaining time.
+        self._timer = None
+        if self._state not in ("head", "body", "raw"):
+            return
+        due = self._last_read + self._read_timeout
+        if self._loop.time() >= due:
+            self._fail(_Fault(f"no bytes from the server for {self._read_timeout:g}s", timeout=True))
+        else:
+            self._timer = self._loop.call_at(due, self._check_timeout)
+
+    def _finish(self, result: Any) -> None:
+        self._disarm()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(result)
+
+    def _fail(self, fault: _Fault, *, close: bool = True) -> None:
+        waiter, self._waiter = self._waiter, None
+        if close:
+            self.abort()
+        else:
+            self._disarm()
+            self._out = None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(fault)
+
+
+def _parse_head(raw: bytes) -> tuple[int, str, CIMultiDictProxy[str], bool]:
+    """Status, reason, headers and whether the connection may be kept, of an HTTP/1.x
+    answer head (without its blank line). ValueError when it is not well-formed."""
+    lines = raw.split(b"\r\n")
+    version, _, rest = lines[0].partition(b" ")
+    code, _, reason = rest.partition(b" ")
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        raise ValueError(f"status line {lines[0][:80]!r}")
+    headers: CIMultiDict[str] = CIMultiDict()
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise ValueError(f"header line {line[:80]!r}")
+        headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+    connection = headers.get("Connection", "").lower()
+    keep_alive = version == b"HTTP/1.1" and "close" not in connection
+    return int(code), reason.decode("latin-1"), CIMultiDictProxy(headers), keep_alive
+
+
+class RecvAnswer:
+    """A response head; :meth:`read_into` reads its body into the caller's buffer."""
+
+    def __init__(
+        self, conn: _Conn, op: str, key: str, status: int, reason: str, headers: CIMultiDictProxy[str], early: bytes
+    ) -> None:
+        self._conn, self._op, self._key = conn, op, key
+        self.status, self.reason, self.headers = status, reason, headers
+        self._early = early
+        self.complete = False
+        self._chunked = "Transfer-Encoding" in headers
+        lengths = headers.getall("Content-Length", [])
+        self.content_length = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
+        if status not in (200, 206):
+            return  # an error answer's body is read as it comes (read_error_body), then dropped
+        if self._chunked:
+            raise StoreUnavailable(op, key, f"unexpected Transfer-Encoding {headers['Transfer-Encoding']!r}")
+        if self.content_length is None:
+            raise StoreUnavailable(op, key, f"answer needs exactly one Content-Length, got {lengths!r}")
+        if len(early) > self.content_length:
+            raise StoreUnavailable(op, key, "answer longer than its Content-Length")
+
+    async def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` with the whole body of a 200/206; ``len(out)`` must be its Content-Length."""
+        if self.status not in (200, 206) or len(out) != self.content_length:
+            raise StoreUnavailable(self._op, self._key, f"body is {self.content_length} bytes, buffer {len(out)}")
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        try:
+            await self._conn.read_body(out, self._early)
+        except _Fault as fault:
+            raise _typed(self._op, self._key, fault) from None
+        self.complete = True
+
+    async def read_error_body(self, limit: int) -> bytes:
+        """Up to ``limit`` bytes of an error answer's body, however it is framed (S3
+        sends some errors chunked): what came before the end, a timeout or a close.
+        Raw: a chunked body keeps its size lines. The connection is closed after."""
+        self._conn.reusable = False
+        if self._chunked:
+            return await self._conn.read_raw(self._early, limit, b"0\r\n\r\n")
+        size = limit if self.content_length is None else min(self.content_length, limit)
+        return await self._conn.read_raw(self._early, size, None)
+
+
+def _typed(op: str, key: str, fault: _Fault) -> StoreError:
+    cls = StoreTimeout if fault.timeout else StoreUnavailable
+    return cls(op, key, str(fault))
+
+
+class RecvPool:
+    """Keep-alive connections to one endpoint, at most ``limit`` open.
+
+    Built and used on one event loop; :meth:`close` aborts every connection.
+    """
+
+    def __init__(
+        self, endpoint_url: str, *, limit: int, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        parts = urlsplit(endpoint_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(ssl_context):
+            raise ValueError(f"RecvPool needs http://, or https:// with an SSL context, not {parts.scheme!r}")
+        self._host, self._port = parts.hostname, parts.port or (443 if ssl_context else 80)
+        self._ssl = ssl_context
+        self._connect_timeout = connect_timeout_s
+        self._read_timeout = read_timeout_s
+        self._keepalive = keepalive_s
+        self._slots = asyncio.Semaphore(limit)
+        self._idle: list[_Conn] = []
+        self._busy: set[_Conn] = set()
+        self.opened = 0  # connections made so far (tests: keep-alive reuse)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._busy)
+
+    @property
+    def idle(self) -> int:
+        return sum(1 for c in self._idle if not c.closed)
+
+    async def close(self) -> None:
+        for conn in [*self._idle, *self._busy]:
+            conn.abort()
+        self._idle.clear()
+        self._busy.clear()
+
+    @contextlib.asynccontextmanager
+    async def get(self, target: str, headers: dict[str, str], op: str, key: str) -> AsyncIterator[RecvAnswer]:
+        """Send ``GET target`` with ``headers`` (signed, ``Host`` included) and yield the
+        answer, any status; its connection goes back to the pool only if the caller read
+        the whole body and left without an exception."""
+        request = "".join([f"GET {target} HTTP/1.1\r\n", *(f"{k}: {v}\r\n" for k, v in headers.items()), "\r\n"])
+        try:
+            # The store bounds concurrency below this pool's size, so a wait here means
+            # held-up connections: bounded as aiohttp's pool wait is (connect + read).
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that races the acquisition, and the cancelled GET then writes on into a
+            # buffer its caller has already given up (tests/test_store_faults.py).
+            async with asyncio.timeout(self._connect_timeout + self._read_timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            raise StoreUnreachable(op, key, "timed out waiting for a pooled connection") from None
+        conn: _Conn | None = None
+        try:
+            conn, answer = await self._exchange(request.encode("latin-1"), op, key)
+            yield answer
+        except BaseException:
+            if conn is not None:
+                conn.abort()
+            raise
+        else:
+            assert conn is not None
+            if answer.complete and conn.reusable and not conn.closed:
+                conn.last_used = asyncio.get_running_loop().time()
+                self._idle.append(conn)
+            else:
+                conn.abort()  # an unread or partly read body: its bytes would poison the next answer
+        finally:
+            if conn is not None:
+                self._busy.discard(conn)
+            self._slots.release()
+
+    async def _exchange(self, request: bytes, op: str, key: str) -> tuple[_Conn, RecvAnswer]:
+        for attempt in (1, 2):
+            conn = self._take_idle()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(op, key)
+            self._busy.add(conn)
+            try:
+                status, reason, headers, early = await conn.exchange(request)
+                conn.exchanges += 1
+                return conn, RecvAnswer(conn, op, key, status, reason, headers, early)
+            except _Fault as fault:
+                conn.abort()
+                self._busy.discard(conn)
+                if fault.stale and reused and attempt == 1:
+                    continue  # the server closed an idle keep-alive: resend on a fresh one
+                raise _typed(op, key, fault) from None
+            except BaseException:
+                conn.abort()
+                self._busy.discard(conn)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_idle(self) -> _Conn | None:
+        now = asyncio.get_running_loop().time()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.last_used < self._keepalive:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self, op: str, key: str) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, self._read_timeout), self._host, self._port, ssl=self._ssl
+                )
+        except TimeoutError:
+            raise StoreUnreachable(op, key, f"connect timed out after {self._connect_timeout:g}s") from None
+        except ssl.SSLError as exc:  # an OSError too: first
+            raise TLSError(op, key, f"TLS handshake failed: {type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            raise StoreUnreachable(op, key, f"cannot connect: {type(exc).__name__}: {exc}") from exc
+        self.opened += 1
+        return conn
