@@ -125,7 +125,11 @@ class ECS3Config:
     )
     # --- client tuning ----------------------------------------------------------
     max_pool_connections: int = dataclasses.field(
-        default=32, metadata=_doc("HTTP connections kept to the endpoint.", min=1, max=1024)
+        default=32,
+        metadata=_doc(
+            "HTTP connections kept to the endpoint, per pool: the S3 API client, and with `data_path: direct` the "
+            "blob PUT/HEAD pool and the GET pool (idle ones close after 12 s).", min=1, max=1024,
+        ),
     )
     data_path: DataPath = dataclasses.field(
         default="direct",
