@@ -286,9 +286,8 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                               f"{add * 1e3:.1f} ms vs bound {bound * 1e3:.1f} ms ({(add - 0.010) / raw:.2f}x raw PUT+GET "
                               f"{raw * 1e3:.1f} ms, + 10 ms)",
                               "<= 1.1x (best raw PUT + GET) + 10 ms", _status(add <= bound),
-                              "" if add <= bound else "the consumer waits for the PUT and the GET in turn; the PUT "
-                              "runs on the encoder worker's one bound core, shared with its ~1 s busy-wait after each "
-                              "step (bench/README.md); close: the I/O thread off the worker's core, goal 3's data path"))
+                              "" if add <= bound else "the consumer waits for the PUT and the GET in turn; the raw "
+                              "baseline is measured alone (transfer.py), while " + _STACK_CONTENTION))
     rows.extend(_promise_pickup(out_dir))
     # 2. peer
     g = "2. peer (ECExampleConnector)"
@@ -306,11 +305,10 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
             f"({L['ec-s3']['median'] * 1e3:.0f} vs {L['peer']['median'] * 1e3:.0f} ms)", "<= 1.2x", _status(ok),
             "" if ok else (f"the peer's servers queue nothing (its consumer reads a local file in the step); "
                            f"ec-s3's producer defers "
-                           f"{pp50.get('producer queued -> scheduled', float('nan')) * 1e3:.0f} ms (bucket lookup before "
-                           f"encoding) and its consumer waits {pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms "
+                           f"{pp50.get('producer queued -> scheduled', float('nan')) * 1e3:.0f} ms "
+                           f"and its consumer waits {pp50.get('consumer wait', float('nan')) * 1e3:.0f} ms "
                            f"(PUT {pp50.get('PUT', float('nan')) * 1e3:.0f}, GET {pp50.get('GET', float('nan')) * 1e3:.0f} "
-                           "ms; the PUT shares the encoder worker's spinning core); close: no lookup before encoding, "
-                           "the I/O thread off the worker's core, faster PUT/GET (goal 3)")))
+                           "ms); " + _STACK_CONTENTION)))
     # 3. transfers
     g = "3. transfers"
     if transfer is None:
@@ -357,8 +355,9 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                 f"GIL cost up to {worst[1]['gil_cost'] * 100:.1f}% ({worst[0]} MiB); wall slowdown up to "
                 f"{slow[1]['slowdown'] * 100:+.0f}%; step time lost {per_gib}", "GIL cost <= 5% (bench/README.md: wall time "
                 "on a shared 2-core host is other processes')", _status(ok),
-                "" if ok else "the I/O thread holds the GIL in botocore's per-request Python and body copies; "
-                "close: a data path that releases the GIL (goal 3's client), fewer requests per blob"))
+                "" if ok else "per request the I/O thread runs Python (signing, headers, the result hand-off), "
+                "so 1 MiB blobs cost the most per GiB; bodies are read by the kernel into the destination "
+                "(store/recv.py); close: fewer, larger requests, or signing and parsing outside Python"))
     # 5. memory
     g = "5. memory"
     mem = load(out_dir, "memory")
@@ -398,17 +397,24 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
+_STACK_CONTENTION = (
+    "in the stack 4-5 vLLM servers (each worker spins ~1 s after a step) and SeaweedFS share 2 cores, so a PUT "
+    "or GET takes several times what it takes alone (4.5 KiB GET alone: ec-s3 1.24 ms, raw aiohttp 1.27 ms); "
+    "close: one core per server, the store off the engines' cores"
+)
 _CLOSE_CRITICAL = {
     "proxy hop": "close: see bench/README.md, proxy profile",
     "producer deferral": "close: the producer must not look the bucket up before encoding a new image",
-    "GET": "close: a GET without botocore's per-request Python (goal 3)",
+    "GET": "close: " + "one core per server in the stack (alone, a 4.5 KiB GET is 1.24 ms, raw aiohttp 1.27 ms)",
     "hand-offs": "close: poll a promised blob sooner (promise pickup) and hand staged items over in the same step",
 }
 _CLOSE_TRANSFER = {
-    "put": "PUT is bound by SeaweedFS's CPU on this host and botocore's per-request Python for small blobs; "
-           "close: sign with botocore, send with aiohttp (or obstore)",
-    "get": "two dependent requests per blob, zero-filled buffers, botocore's per-request Python; close: one "
-           "ranged request covering the header, read into the staging mmap, a lighter client",
+    "put": "PUT is bound by SeaweedFS's CPU (12-15 server CPU-s per GiB for every client), so cells swing "
+           "0.1-3x between repeats; at >= multipart_threshold_bytes ec-s3 uploads in parts, which SeaweedFS "
+           "completes by copying them; close: measure against a real S3 / MinIO on other cores, raise "
+           "multipart_threshold_bytes where the server completes multipart slowly",
+    "get": "a blob over one part is fetched as ranged parts, the first alone (it tells the size); close: "
+           "fetch every range at once when the size is known (a promise's size_bytes)",
 }
 
 
