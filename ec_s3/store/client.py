@@ -60,7 +60,7 @@ from ec_s3.store.errors import (
     TLSError,
     to_store_error,
 )
-from ec_s3.store.wire import DirectWire
+from ec_s3.store.wire import DirectWire, GetAnswer, fill_from_chunks
 
 __all__ = [
     "AccessDenied",
@@ -500,20 +500,12 @@ class S3Store:
             return out
 
         async def _first(client: Any) -> int:
-            if self._wire is not None:
-                async with self._wire.get(key, 0, first_span - 1) as resp:
-                    headers = resp.headers
-                    stored_crc[:] = [headers.get(_CRC_HEADER, "")]
-                    length = _content_length(headers, key)
-                    out = _place(length, _content_range_total(headers.get("Content-Range")))
-                    await resp.read_into(out[:length])
-                    return length
-            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{first_span - 1}")
-            with _closing(resp["Body"]) as body:
-                stored_crc[:] = [str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, ""))]
-                length = int(resp["ContentLength"])
-                out = _place(length, _content_range_total(resp.get("ContentRange")))
-                await _read_into(body, out[:length], key)
+            async with self._open_range(client, key, 0, first_span - 1) as answer:
+                headers = answer.headers
+                stored_crc[:] = [headers.get(_CRC_HEADER, "")]
+                length = _content_length(headers, key)
+                out = _place(length, _content_range_total(headers.get("Content-Range")))
+                await answer.read_into(out[:length])
                 return length
 
         first = await self._call("GET", key, _first)
@@ -532,21 +524,25 @@ class S3Store:
 
     async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
         async def _get(client: Any) -> None:
-            if self._wire is not None:
-                async with self._wire.get(key, start, end - 1) as wresp:
-                    total = _content_range_total(wresp.headers.get("Content-Range"))
-                    if total != len(out):
-                        raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
-                    await wresp.read_into(out[start:end])
-                return
-            resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-            with _closing(resp["Body"]) as body:
-                total = _content_range_total(resp.get("ContentRange"))
+            async with self._open_range(client, key, start, end - 1) as answer:
+                total = _content_range_total(answer.headers.get("Content-Range"))
                 if total != len(out):
                     raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
-                await _read_into(body, out[start:end], key)
+                await answer.read_into(out[start:end])
 
         await self._call("GET", key, _get)
+
+    @contextlib.asynccontextmanager
+    async def _open_range(self, client: Any, key: str, first: int, last: int) -> AsyncIterator[GetAnswer]:
+        """``Range: bytes=first-last`` of ``key`` on this store's data path, its body
+        unread; released on every way out."""
+        if self._wire is not None:
+            async with self._wire.get(key, first, last) as answer:
+                yield answer
+            return
+        resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+        with _closing(resp["Body"]) as body:
+            yield _BotocoreAnswer(resp, body, key)
 
     async def delete_async(self, key: str) -> None:
         async def _delete(client: Any) -> None:
@@ -686,18 +682,20 @@ async def _all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
         raise
 
 
-async def _read_into(body: Any, out: memoryview, key: str) -> None:
-    """Copy a streaming body into ``out``; a short or long body is a transient error.
-    The caller closes the body."""
-    pos = 0
-    async for chunk in body.iter_chunks(1 << 20):
-        n = len(chunk)
-        if pos + n > len(out):
-            raise StoreUnavailable("GET", key, "body longer than Content-Length")
-        out[pos : pos + n] = chunk
-        pos += n
-    if pos != len(out):
-        raise StoreUnavailable("GET", key, f"body ended after {pos} of {len(out)} bytes")
+class _BotocoreAnswer(GetAnswer):
+    """aiobotocore's ``get_object`` answer as the direct path gives one: the headers
+    the store reads, and the body streamed into a buffer."""
+
+    def __init__(self, resp: dict[str, Any], body: Any, key: str) -> None:
+        self._body, self._key = body, key
+        self.headers = {
+            "Content-Length": str(resp["ContentLength"]),
+            "Content-Range": resp.get("ContentRange") or "",
+            _CRC_HEADER: str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, "")),
+        }
+
+    async def read_into(self, out: memoryview) -> None:
+        await fill_from_chunks(self._body.iter_chunks(1 << 20), out, self._key)
 
 
 def _content_range_total(value: str | None) -> int | None:

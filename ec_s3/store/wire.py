@@ -51,7 +51,7 @@ from ec_s3.store.body import BufferChain
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable, from_status
 from ec_s3.store.recv import RecvAnswer, RecvPool
 
-__all__ = ["DirectWire", "GetAnswer", "object_url"]
+__all__ = ["DirectWire", "GetAnswer", "fill_from_chunks", "object_url"]
 
 # aiobotocore's keep-alive (its DEFAULT_KEEPALIVE_TIMEOUT): idle pooled connections
 # close after this, before a server's own idle timeout can race a reuse.
@@ -199,6 +199,12 @@ class DirectWire:
         url = object_url(self._endpoint, self._bucket, key, self._style, custom_endpoint=self._custom_endpoint)
         return f"{url}?{query}" if query else url
 
+    def _object_url(self, op: str, key: str, query: str = "") -> str:
+        if not key:
+            # botocore refuses an empty key before sending; here it would address the bucket.
+            raise StoreConfigError(op, key, "an object key must not be empty")
+        return self.url(key, query)
+
     async def close(self) -> None:
         try:
             if self._recv is not None:
@@ -233,9 +239,7 @@ class DirectWire:
             async with self._request("GET", "GET", key, headers) as resp:
                 yield _AiohttpAnswer(resp, key)
             return
-        if not key:
-            raise StoreConfigError("GET", key, "an object key must not be empty")
-        url = self.url(key)
+        url = self._object_url("GET", key)
         parts = urlsplit(url)
         # Signed with the Host it is sent with (botocore drops a default port, as here).
         default = {"http": 80, "https": 443}[parts.scheme]
@@ -250,10 +254,7 @@ class DirectWire:
     async def _request(
         self, op: str, method: str, key: str, headers: dict[str, str], *, query: str = "", data: Any = None
     ) -> AsyncIterator[aiohttp.ClientResponse]:
-        if not key:
-            # botocore refuses an empty key before sending; here it would address the bucket.
-            raise StoreConfigError(op, key, "an object key must not be empty")
-        url = self.url(key, query)
+        url = self._object_url(op, key, query)
         signed = await self._sign(method, url, headers)
         resp = await self._session.request(
             method, URL(url, encoded=True), headers=signed, data=data, allow_redirects=False,
@@ -326,7 +327,7 @@ class _AiohttpAnswer(GetAnswer):
         self.headers = resp.headers
 
     async def read_into(self, out: memoryview) -> None:
-        await read_into(self._resp, out, self._key)
+        await fill_from_chunks(_chunks(self._resp), out, self._key)
 
 
 async def _recv_error(op: str, key: str, answer: RecvAnswer) -> StoreError:
@@ -348,17 +349,22 @@ def _typed_error(op: str, key: str, status: int, reason: str, body: bytes) -> St
     )
 
 
-async def read_into(resp: aiohttp.ClientResponse, out: memoryview, key: str) -> None:
-    """Copy a response body into ``out``, chunk by chunk as the socket delivered them
-    (no joining, no intermediate buffer); a short or long body is a transient error."""
-    content = resp.content
-    pos, size = 0, len(out)
+async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """A response body's chunks as the socket delivered them."""
     while True:
-        chunk, end_of_http_chunk = await content.readchunk()
-        if not chunk:
-            if end_of_http_chunk:
-                continue  # a chunked body's boundary, not its end
-            break
+        chunk, end_of_http_chunk = await resp.content.readchunk()
+        if chunk:
+            yield chunk
+        elif not end_of_http_chunk:  # an empty chunk at a chunked body's boundary is not its end
+            return
+
+
+async def fill_from_chunks(chunks: AsyncIterator[bytes], out: memoryview, key: str) -> None:
+    """Copy a streamed GET body into ``out`` chunk by chunk, as the client received them
+    (no joining, no intermediate buffer); a body shorter or longer than ``out`` (its
+    Content-Length) is a transient error. For aiohttp's and aiobotocore's bodies alike."""
+    pos, size = 0, len(out)
+    async for chunk in chunks:
         end = pos + len(chunk)
         if end > size:
             raise StoreUnavailable("GET", key, "body longer than Content-Length")
