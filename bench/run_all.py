@@ -454,15 +454,6 @@ def _promise_pickup(out_dir: Path) -> list[dict[str, str]]:
     return rows
 
 
-def _find(d: Any, keys: tuple[str, ...]) -> Any:
-    if not isinstance(d, dict):
-        return None
-    for k in keys:
-        if k in d:
-            return d[k]
-    return None
-
-
 def _gpu(out_dir: Path) -> dict[str, str]:
     g, case, target = "7. GPU path", "step slowdown while publishing (device->pinned, side stream)", "<= 1.02x"
     d = load(out_dir, "gpu_check")
