@@ -4,7 +4,7 @@
 Owns the item state machine (its states, the allowed transitions in one table, and the
 one mapping from a lookup's result to a state), the LRU bound on how many items are
 remembered, and what one request holds while it is admitted (checked promises,
-deadlines, pinned staging slots, items to encode locally).
+when each wait began, pinned staging slots, items to encode locally).
 
 Does not own when to look an item up, retry or give up, nor what to answer vLLM
 (:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
@@ -258,8 +258,8 @@ class RequestState:
 
     request: Request
     promises: dict[str, Promise]
-    deadlines: dict[str, float] = dataclasses.field(default_factory=dict)  # identifier -> give up at
-    waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)  # identifier -> first deferred at
+    # identifier -> first deferred at; it gives up at that plus its wait budget
+    waiting_since: dict[str, float] = dataclasses.field(default_factory=dict)
     local: set[str] = dataclasses.field(default_factory=set)  # identifiers vLLM encodes itself
     pins: dict[str, StagingSlot] = dataclasses.field(default_factory=dict)  # identifier -> pinned slot
     items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses

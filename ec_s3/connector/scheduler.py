@@ -197,8 +197,9 @@ class ECS3Scheduler:
             budget = self._config.producer_lookup_wait_s
         else:
             budget = self._config.lookup_wait_s
+        # The budget's kind is fixed for a request (its promise, this engine's role).
         since = state.waiting_since.setdefault(ident, now)
-        deadline = state.deadlines.setdefault(ident, since + budget)
+        deadline = since + budget
         if item is None:
             item = self._items.add(key, ident)
             self._items.point(ident, item)
@@ -300,7 +301,6 @@ class ECS3Scheduler:
     def _stop_waiting(self, state: RequestState, ident: str, now: float) -> None:
         """End ``ident``'s wait (served or given up); a promised item's wait is observed."""
         since = state.waiting_since.pop(ident, None)
-        state.deadlines.pop(ident, None)
         if since is not None and ident in state.promises and not self._encodes_first:
             self._counters.observe("promise_wait_seconds", max(0.0, now - since))
 
