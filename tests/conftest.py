@@ -23,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ec_s3.config import ECS3Config  # noqa: E402
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E402
 from ec_s3.store.client import S3Store  # noqa: E402
+from support.awsenv import clean_aws_environment  # noqa: E402
 from support.faultproxy import FaultProxy  # noqa: E402
+from support.tls import HTTPSEndpoint, TLSFront, make_private_ca  # noqa: E402
 
 
 class S3Endpoint:
@@ -125,6 +127,23 @@ def make_store(make_config: Callable[..., ECS3Config]) -> Iterator[Callable[...,
     yield make
     for store in stores:
         store.close(timeout=2.0)
+
+
+@pytest.fixture
+def clean_aws_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """:func:`clean_aws_environment`; returns ``monkeypatch`` to set the variables a test needs."""
+    clean_aws_environment(monkeypatch)
+    return monkeypatch
+
+
+@pytest.fixture
+def https_endpoint(s3_endpoint: S3Endpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HTTPSEndpoint]:
+    """The S3 server over real TLS: ``.url`` is ``https://127.0.0.1:<port>``, its
+    certificate signed by a private CA made for this test (``.ca_path``), which no
+    client trusts unless told to (``ca_bundle``, ``AWS_CA_BUNDLE``, a profile)."""
+    ca = make_private_ca(tmp_path_factory.mktemp("private-ca"))
+    with TLSFront(s3_endpoint.url, ca.server_context()) as front:
+        yield HTTPSEndpoint(front.url, ca.ca_path, ca)
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials, find_weed
 from ec_s3.sandbox.net import free_port
 from ec_s3.blob.keys import PROBE_NAMESPACE, KeySpace
 from ec_s3.store.client import ObjectInfo, S3Store
+from support.awsenv import clean_aws_environment
 from support.faultproxy import FaultProxy
 
 PREFIX = "ec-cache"
@@ -53,13 +54,7 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Run:
 
 
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("AWS_", "EC_S3_")) and name != "EC_S3_WEED_BIN":
-            monkeypatch.delenv(name, raising=False)
-    # No shared credentials file of the machine may answer for a test.
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/ec-s3-test-credentials")
-    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/ec-s3-test-config")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    clean_aws_environment(monkeypatch)
 
 
 @pytest.fixture

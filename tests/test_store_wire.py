@@ -456,74 +456,9 @@ def test_idle_connection_closed_by_the_server_is_replaced(direct: Callable[..., 
 
 # ---------------------------------------------------------------------------- TLS
 @pytest.fixture
-def tls_endpoint(s3_endpoint: Any, tmp_path: Path) -> Iterator[str]:
-    """``https://127.0.0.1:<port>``: TLS (a self-signed certificate) terminated here and
-    relayed to the S3 server in plain HTTP, on a thread of its own."""
-    import ipaddress
-    import ssl
-    import threading
-    from urllib.parse import urlsplit
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .sign(key, hashes.SHA256())
-    )
-    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "key.pem").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
-    upstream = urlsplit(s3_endpoint.url)
-    loop = asyncio.new_event_loop()
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 18):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, ssl.SSLError):
-            pass
-        finally:
-            writer.close()
-
-    writers: list[asyncio.StreamWriter] = []
-
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        ureader, uwriter = await asyncio.open_connection(upstream.hostname, upstream.port)
-        writers.extend((writer, uwriter))
-        await asyncio.gather(pipe(reader, uwriter), pipe(ureader, writer))
-
-    async def shutdown() -> None:
-        server.close()
-        for w in writers:
-            w.transport.abort()
-        await asyncio.sleep(0.05)
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    server = loop.run_until_complete(asyncio.start_server(relay, "127.0.0.1", 0, ssl=context))
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"https://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5)
-        loop.close()
+def tls_endpoint(https_endpoint: Any) -> str:
+    """``https://127.0.0.1:<port>`` whose certificate no default trust store accepts."""
+    return str(https_endpoint.url)
 
 
 def test_get_over_tls_reads_into_the_buffer(direct: Callable[..., S3Store], tls_endpoint: str) -> None:
