@@ -96,8 +96,12 @@ class ECS3Config:
         default=None,
         metadata=_doc("S3 endpoint, e.g. `http://minio:9000` (default: AWS for the region)."),
     )
-    region: str = dataclasses.field(
-        default="us-east-1", metadata=_doc("Region used for signing.")
+    region: str | None = dataclasses.field(
+        default=None,
+        metadata=_doc(
+            "Region used for signing (default: the AWS chain: `AWS_REGION`, `AWS_DEFAULT_REGION`, the profile's "
+            "`region`; else `us-east-1`). `ec-s3 check` prints the one used and where it came from."
+        ),
     )
     addressing_style: AddressingStyle = dataclasses.field(
         default="path",
@@ -121,7 +125,15 @@ class ECS3Config:
         default=None, metadata=_doc("Explicit session token; `env:NAME` / `file:/path` as above.", secret=True)
     )
     verify_tls: bool = dataclasses.field(
-        default=True, metadata=_doc("Verify the endpoint's TLS certificate.")
+        default=True, metadata=_doc("Verify the endpoint's TLS certificate (`false` disables it, whatever `ca_bundle` says).")
+    )
+    ca_bundle: str | None = dataclasses.field(
+        default=None,
+        metadata=_doc(
+            "PEM file of the CA(s) to trust for the endpoint's certificate, e.g. an on-prem MinIO's private CA "
+            "(default: the AWS chain: `AWS_CA_BUNDLE`, the profile's `ca_bundle`, `REQUESTS_CA_BUNDLE`; else "
+            "certifi's public CAs). Used by both data paths."
+        ),
     )
     # --- client tuning ----------------------------------------------------------
     max_pool_connections: int = dataclasses.field(
@@ -363,6 +375,10 @@ class ECS3Config:
             raise ConfigError(
                 f"endpoint_url={self.endpoint_url!r} must be http(s)://host[:port] without a path"
             )
+        if self.region is not None and not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.region):
+            raise ConfigError(f"region={self.region!r} is not a region name (e.g. 'eu-west-1'); leave it unset for the AWS chain")
+        if self.ca_bundle is not None and not (os.path.isfile(self.ca_bundle) and os.access(self.ca_bundle, os.R_OK)):
+            raise ConfigError(f"ca_bundle={self.ca_bundle!r} is not a readable file: name the PEM file of the CA(s) to trust")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("access_key_id and secret_access_key must be given together (or neither)")
         if self.checksum_algorithm == "CRC32C":

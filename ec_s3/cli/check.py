@@ -23,6 +23,7 @@ from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fmt_ms, json_out, out, print_d
 from ec_s3.cli.listing import list_page
 from ec_s3.config import ConfigError, ECS3Config, config_keys
 from ec_s3.store.client import AccessDenied, ObjectNotFound, S3Store, StoreError, StoreRequestError
+from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.diagnose import Diagnosis, credential_source, diagnose
 
 __all__ = ["CheckReport", "CheckStep", "check_access", "check_access_async", "register"]
@@ -50,6 +51,9 @@ class CheckReport:
     endpoint_url: str | None
     region: str
     credentials: str  # where they come from, never what they are
+    region_source: str = ""  # connection.resolve_endpoint: key, env var, profile or default
+    tls_ca: str | None = None  # the CA file TLS is verified with (None: not verified)
+    tls_ca_source: str = ""
     steps: list[CheckStep] = dataclasses.field(default_factory=list)
     diagnosis: Diagnosis | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
@@ -57,6 +61,13 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _resolved(config: ECS3Config) -> dict[str, Any]:
+    """The report's region and CA fields: what the store resolves (connection.resolve_endpoint)."""
+    resolved = resolve_endpoint(config)
+    return {"region": resolved.region, "region_source": resolved.region_source,
+            "tls_ca": resolved.ca_file, "tls_ca_source": resolved.ca_source}
 
 
 async def _timed(aw: Awaitable[T]) -> tuple[T, float]:
@@ -72,7 +83,7 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
     probe = f"{root}{PROBE_NAMESPACE}/check-{int(time.time())}-{secrets.token_hex(6)}.bin"
     report = CheckReport(
         ok=False, read_only=read_only, bucket=config.bucket, prefix=config.prefix,
-        endpoint_url=config.endpoint_url, region=config.region,
+        endpoint_url=config.endpoint_url, **_resolved(config),
         credentials=credential_source(config, environ), probe_key=probe,
     )
 
@@ -195,7 +206,7 @@ def check_access(config: ECS3Config, *, read_only: bool = False, probe_bytes: in
     except (concurrent.futures.TimeoutError, TimeoutError):
         return CheckReport(
             ok=False, read_only=read_only, bucket=config.bucket, prefix=config.prefix,
-            endpoint_url=config.endpoint_url, region=config.region,
+            endpoint_url=config.endpoint_url, **_resolved(config),
             credentials=credential_source(config, environ),
             diagnosis=Diagnosis("endpoint", f"the check did not finish within {timeout:.0f} s",
                                 "check that the endpoint answers S3 requests promptly, or raise --timeout"),
@@ -224,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         mode = "read-only (consumer)" if args.read_only else "read/write"
         out(f"ec-s3 check, {mode}: {where(config)}")
         out(f"credentials: {credential_source(config)}")
+        resolved = resolve_endpoint(config)
+        out(f"region: {resolved.region} (from {resolved.region_source})")
+        out(f"tls: {resolved.tls_words(config.endpoint_url)}")
     report = check_access(config, read_only=args.read_only, timeout=args.timeout)
     if args.json:
         json_out(report.to_dict())

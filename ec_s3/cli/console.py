@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Any, TextIO
 
 from ec_s3.config import ECS3Config
+from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.diagnose import Diagnosis
 
 __all__ = [
@@ -66,7 +67,7 @@ def fmt_ms(value: float | None) -> str:
 def where(config: ECS3Config) -> str:
     """The bucket, prefix and endpoint a command works on, in one phrase."""
     return (f"s3://{config.bucket}/{config.prefix}/ at {config.endpoint_url or 'AWS S3'} "
-            f"(region {config.region}, {config.addressing_style} addressing)")
+            f"(region {resolve_endpoint(config).region}, {config.addressing_style} addressing)")
 
 
 class ProgressBar:

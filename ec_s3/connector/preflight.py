@@ -30,6 +30,7 @@ from ec_s3.loop import BackgroundLoop
 from ec_s3.config import ECS3Config
 from ec_s3.blob.keys import probe_key
 from ec_s3.log import logger
+from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.diagnose import diagnose
 from ec_s3.store.client import ObjectNotFound, S3Store, StoreError
 
@@ -70,7 +71,7 @@ def run_startup_checks(config: ECS3Config, *, producer: bool, consumer: bool, lo
     if config.startup_check == "off":
         return []
     store = S3Store(dataclasses.replace(config, max_attempts=1), loop=loop)
-    where = f"s3://{config.bucket}/{config.prefix}/ at {config.endpoint_url or 'AWS ' + config.region}"
+    where = f"s3://{config.bucket}/{config.prefix}/ at {config.endpoint_url or 'AWS ' + resolve_endpoint(config).region}"
     timeout = 3 * (config.connect_timeout_s + config.read_timeout_s)
     role = "ec_producer" if producer else "ec_consumer"
     fatal: list[str] = []

@@ -42,7 +42,7 @@ from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
 from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
 from ec_s3.store.breaker import CircuitBreaker
-from ec_s3.store.connection import open_client
+from ec_s3.store.connection import open_client, resolve_endpoint
 from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
@@ -265,11 +265,11 @@ class S3Store:
                 try:
                     # Resolves the credential chain (profile, SSO, instance role) when
                     # the config names no keys: that can fail, and must fail typed.
-                    client = await open_client(self.config, stack)
+                    settings = resolve_endpoint(self.config)  # one region and CA for both paths
+                    client = await open_client(self.config, stack, settings)
                     if self.config.data_path == "direct":
-                        # Its own pool next to the client's, which then carries only
-                        # the rare other requests; closed before the client (LIFO).
-                        wire = DirectWire(self.config, client)
+                        # Its own pool beside the client's, which keeps the rare rest; closed first.
+                        wire = DirectWire(self.config, client, settings.trust)
                         stack.push_async_callback(wire.close)
                         self._wire = wire
                 except Exception as exc:  # noqa: BLE001 - mapped below

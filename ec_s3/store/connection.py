@@ -6,21 +6,118 @@ CRC checksums on every PUT and GET, which triples client CPU on the 2-core hosts
 runs on; retries are off here because the store does its own (a budget bounds the
 time a caller can wait). Does not own requests, retries or errors
 (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.errors`).
+
+Also owns :func:`resolve_endpoint`, what the AWS chain gives this store: the region
+and the CA to trust, each with where it came from. botocore would resolve both itself
+only when neither is passed to it, and the direct data path could not know what it
+chose; so they are resolved here, once, in botocore's order, and passed explicitly to
+the client and to the direct path alike (``ec-s3 check`` shows them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 from typing import Any
 
 import aioboto3
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.httpsession import AIOHTTPSession
+from botocore.httpsession import get_cert_path
+from botocore.session import Session as BotocoreSession
 
 from ec_s3.config import ECS3Config
+from ec_s3.store.tls import DEFAULT_CA_SOURCE, Trust, botocore_verify, check_ca_file
 
-__all__ = ["open_client"]
+__all__ = ["EndpointSettings", "open_client", "resolve_endpoint"]
+
+# What botocore itself falls back to for S3 when no region is found anywhere.
+DEFAULT_REGION = "us-east-1"
+
+
+@dataclasses.dataclass(frozen=True)
+class EndpointSettings:
+    """What a store resolved from its config and the AWS chain; sources in words."""
+
+    region: str
+    region_source: str  # "`region` key", "AWS_REGION", "AWS_DEFAULT_REGION", "profile 'x' (...)", "default (...)"
+    trust: Trust
+
+    @property
+    def ca_file(self) -> str | None:
+        return self.trust.ca_file
+
+    @property
+    def ca_source(self) -> str:
+        return self.trust.source
+
+    def tls_words(self, endpoint_url: str | None) -> str:
+        """What TLS does toward ``endpoint_url`` (None: AWS, https), in one phrase."""
+        if endpoint_url is not None and endpoint_url.startswith("http://"):
+            return "not used (http endpoint)"
+        if not self.trust.verify:
+            return "encrypted, certificate not verified (verify_tls: false)"
+        return f"verified with {self.trust.ca_file} (from {self.trust.source})"
+
+
+def resolve_endpoint(config: ECS3Config) -> EndpointSettings:
+    """The region and the CA this store uses, and where each came from. Reads the
+    process environment and the AWS config file as botocore does; does no network I/O
+    and never raises (a missing profile is the client's to report).
+
+    Region: the ``region`` key, ``AWS_REGION`` (as the AWS CLI v2 and the other SDKs;
+    botocore itself skips it), ``AWS_DEFAULT_REGION``, the profile's ``region``, else
+    ``us-east-1``. CA: ``verify_tls: false`` (none), the ``ca_bundle`` key,
+    ``AWS_CA_BUNDLE``, the profile's ``ca_bundle``, ``REQUESTS_CA_BUNDLE`` (botocore's
+    fallback), else certifi's. Empty variables count as unset (botocore would take an
+    empty ``AWS_CA_BUNDLE`` for "do not verify").
+    """
+    # Only the profile is read: without its ~40 ms of built-in event handlers.
+    env, session = os.environ, BotocoreSession(include_builtin_handlers=False)
+    region, region_source = config.region, "`region` key"
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION"):
+        if not region and env.get(var):
+            region, region_source = env[var], var
+    if not region and (profile_region := _profile_setting(session, "region")):
+        region, region_source = profile_region, _profile_words(session, "region")
+    if not region:
+        region = DEFAULT_REGION
+        region_source = "default (no `region` key, AWS_REGION, AWS_DEFAULT_REGION or profile region)"
+    return EndpointSettings(region, region_source, _resolve_trust(config, session))
+
+
+def _resolve_trust(config: ECS3Config, session: BotocoreSession) -> Trust:
+    env = os.environ
+    if not config.verify_tls:
+        return Trust(False, None, "verify_tls: false")
+    if config.ca_bundle:
+        return Trust(True, config.ca_bundle, "`ca_bundle` key")
+    if env.get("AWS_CA_BUNDLE"):
+        return Trust(True, env["AWS_CA_BUNDLE"], "AWS_CA_BUNDLE")
+    if profile_ca := _profile_setting(session, "ca_bundle"):
+        return Trust(True, profile_ca, _profile_words(session, "ca_bundle"))
+    if env.get("REQUESTS_CA_BUNDLE"):
+        return Trust(True, env["REQUESTS_CA_BUNDLE"], "REQUESTS_CA_BUNDLE")
+    return Trust(True, str(get_cert_path(True)), DEFAULT_CA_SOURCE)
+
+
+def _profile_setting(session: BotocoreSession, name: str) -> str | None:
+    """A setting of the session's profile; None when unset, or when the profile does
+    not exist or its file cannot be parsed (creating the client reports that)."""
+    try:
+        value = session.get_scoped_config().get(name)
+    except Exception:  # noqa: BLE001 - ProfileNotFound, ConfigParseError: the client's to report
+        return None
+    return str(value) if value else None
+
+
+def _profile_words(session: BotocoreSession, name: str) -> str:
+    """``profile 'x' (<name> in <file>)``."""
+    profile = session.get_config_variable("profile") or "default"
+    path = os.path.expanduser(str(session.get_config_variable("config_file")))
+    return f"profile {profile!r} ({name} in {path})"
 
 
 class BoundedPoolSession(AIOHTTPSession):
@@ -42,16 +139,22 @@ class BoundedPoolSession(AIOHTTPSession):
             self._timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read, connect=connect + read)
 
 
-async def open_client(config: ECS3Config, stack: contextlib.AsyncExitStack) -> Any:
-    """A new S3 client for ``config``, closed when ``stack`` closes. Does no I/O."""
+async def open_client(
+    config: ECS3Config, stack: contextlib.AsyncExitStack, settings: EndpointSettings | None = None
+) -> Any:
+    """A new S3 client for ``config``, closed when ``stack`` closes, with the region and
+    CA of ``settings`` (default: :func:`resolve_endpoint`). No network I/O; a CA file
+    that cannot be loaded raises :class:`~ec_s3.store.errors.CABundleError`."""
+    settings = settings or resolve_endpoint(config)
+    check_ca_file(settings.trust)
     session = aioboto3.Session(
         aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
         aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
         aws_session_token=config.session_token.reveal() if config.session_token else None,
-        region_name=config.region,
+        region_name=settings.region,
     )
     boto_config = AioConfig(
-        region_name=config.region,
+        region_name=settings.region,
         signature_version="s3v4",
         s3={"addressing_style": config.addressing_style, "payload_signing_enabled": False},
         retries={"total_max_attempts": 1, "mode": "standard"},
@@ -64,5 +167,5 @@ async def open_client(config: ECS3Config, stack: contextlib.AsyncExitStack) -> A
         http_session_cls=BoundedPoolSession,
     )
     return await stack.enter_async_context(
-        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=config.verify_tls)
+        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=botocore_verify(settings.trust))
     )

@@ -15,9 +15,11 @@ import os
 from collections.abc import Mapping
 
 from ec_s3.config import ECS3Config
+from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
+    CABundleError,
     CircuitOpen,
     NoCredentials,
     ObjectNotFound,
@@ -93,13 +95,39 @@ def diagnose(exc: BaseException, config: ECS3Config, *, op: str = "") -> Diagnos
         return _unavailable(error, config)
     if isinstance(error, AccessDenied):
         return _denied(error, config, op or error.op)
+    if isinstance(error, CABundleError):
+        return Diagnosis("tls", error.message, "name a readable PEM file holding the CA certificate(s) that "
+                         f"signed {_endpoint(config)}'s certificate, where that path came from")
     if isinstance(error, (StoreRequestError, ObjectNotFound)):
         return _request(error, config)
     return Diagnosis("other", str(error), "check the config and the S3 server")
 
 
 def _endpoint(config: ECS3Config) -> str:
-    return config.endpoint_url or f"AWS S3 ({config.region})"
+    return config.endpoint_url or f"AWS S3 ({resolve_endpoint(config).region})"
+
+
+def _tls(error: TLSError, config: ECS3Config) -> Diagnosis:
+    """A failed handshake, with the CA it was checked against (the one the store
+    resolved: :func:`~ec_s3.store.connection.resolve_endpoint`) and what to change."""
+    endpoint, trust = _endpoint(config), resolve_endpoint(config).trust
+    failed = f"TLS handshake with {endpoint} failed ({error.message})"
+    port = "check that endpoint_url is https on the server's TLS port and names a host its certificate covers"
+    if not trust.verify:
+        return Diagnosis("tls", f"{failed}; certificates were not checked (verify_tls: false)", port)
+    if trust.is_default:
+        return Diagnosis(
+            "tls",
+            f"{failed}; its certificate was checked against {trust.ca_file} ({trust.source}): a private CA is not among them",
+            "trust the CA that signed the endpoint's certificate: set ca_bundle to its PEM file (or AWS_CA_BUNDLE, "
+            f"or ca_bundle in the AWS profile); {port}; --set verify_tls=false for a test endpoint only",
+        )
+    return Diagnosis(
+        "tls",
+        f"{failed}; its certificate was checked against {trust.ca_file} (from {trust.source})",
+        f"{trust.ca_file} does not hold the CA that signed {endpoint}'s certificate: put that CA's PEM in it, or "
+        f"change where it came from ({trust.source}) to the right file; {port}",
+    )
 
 
 def _unavailable(error: StoreUnavailable, config: ECS3Config) -> Diagnosis:
@@ -111,12 +139,7 @@ def _unavailable(error: StoreUnavailable, config: ECS3Config) -> Diagnosis:
             "run `ec-s3 check` to see the first failure; check the endpoint and retry",
         )
     if isinstance(error, TLSError):
-        return Diagnosis(
-            "tls",
-            f"TLS handshake with {endpoint} failed ({error.message})",
-            "use the endpoint's correct https URL and a trusted CA (AWS_CA_BUNDLE), or "
-            "--set verify_tls=false for a test endpoint only",
-        )
+        return _tls(error, config)
     if isinstance(error, StoreUnreachable):
         return Diagnosis(
             "endpoint",

@@ -24,6 +24,7 @@ from botocore import exceptions as boto_exc
 __all__ = [
     "AccessDenied",
     "BucketNotFound",
+    "CABundleError",
     "CircuitOpen",
     "IntegrityError",
     "NoCredentials",
@@ -105,6 +106,11 @@ class BucketNotFound(StoreRequestError):
 class StoreConfigError(StoreRequestError):
     """The client could not build the request (endpoint URL, region, addressing style or
     parameters botocore rejects). Nothing was sent; never retried."""
+
+
+class CABundleError(StoreConfigError):
+    """The CA bundle to trust (the ``ca_bundle`` key, ``AWS_CA_BUNDLE``, the profile's)
+    cannot be read or holds no certificate. Nothing was sent; never retried."""
 
 
 class StoreUnavailable(StoreError):

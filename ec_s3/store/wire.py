@@ -12,9 +12,10 @@ writes them straight into the caller's buffer, no intermediate bytes objects.
 
 Owns: the aiohttp session of these requests (a pool of ``max_pool_connections``, the
 timeouts of :mod:`.connection`'s ``BoundedPoolSession`` including its bound on waiting
-for a pooled connection, TLS verification, the environment's proxy as botocore would
-use it), object URLs (path or virtual-hosted per ``addressing_style``, on the endpoint
-the aiobotocore client resolved, so AWS regions work), signing with the client's
+for a pooled connection, TLS against the CA the client was given (:mod:`.tls`), the
+environment's proxy as botocore would use it), object URLs (path or virtual-hosted per
+``addressing_style``, on the endpoint the aiobotocore client resolved, so AWS regions
+work), signing with the client's
 credentials (refreshed when refreshable, never logged or kept), and turning an answer
 into headers or a typed error (status and the S3 ``<Code>`` of a bounded error body,
 through :func:`.errors.from_status`). Every response is released on every way out.
@@ -32,7 +33,6 @@ import contextlib
 import html
 import inspect
 import re
-import ssl as stdlib_ssl
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -42,7 +42,7 @@ import aiohttp.payload
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
-from botocore.httpsession import ProxyConfiguration, create_urllib3_context, get_cert_path
+from botocore.httpsession import ProxyConfiguration
 from botocore.utils import get_environ_proxies
 from yarl import URL
 
@@ -50,6 +50,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.store.body import BufferChain
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable, from_status
 from ec_s3.store.recv import RecvAnswer, RecvPool
+from ec_s3.store.tls import Trust, ssl_context
 
 __all__ = ["DirectWire", "GetAnswer", "fill_from_chunks", "object_url"]
 
@@ -104,15 +105,6 @@ class _ChainPayload(aiohttp.payload.Payload):
             left -= len(part)
 
 
-def _unverified_context() -> stdlib_ssl.SSLContext:
-    """``verify_tls: false``: encrypted, no certificate or host name checked (as
-    aiohttp's ``ssl=False`` and botocore's ``verify=False``)."""
-    context = stdlib_ssl.create_default_context()
-    context.check_hostname = False
-    context.verify_mode = stdlib_ssl.CERT_NONE
-    return context
-
-
 def _virtual_hosted(style: str, custom_endpoint: bool, bucket: str) -> bool:
     """botocore's choice (``args.py`` and its S3 endpoint rules): ``auto`` addresses the
     bucket as a host name only on AWS's own endpoints, and only a bucket that is one DNS
@@ -144,12 +136,12 @@ class DirectWire:
     and credentials are what this signs with); :meth:`close` on the same loop.
     """
 
-    def __init__(self, config: ECS3Config, client: Any) -> None:
+    def __init__(self, config: ECS3Config, client: Any, trust: Trust) -> None:
         self._bucket = config.bucket
         self._style = config.addressing_style
         self._custom_endpoint = config.endpoint_url is not None
         self._endpoint = str(client.meta.endpoint_url)
-        self._region = str(client.meta.region_name or config.region)
+        self._region = str(client.meta.region_name)
         # The client's credential object, not a frozen copy: refreshable credentials
         # (instance role, SSO, credential_process) rotate under it.
         self._credentials = client._request_signer._credentials
@@ -157,11 +149,9 @@ class DirectWire:
         proxies = ProxyConfiguration(proxies=get_environ_proxies(base))
         self._proxy = proxies.proxy_url_for(base)
         self._proxy_headers = proxies.proxy_headers_for(self._proxy) if self._proxy else None
-        ssl: Any = False
         https = urlsplit(base).scheme == "https"
-        if config.verify_tls and https:
-            ssl = create_urllib3_context()  # what aiobotocore's session verifies with
-            ssl.load_verify_locations(get_cert_path(True))
+        # The CA the client was given (connection.resolve_endpoint), never one of our own.
+        context = ssl_context(trust) if https else None
         connect, read = config.connect_timeout_s, config.read_timeout_s
         # GET bodies into the caller's buffer, no bytes objects between (recv.py);
         # through a proxy they stay on aiohttp (recv.py does not speak to proxies).
@@ -169,10 +159,11 @@ class DirectWire:
         if self._proxy is None:
             self._recv = RecvPool(base, limit=config.max_pool_connections, connect_timeout_s=connect,
                                   read_timeout_s=read, keepalive_s=_KEEPALIVE_S,
-                                  ssl_context=(ssl or _unverified_context()) if https else None)
+                                  ssl_context=context)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
-                limit=config.max_pool_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S, ssl=ssl
+                limit=config.max_pool_connections, limit_per_host=0, keepalive_timeout=_KEEPALIVE_S,
+                ssl=context if context is not None and trust.verify else False,
             ),
             # connect bounds DNS, the TCP/TLS handshake *and* the wait for a pooled
             # connection (see connection.BoundedPoolSession): never wait forever.
