@@ -22,7 +22,7 @@ import pytest
 from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.store.client import S3Store
 from ec_s3.store.diagnose import diagnose
-from ec_s3.store.errors import StoreError, TLSError
+from ec_s3.store.errors import StoreError, TLSError, UntrustedCertificate
 from support.tls import HTTPSEndpoint, make_private_ca
 
 PATHS = ("direct", "botocore")
@@ -105,13 +105,29 @@ def test_untrusted_ca_is_a_tls_error_with_a_true_diagnosis(
     failed, and the advice did not work)."""
     store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1)
     for op, call in (("GET", lambda: store.get_async("k")), ("PUT", lambda: store.put_async("k", b"x"))):
-        with pytest.raises(TLSError) as caught:
+        with pytest.raises(UntrustedCertificate) as caught:
             store.run(call(), timeout=30)
         d = diagnose(caught.value, store.config, op=op)
         assert d.kind == "tls"
         assert certifi.where() in d.cause and "public CAs" in d.cause
         for way in ("ca_bundle", "AWS_CA_BUNDLE", "profile"):
             assert way in d.fix
+
+
+@pytest.mark.parametrize("data_path", PATHS)
+def test_https_on_a_plain_port_is_not_called_a_ca_problem(
+    make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, data_path: str,
+) -> None:
+    """A handshake that never reached the certificate check (https:// on the server's
+    plain-HTTP port) is a TLSError but not an UntrustedCertificate, and its diagnosis
+    points at the URL, not at a CA."""
+    store = make_store(s3_endpoint.url.replace("http://", "https://"), data_path=data_path, max_attempts=1)
+    with pytest.raises(TLSError) as caught:
+        store.run(store.get_async("k"), timeout=30)
+    assert not isinstance(caught.value, UntrustedCertificate)
+    d = diagnose(caught.value, store.config, op="GET")
+    assert d.kind == "tls" and "not at the certificate check" in d.cause and "http://" in d.fix
+    assert "CA" not in d.cause + d.fix
 
 
 @pytest.mark.parametrize("data_path", PATHS)
@@ -124,7 +140,7 @@ def test_wrong_ca_diagnosis_names_the_file_and_its_source(
     other = make_private_ca(tmp_path / "other", name="another CA")
     clean_aws_env.setenv("AWS_CA_BUNDLE", str(other.ca_path))
     store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1)
-    with pytest.raises(TLSError) as caught:
+    with pytest.raises(UntrustedCertificate) as caught:
         store.run(store.get_async("k"), timeout=30)
     d = diagnose(caught.value, store.config, op="GET")
     assert d.kind == "tls" and str(other.ca_path) in d.cause and "AWS_CA_BUNDLE" in d.cause

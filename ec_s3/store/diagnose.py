@@ -29,6 +29,7 @@ from ec_s3.store.errors import (
     StoreUnavailable,
     StoreUnreachable,
     TLSError,
+    UntrustedCertificate,
     to_store_error,
 )
 
@@ -113,8 +114,12 @@ def _tls(error: TLSError, config: ECS3Config) -> Diagnosis:
     endpoint, trust = _endpoint(config), resolve_endpoint(config).trust
     failed = f"TLS handshake with {endpoint} failed ({error.message})"
     port = "check that endpoint_url is https on the server's TLS port and names a host its certificate covers"
-    if not trust.verify:
-        return Diagnosis("tls", f"{failed}; certificates were not checked (verify_tls: false)", port)
+    if not isinstance(error, UntrustedCertificate):
+        return Diagnosis(
+            "tls", f"{failed}, not at the certificate check: the server there does not speak TLS (a plain-HTTP "
+                   "port?) or shares no TLS version with this client",
+            "use http:// for a plain-HTTP port, or the server's TLS port for https:// (endpoint_url)",
+        )
     if trust.is_default:
         return Diagnosis(
             "tls",

@@ -37,7 +37,9 @@ __all__ = [
     "StoreUnavailable",
     "StoreUnreachable",
     "TLSError",
+    "UntrustedCertificate",
     "from_status",
+    "tls_error",
     "to_store_error",
 ]
 
@@ -135,6 +137,11 @@ class TLSError(StoreUnreachable):
     talk TLS to is down (retries cost one handshake each; the breaker stops them)."""
 
 
+class UntrustedCertificate(TLSError):
+    """The handshake reached the certificate check and the certificate failed it: not
+    signed by a trusted CA, expired, or not for this host name."""
+
+
 class CircuitOpen(StoreUnavailable):
     """Not tried: the store failed repeatedly and the circuit breaker is open."""
 
@@ -168,6 +175,8 @@ _CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = (
 )
 # ssl.SSLError is an OSError: it must be matched before the OSError of _BROKEN_ERRORS.
 _TLS_ERRORS: tuple[type[BaseException], ...] = (boto_exc.SSLError, aiohttp.ClientSSLError, ssl.SSLError)
+# The certificate check itself failed (not, say, a plain-HTTP port answering a handshake).
+_CERTIFICATE_ERRORS: tuple[type[BaseException], ...] = (ssl.SSLCertVerificationError, aiohttp.ClientConnectorCertificateError)
 _UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (
     boto_exc.ConnectionError,  # botocore's: EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
     aiohttp.ClientConnectorError,  # DNS, refused, no route (ClientProxyConnectionError is one)
@@ -229,6 +238,20 @@ def from_status(op: str, key: str, status: int | None, code: str | None, message
     return StoreRequestError(op, key, message, **kw)
 
 
+def tls_error(op: str, key: str, exc: BaseException, message: str) -> TLSError:
+    """:class:`UntrustedCertificate` when the certificate check failed anywhere down the
+    chain of ``exc`` (aiobotocore wraps aiohttp's error, which wraps ssl's), else
+    :class:`TLSError`."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if isinstance(seen, _CERTIFICATE_ERRORS):
+            return UntrustedCertificate(op, key, message)
+        seen = seen.__cause__ or seen.__context__
+    return TLSError(op, key, message)
+
+
 def to_store_error(op: str, key: str, exc: BaseException) -> StoreError | None:
     """The typed error for an exception raised while talking to S3, or None when
     ``exc`` is not a store failure (a bug, or an error of the caller's own code, which
@@ -241,7 +264,7 @@ def to_store_error(op: str, key: str, exc: BaseException) -> StoreError | None:
     elif isinstance(exc, _CREDENTIAL_ERRORS):
         error = NoCredentials(op, key, _transport_message(exc))
     elif isinstance(exc, _TLS_ERRORS):
-        error = TLSError(op, key, _transport_message(exc))
+        error = tls_error(op, key, exc, _transport_message(exc))
     elif isinstance(exc, _UNREACHABLE_ERRORS):
         error = StoreUnreachable(op, key, _transport_message(exc))
     elif isinstance(exc, _TIMEOUT_ERRORS):

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, TLSError
+from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, tls_error
 
 __all__ = ["RecvAnswer", "RecvPool"]
 
@@ -424,7 +424,7 @@ class RecvPool:
         except TimeoutError:
             raise StoreUnreachable(op, key, f"connect timed out after {self._connect_timeout:g}s") from None
         except ssl.SSLError as exc:  # an OSError too: first
-            raise TLSError(op, key, f"TLS handshake failed: {type(exc).__name__}: {exc}") from exc
+            raise tls_error(op, key, exc, f"TLS handshake failed: {type(exc).__name__}: {exc}") from exc
         except OSError as exc:
             raise StoreUnreachable(op, key, f"cannot connect: {type(exc).__name__}: {exc}") from exc
         self.opened += 1
