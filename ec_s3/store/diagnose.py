@@ -97,8 +97,9 @@ def diagnose(exc: BaseException, config: ECS3Config, *, op: str = "") -> Diagnos
     if isinstance(error, AccessDenied):
         return _denied(error, config, op or error.op)
     if isinstance(error, CABundleError):
-        return Diagnosis("tls", error.message, "name a readable PEM file holding the CA certificate(s) that "
-                         f"signed {_endpoint(config)}'s certificate, where that path came from")
+        source = resolve_endpoint(config).ca_source
+        return Diagnosis("tls", error.message, f"make {source} name a readable PEM file of the CA(s) that "
+                         f"signed {_endpoint(config)}'s certificate")
     if isinstance(error, (StoreRequestError, ObjectNotFound)):
         return _request(error, config)
     return Diagnosis("other", str(error), "check the config and the S3 server")
