@@ -1,4 +1,4 @@
-"""Write docs/grafana/ec-s3.json, the Grafana dashboard for ec-s3's Prometheus metrics.
+"""Write deploy/kubernetes/monitoring/ec-s3-dashboard.json, the Grafana dashboard for ec-s3's Prometheus metrics.
 
 The dashboard is generated so that its queries are code: tests/test_dashboard.py
 checks that the committed JSON equals this script's output and that every metric a
@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "ec-s3.json"
+# Under deploy/kubernetes/ because kustomize loads files only below its root; compose
+# mounts the same file (compose.yaml, profile monitoring).
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "monitoring" / "ec-s3-dashboard.json"
 SEL = '{model_name=~"$model_name"}'
 W = "$__rate_interval"
 
