@@ -25,8 +25,9 @@ from ec_s3.proxy.main import build_parser, config_from_args
 
 COMPOSE_FILE = Path(__file__).resolve().parent.parent / "compose.yaml"
 VLLM_SERVICES = ("encoder", "pd")
-LONG_RUNNING = ("minio", "seaweedfs", "encoder", "pd", "proxy")
-PROFILE_SETS: list[list[str]] = [[], ["epd"], ["seaweedfs"], ["seaweedfs", "epd"]]
+LONG_RUNNING = ("minio", "seaweedfs", "encoder", "pd", "proxy", "prometheus", "grafana")
+PROFILE_SETS: list[list[str]] = [[], ["epd"], ["seaweedfs"], ["seaweedfs", "epd"], ["monitoring"],
+                                 ["epd", "monitoring"]]
 
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<default>[^}]*))?\}")
 
@@ -100,6 +101,8 @@ def test_services_and_profiles(services: dict[str, dict[str, Any]]) -> None:
     assert services["seaweedfs"]["profiles"] == ["seaweedfs"]
     for name in ("encoder", "pd", "proxy"):
         assert services[name]["profiles"] == ["epd"], name
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"], name
 
 
 def test_every_image_is_pinned(services: dict[str, dict[str, Any]]) -> None:
@@ -203,3 +206,63 @@ def test_named_volumes_are_declared(compose: dict[str, Any], services: dict[str,
             source = str(volume).split(":", 1)[0]
             if not source.startswith((".", "/")):
                 assert source in declared, f"{name}: volume {source!r} is not declared"
+
+
+# --------------------------------------------------------------------------- monitoring
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path of the service's bind mounts (short syntax)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target = str(volume).split(":")[:2]
+        if source.startswith((".", "/")):
+            mounts[target] = (COMPOSE_FILE.parent / source).resolve()
+    return mounts
+
+
+def test_every_bind_mount_exists(services: dict[str, dict[str, Any]]) -> None:
+    for name, service in services.items():
+        for target, source in bind_mounts(service).items():
+            assert source.exists(), f"{name}: {source} (mounted at {target}) does not exist"
+
+
+def _listen_port(service: dict[str, Any]) -> int:
+    """The port the service's server listens on, from its own command line."""
+    text = " ".join(command_of(service))
+    return int(re.search(r"--port[ =](\d+)", text).group(1))
+
+
+def test_prometheus_scrapes_the_epd_services_and_loads_the_alert_rules(services: dict[str, dict[str, Any]]) -> None:
+    prometheus = services["prometheus"]
+    mounts = bind_mounts(prometheus)
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command_of(prometheus)
+    config = yaml.safe_load(mounts["/etc/prometheus/prometheus.yml"].read_text())
+    targets = {job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+               for job in config["scrape_configs"]}
+    # Every vLLM server and the proxy, at the port it really listens on.
+    expected = {f"ec-s3-{name}": [f"{name}:{_listen_port(services[name])}"] for name in ("encoder", "pd", "proxy")}
+    assert targets == expected
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+    # The rule file Prometheus loads is the one the Kubernetes manifests ship.
+    (rule_file,) = config["rule_files"]
+    assert mounts[rule_file] == (COMPOSE_FILE.parent / "deploy/kubernetes/monitoring/ec-s3-alerts.yaml").resolve()
+    assert yaml.safe_load(mounts[rule_file].read_text())["groups"][0]["rules"]
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services: dict[str, dict[str, Any]]) -> None:
+    grafana = services["grafana"]
+    mounts = bind_mounts(grafana)
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    prometheus_port = int(services["prometheus"]["ports"][0].rsplit(":", 1)[1])
+    assert source["type"] == "prometheus" and source["isDefault"]
+    assert source["url"] == f"http://prometheus:{prometheus_port}"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "ec-s3.yaml").read_text())["providers"]
+    dashboards = {t: s for t, s in mounts.items() if t.startswith(provider["options"]["path"] + "/")}
+    # The one dashboard file, not a copy.
+    assert list(dashboards.values()) == [
+        (COMPOSE_FILE.parent / "deploy/kubernetes/monitoring/ec-s3-dashboard.json").resolve()]
+    dashboard = json.loads(next(iter(dashboards.values())).read_text())
+    # The dashboard picks its data source by type, so the provisioned default serves it.
+    assert {"type": "datasource", "query": "prometheus"}.items() <= dashboard["templating"]["list"][0].items()
+    assert env_of(grafana)["GF_SECURITY_ADMIN_PASSWORD"], "a password is set"
