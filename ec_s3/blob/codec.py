@@ -208,6 +208,9 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30
         header = json.loads(bytes(buf[8 : 8 + hlen]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError("header_json", f"header is not valid JSON ({type(exc).__name__})") from None
+    # The version first: a later format may change everything below, and its blob must be
+    # refused as "another version", not as a malformed header.
+    _check_format_version(header)
     if not isinstance(header, dict) or set(header) != {TENSOR_NAME, "__metadata__"}:
         keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
         raise BlobError("header_keys", f"expected exactly {TENSOR_NAME!r} and '__metadata__', got {keys}")
@@ -269,6 +272,31 @@ def decode_blob(buf: bytearray | memoryview | bytes, expect: BlobExpectation) ->
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=entry["nbytes"], offset=offset)
         tensor = flat.view(dtype).reshape(shape)
     return DecodedBlob(tensor=tensor, metadata=metadata, data_offset=offset)
+
+
+def _check_format_version(header: Any) -> None:
+    """Refuse a blob of another ec-s3 format version by name, saying what to do.
+
+    Producers and consumers of different ec-s3 versions meet in one bucket only when they
+    share a namespace (the derived namespace includes the format version; a configured
+    ``namespace`` does not), so the advice names that too.
+    """
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    tag = metadata.get("format") if isinstance(metadata, dict) else None
+    if not isinstance(tag, str) or tag == FORMAT_TAG or not tag.startswith("ec-s3/"):
+        return  # ours, or not an ec-s3 blob at all: the checks below say what is wrong
+    version = tag.removeprefix("ec-s3/")
+    newer = not version.isdigit() or int(version) > int(FORMAT_VERSION)
+    action = (
+        "it was written by a newer ec-s3: upgrade ec-s3 on this instance to the producers' version"
+        if newer else
+        "it was written by an older ec-s3: upgrade the producers, or let ec-s3 gc remove the old blobs"
+    )
+    raise BlobError(
+        "format_version",
+        f"blob format {tag[:64]!r} is not {FORMAT_TAG!r}, the one this ec-s3 reads; {action} "
+        "(or give each version its own namespace); docs/deploy.md, Upgrades",
+    )
 
 
 def _storable_identifier(identifier: str) -> bool:
