@@ -18,7 +18,10 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -541,3 +544,47 @@ def test_minio_overlay_is_self_contained() -> None:
     assert refs["MINIO_ROOT_USER"] == {"name": "ec-s3-credentials", "key": "access-key-id"}
     assert refs["MINIO_ROOT_PASSWORD"] == {"name": "ec-s3-credentials", "key": "secret-access-key"}
     assert {"access-key-id", "secret-access-key"} <= set(secret["data"])
+
+
+# --------------------------------------------------------------------------- the commands, run
+def _run_as_in_the_pod(objs: list[dict[str, Any]], c: dict[str, Any], s3_endpoint: Any, bucket: str,
+                       secrets_dir: Path) -> subprocess.CompletedProcess[str]:
+    """The container's ec-s3 command, with its environment and $(VAR) expansion, run here
+    against the test's S3 server; the Secret's mount is ``secrets_dir``."""
+    env = container_env(objs, c)
+    env.update(EC_S3_BUCKET=bucket, EC_S3_ENDPOINT_URL=s3_endpoint.url)
+    env["EC_TRANSFER_CONFIG"] = env["EC_TRANSFER_CONFIG"].replace("file:/var/run/secrets/ec-s3/", f"file:{secrets_dir}/")
+    argv = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in c["command"]]
+    assert argv[0] == "ec-s3"
+    proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path), **env}
+    return subprocess.run([sys.executable, "-m", "ec_s3.cli", *argv[1:]], env=proc_env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
+    objs = render(KUSTOMIZE)
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    for d, secret in ((good, s3_endpoint.credentials.secret_access_key), (bad, "not-the-secret")):
+        d.mkdir()
+        (d / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
+        (d / "secret-access-key").write_text(secret)
+    for name in ("ec-s3-encoder", "ec-s3-pd"):
+        check = _find(objs, "Deployment", name)["spec"]["template"]["spec"]["initContainers"][0]
+        ok = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, good)
+        assert ok.returncode == 0 and "PASS" in ok.stdout, f"{name}:\n{ok.stdout}\n{ok.stderr}"
+        # Exit status 1 fails the init container, so the pod (and the rollout) stops here,
+        # and its output, the termination message, says why and what to do.
+        failed = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, bad)
+        assert failed.returncode == 1, f"{name}:\n{failed.stdout}\n{failed.stderr}"
+        assert "FAIL" in failed.stdout and "fix" in failed.stdout, failed.stdout
+        assert "not-the-secret" not in failed.stdout + failed.stderr
+
+
+def test_gc_cronjob_runs(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
+    objs = render(KUSTOMIZE)
+    (tmp_path / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
+    (tmp_path / "secret-access-key").write_text(s3_endpoint.credentials.secret_access_key)
+    for name in ("ec-s3-gc", "ec-s3-abort-stale-uploads"):
+        c = _find(objs, "CronJob", name)["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+        proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, tmp_path)
+        assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
