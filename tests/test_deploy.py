@@ -501,6 +501,22 @@ def test_alert_rules_are_well_formed_and_the_operator_gets_the_same() -> None:
     assert operator_rule["spec"]["groups"] == yaml.safe_load((MONITORING / "ec-s3-alerts.yaml").read_text())["groups"]
 
 
+def test_each_alert_watches_a_dashboard_panel_and_is_documented() -> None:
+    dashboard = json.loads((MONITORING / "ec-s3-dashboard.json").read_text())
+    titles = {p["title"] for p in dashboard["panels"] if p["type"] != "row"}
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    for rule in alert_rules():
+        assert rule["annotations"]["panel"] in titles, f"{rule['alert']}: no panel {rule['annotations']['panel']!r}"
+        assert f"`{rule['alert']}`" in guide, f"docs/deploy.md does not explain {rule['alert']}"
+
+
+def test_the_guides_links_resolve() -> None:
+    for doc in (ROOT / "docs" / "deploy.md", ROOT / "README.md"):
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name}: link {target} does not resolve"
+    assert "(docs/deploy.md)" in (ROOT / "README.md").read_text()
+
+
 def test_alert_rules_ask_only_for_exported_metrics(tiny_model_dir: Path) -> None:
     pytest.importorskip("vllm")
     from support.vllm_rig import make_vllm_config
