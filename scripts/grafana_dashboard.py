@@ -1,4 +1,4 @@
-"""Write deploy/kubernetes/monitoring/ec-s3-dashboard.json, the Grafana dashboard for ec-s3's Prometheus metrics.
+"""Write deploy/kubernetes/base/monitoring/ec-s3-dashboard.json, the Grafana dashboard for ec-s3's Prometheus metrics.
 
 The dashboard is generated so that its queries are code: tests/test_dashboard.py
 checks that the committed JSON equals this script's output and that every metric a
@@ -15,7 +15,7 @@ from typing import Any
 
 # Under deploy/kubernetes/ because kustomize loads files only below its root; compose
 # mounts the same file (compose.yaml, profile monitoring).
-OUT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "monitoring" / "ec-s3-dashboard.json"
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes" / "base" / "monitoring" / "ec-s3-dashboard.json"
 SEL = '{model_name=~"$model_name"}'
 W = "$__rate_interval"
 

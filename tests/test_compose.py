@@ -245,7 +245,7 @@ def test_prometheus_scrapes_the_epd_services_and_loads_the_alert_rules(services:
         assert job.get("metrics_path", "/metrics") == "/metrics"
     # The rule file Prometheus loads is the one the Kubernetes manifests ship.
     (rule_file,) = config["rule_files"]
-    assert mounts[rule_file] == (COMPOSE_FILE.parent / "deploy/kubernetes/monitoring/ec-s3-alerts.yaml").resolve()
+    assert mounts[rule_file] == (COMPOSE_FILE.parent / "deploy/kubernetes/base/monitoring/ec-s3-alerts.yaml").resolve()
     assert yaml.safe_load(mounts[rule_file].read_text())["groups"][0]["rules"]
 
 
@@ -261,7 +261,7 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(services: dict
     dashboards = {t: s for t, s in mounts.items() if t.startswith(provider["options"]["path"] + "/")}
     # The one dashboard file, not a copy.
     assert list(dashboards.values()) == [
-        (COMPOSE_FILE.parent / "deploy/kubernetes/monitoring/ec-s3-dashboard.json").resolve()]
+        (COMPOSE_FILE.parent / "deploy/kubernetes/base/monitoring/ec-s3-dashboard.json").resolve()]
     dashboard = json.loads(next(iter(dashboards.values())).read_text())
     # The dashboard picks its data source by type, so the provisioned default serves it.
     assert {"type": "datasource", "query": "prometheus"}.items() <= dashboard["templating"]["list"][0].items()

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 from ec_s3.connector.metrics import ECS3PromMetrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DASHBOARD = ROOT / "deploy" / "kubernetes" / "monitoring" / "ec-s3-dashboard.json"
+DASHBOARD = ROOT / "deploy" / "kubernetes" / "base" / "monitoring" / "ec-s3-dashboard.json"
 
 
 def _generator() -> Any:
