@@ -33,7 +33,7 @@ ROWS = 16
 FUTURE_TAG = f"ec-s3/{int(FORMAT_VERSION) + 1}"
 
 
-def future_blob(ident: str, namespace: str, *, extra_entry: bool) -> bytes:
+def future_blob(ident: str, namespace: str, *, extra_entry: bool, tag: str = FUTURE_TAG) -> bytes:
     """A blob as a later ec-s3 might write it: its format tag bumped and, with
     ``extra_entry``, a header this version's structure checks would not accept either."""
     tensor = fake_encoder_output(ident, ROWS)
@@ -41,7 +41,7 @@ def future_blob(ident: str, namespace: str, *, extra_entry: bool) -> bytes:
     (hlen,) = struct.unpack_from("<Q", current, 0)
     header = json.loads(current[8 : 8 + hlen])
     data = current[8 + hlen :]
-    header["__metadata__"]["format"] = FUTURE_TAG
+    header["__metadata__"]["format"] = tag
     if extra_entry:
         header["ec_cache_scale"] = {"dtype": "F32", "shape": [1], "data_offsets": [len(data), len(data) + 4]}
         data += b"\0" * 4
@@ -76,6 +76,17 @@ def test_future_format_is_refused_by_name(extra_entry: bool) -> None:
     assert err.value.reason == "format_version"
     text = str(err.value)
     assert FUTURE_TAG in text and FORMAT_TAG in text and "upgrade" in text.lower()
+
+
+def test_older_and_foreign_formats() -> None:
+    older = f"ec-s3/{int(FORMAT_VERSION) - 1}"
+    with pytest.raises(BlobError) as err:
+        read_header(future_blob("img", "ns", extra_entry=False, tag=older))
+    assert err.value.reason == "format_version" and older in str(err.value) and "older" in str(err.value)
+    # Not an ec-s3 blob at all: the structural checks and the format check say so, as before.
+    with pytest.raises(BlobError) as err:
+        read_header(future_blob("img", "ns", extra_entry=False, tag="pt"))
+    assert err.value.reason == "format"
 
 
 def test_mixed_versions_current_blob_loads_future_blob_is_encoded_locally(
