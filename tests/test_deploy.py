@@ -16,7 +16,9 @@ container's own environment, every ``file:`` it names is a mounted Secret key an
 from __future__ import annotations
 
 import base64
+import contextlib
 import copy
+import io
 import json
 import os
 import re
@@ -504,14 +506,32 @@ def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers() -> None:
     pd = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]["containers"][0]
     keepalive = float(next(v["value"] for v in pd["env"] if v["name"] == "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"))
     assert config.keepalive_timeout_s < keepalive
-    commands = {}
-    for name in ("ec-s3-gc", "ec-s3-abort-stale-uploads"):
-        job = _find(objs, "CronJob", name)
-        assert job["spec"]["concurrencyPolicy"] == "Forbid", name
-        c = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-        assert c["command"][:2] == ["ec-s3", "gc"], name
-        commands[name] = build_cli_parser().parse_args(c["command"][1:])
-    assert commands["ec-s3-gc"].older_than and not commands["ec-s3-gc"].dry_run
+
+
+def _gc_has_uploads() -> bool:
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            build_cli_parser().parse_args(["gc", "--uploads"])
+    except SystemExit:
+        return False
+    return True
+
+
+#: The abort CronJob runs `ec-s3 gc --uploads`, which the multipart work (branch h-multipart)
+#: adds; until it is on this branch the CronJob's tests are expected to fail, and run (and
+#: must pass) as soon as it is.
+NEEDS_GC_UPLOADS = pytest.mark.xfail(not _gc_has_uploads(), strict=True,
+                                     reason="ec-s3 gc --uploads is not in this ec-s3 yet (h-multipart)")
+
+
+@pytest.mark.parametrize("name", ["ec-s3-gc", pytest.param("ec-s3-abort-stale-uploads", marks=NEEDS_GC_UPLOADS)])
+def test_cronjob_commands_parse(name: str) -> None:
+    job = _find(render(KUSTOMIZE), "CronJob", name)
+    assert job["spec"]["concurrencyPolicy"] == "Forbid"
+    c = job["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][:2] == ["ec-s3", "gc"]
+    args = build_cli_parser().parse_args(c["command"][1:])
+    assert args.older_than and not args.dry_run
 
 
 # --------------------------------------------------------------------------- monitoring
@@ -644,11 +664,11 @@ def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint:
         assert "not-the-secret" not in failed.stdout + failed.stderr
 
 
-def test_gc_cronjob_runs(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["ec-s3-gc", pytest.param("ec-s3-abort-stale-uploads", marks=NEEDS_GC_UPLOADS)])
+def test_gc_cronjob_runs(name: str, s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
     objs = render(KUSTOMIZE)
     (tmp_path / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
     (tmp_path / "secret-access-key").write_text(s3_endpoint.credentials.secret_access_key)
-    for name in ("ec-s3-gc", "ec-s3-abort-stale-uploads"):
-        c = _find(objs, "CronJob", name)["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-        proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, tmp_path)
-        assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
+    c = _find(objs, "CronJob", name)["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
+    proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, tmp_path)
+    assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
