@@ -218,15 +218,24 @@ def test_every_object_passes_the_kubernetes_schema(rendered: tuple[str, list[dic
         kubernetes_validate.validate(copy.deepcopy(obj), version, strict=True)
 
 
+def _major(version_output: str) -> int:
+    m = re.search(r"v(\d+)\.\d+", version_output)
+    return int(m.group(1)) if m else 0
+
+
 def _kustomize_cli() -> list[str] | None:
-    """A kustomize to compare with: $EC_S3_KUSTOMIZE_BIN, kustomize, or kubectl's own."""
-    if os.environ.get("EC_S3_KUSTOMIZE_BIN"):
-        return [os.environ["EC_S3_KUSTOMIZE_BIN"], "build"]
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
+    """A kustomize >= 5 to compare with ($EC_S3_KUSTOMIZE_BIN, kustomize, or kubectl's
+    own); older ones (Debian's kubectl 1.20 has kustomize 2) lack components and labels."""
+    for binary in (os.environ.get("EC_S3_KUSTOMIZE_BIN"), shutil.which("kustomize")):
+        if binary:
+            version = subprocess.run([binary, "version"], capture_output=True, text=True, timeout=60).stdout
+            if _major(version) >= 5:
+                return [binary, "build"]
     kubectl = shutil.which("kubectl")
-    if kubectl and subprocess.run([kubectl, "kustomize", "--help"], capture_output=True, timeout=60).returncode == 0:
-        return [kubectl, "kustomize"]
+    if kubectl:
+        proc = subprocess.run([kubectl, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=60)
+        if proc.returncode == 0 and _major(json.loads(proc.stdout).get("kustomizeVersion", "")) >= 5:
+            return [kubectl, "kustomize"]
     return None
 
 
@@ -236,8 +245,8 @@ def test_kustomize_builds_what_the_renderer_renders(target: str) -> None:
     (generated names carry a content hash there; the renderer leaves it off)."""
     cli = _kustomize_cli()
     if cli is None:
-        pytest.skip("no kustomize here (kustomize, kubectl or $EC_S3_KUSTOMIZE_BIN): the renderer alone checks "
-                    "the kustomizations")
+        pytest.skip("no kustomize >= 5 here (kustomize, kubectl or $EC_S3_KUSTOMIZE_BIN): the renderer alone "
+                    "checks the kustomizations")
     proc = subprocess.run([*cli, str(KUSTOMIZE / target)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cli)} rejects {target or 'the base'}:\n{proc.stderr}"
     ours = render(KUSTOMIZE / target)
