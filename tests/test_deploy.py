@@ -681,3 +681,24 @@ def test_gc_cronjob_runs(name: str, s3_endpoint: Any, bucket: str, tmp_path: Pat
     c = _find(objs, "CronJob", name)["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
     proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, tmp_path)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
+
+
+def test_the_guides_overlay_builds(tmp_path: Path) -> None:
+    """docs/deploy.md's step 2 (your own overlay) renders, and sets what it says it sets."""
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```yaml\n(# my-fleet/kustomization.yaml\n.*?)```", guide, re.S)
+    assert block, "docs/deploy.md lost its overlay example"
+    fleet = tmp_path / "my-fleet"
+    fleet.mkdir()
+    # The guide's overlay sits beside deploy/; here it is elsewhere, so point it home.
+    text = block.group(1).replace("../deploy/kubernetes", os.path.relpath(KUSTOMIZE, fleet))
+    (fleet / "kustomization.yaml").write_text(text)
+    objs = render(fleet)
+    env = _config_map_data(objs, "ec-s3-env")
+    assert env["EC_S3_BUCKET"] == "my-ec-cache" and env["EC_S3_ENDPOINT_URL"] == ""
+    images = {c["image"] for _, pod in pod_specs(objs) for c in _containers(pod)}
+    assert images == {"registry.example.com/ec-s3-vllm:0.1.0-vllm0.33.0"}
+    cli = _kustomize_cli()
+    if cli is not None:
+        proc = subprocess.run([*cli, str(fleet)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
