@@ -14,7 +14,14 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Body", "BufferChain", "ChainReader", "crc32_of"]
+__all__ = ["CHECKSUM_HEADERS", "Body", "BufferChain", "ChainReader", "crc32_of"]
+
+#: botocore's checksum fields and the headers that carry them on the wire.
+CHECKSUM_HEADERS = {
+    "ChecksumCRC32": "x-amz-checksum-crc32",
+    "ChecksumCRC32C": "x-amz-checksum-crc32c",
+    "ChecksumSHA256": "x-amz-checksum-sha256",
+}
 
 
 class BufferChain:

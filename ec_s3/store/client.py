@@ -14,8 +14,9 @@ process-wide cache of shared stores, and which path each request takes: with
 request with ``data_path: botocore``, or a checksum algorithm only botocore computes)
 through the aiobotocore client. Does not own building the client (:mod:`.connection`),
 sending the direct requests (:mod:`.wire`), the error types and their mapping
-(:mod:`.errors`), the circuit breaker (:mod:`.breaker`) or request bodies
-(:mod:`.body`); their names are re-exported here for importers of this module.
+(:mod:`.errors`), the circuit breaker (:mod:`.breaker`), request bodies
+(:mod:`.body`) or the steps of a multipart upload and its aborts (:mod:`.multipart`);
+their names are re-exported here for importers of this module.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import random
 import secrets
 import threading
 import time
-from urllib.parse import quote
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from ec_s3.blob.format import MAX_HEADER_BYTES
 from ec_s3.config import ECS3Config, Secret
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
+from ec_s3.store.body import CHECKSUM_HEADERS as _CHECKSUM_HEADERS
 from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.connection import open_client, resolve_endpoint
@@ -60,6 +61,8 @@ from ec_s3.store.errors import (
     TLSError,
     to_store_error,
 )
+from ec_s3.store.multipart import put_multipart
+from ec_s3.store.tasks import all_or_none as _all_or_none
 from ec_s3.store.wire import DirectWire, GetAnswer, fill_from_chunks
 
 __all__ = [
@@ -130,6 +133,7 @@ class StoreStats:
     integrity_failures: int = 0
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
+    abandoned_uploads: int = 0  # multipart uploads whose aborts kept failing (left to gc)
 
 
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
@@ -232,6 +236,13 @@ class S3Store:
                 self._tasks.discard(task)
             else:
                 task.add_done_callback(self._tasks.discard)
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` detached, on the loop (call it there), tracked so that
+        :meth:`close` drains it: work no caller waits for, such as an abort."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def warm_up(self, key: str | None = None) -> None:
         """Create the client now, and with ``key`` open a pooled connection by a HEAD of
@@ -365,7 +376,8 @@ class S3Store:
             # One HEAD is cheap next to uploading every part only to meet a 412.
             if await self.head_async(key) is not None:
                 return PutOutcome.ALREADY_EXISTS
-            outcome = await self._put_multipart(key, view, metadata or {})
+            created = await put_multipart(self, key, view, metadata or {})
+            outcome = PutOutcome.CREATED if created else PutOutcome.ALREADY_EXISTS
         else:
             outcome = await self._put_single(key, view, metadata or {}, crc)
         if outcome is PutOutcome.CREATED:
@@ -399,69 +411,6 @@ class S3Store:
             if exc.status == 412:
                 return PutOutcome.ALREADY_EXISTS
             raise
-
-    async def _put_multipart(self, key: str, view: BufferChain, metadata: dict[str, str]) -> PutOutcome:
-        part = self.config.multipart_part_bytes
-        extra = self._checksum_args()
-
-        async def _create(client: Any) -> str:
-            resp = await client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
-            )
-            return resp["UploadId"]
-
-        upload_id = await self._call("CreateMultipartUpload", key, _create)
-        try:
-            async def _part(number: int, start: int) -> dict[str, Any]:
-                chunk = view.slice(start, start + part)
-                direct = await self._direct_checksum(chunk, None)
-
-                async def _upload(client: Any) -> dict[str, Any]:
-                    if self._wire is not None and direct is not None:
-                        query = f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}"
-                        headers = await self._wire.put("UploadPart", key, chunk, dict(direct), query=query)
-                        done = {"PartNumber": number, "ETag": headers.get("ETag", "")}
-                        for field, header in _CHECKSUM_HEADERS.items():
-                            value = headers.get(header) or direct.get(header)
-                            if value:
-                                done[field] = value
-                        return done
-                    resp = await client.upload_part(
-                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-                        Body=ChainReader(chunk), ContentLength=len(chunk), **extra,
-                    )
-                    done = {"PartNumber": number, "ETag": resp["ETag"]}
-                    for field in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA256"):
-                        if resp.get(field):
-                            done[field] = resp[field]
-                    return done
-
-                return await self._call("UploadPart", key, _upload)
-
-            parts = await _all_or_none([_part(i + 1, start) for i, start in enumerate(range(0, len(view), part))])
-
-            async def _complete(client: Any) -> PutOutcome:
-                await client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id,
-                    MultipartUpload={"Parts": list(parts)}, IfNoneMatch="*",
-                )
-                return PutOutcome.CREATED
-
-            outcome = await self._conditional("CompleteMultipartUpload", key, _complete)
-        except BaseException:
-            await self._abort_multipart(key, upload_id)
-            raise
-        if outcome is PutOutcome.ALREADY_EXISTS:
-            await self._abort_multipart(key, upload_id)
-        return outcome
-
-    async def _abort_multipart(self, key: str, upload_id: str) -> None:
-        with contextlib.suppress(Exception):
-            client = await self._get_client()
-            await asyncio.wait_for(
-                client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id),
-                self.config.read_timeout_s,
-            )
 
     async def get_async(self, key: str, *, allocate: Allocator | None = None) -> memoryview:
         """Fetch a whole object into one writable buffer, without a HEAD.
@@ -622,9 +571,10 @@ class S3Store:
             logger.warning("ec-s3: closing the S3 client failed: %s", exc)
 
     async def _aclose(self, timeout: float) -> None:
-        pending = [t for t in self._tasks if not t.done()]
-        if pending:
-            done, still = await asyncio.wait(pending, timeout=timeout)
+        # Until none is left: work drained or cancelled here may spawn more (an abort).
+        deadline = time.monotonic() + timeout
+        while pending := [t for t in self._tasks if not t.done()]:
+            _, still = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
             for task in still:
                 task.cancel()
             if still:
@@ -668,20 +618,6 @@ def _closing(body: Any) -> Iterator[Any]:
         body.close()
 
 
-async def _all_or_none(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run ``coros`` concurrently; on the first failure (or cancellation) cancel the
-    others and wait for them, so none still writes into a caller's buffer, or uploads a
-    part of an aborted upload, after this returns."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 class _BotocoreAnswer(GetAnswer):
     """aiobotocore's ``get_object`` answer as the direct path gives one: the headers
     the store reads, and the body streamed into a buffer."""
@@ -706,11 +642,6 @@ def _content_range_total(value: str | None) -> int | None:
 
 
 _CRC_HEADER = f"x-amz-meta-{CRC_METADATA_KEY}"
-_CHECKSUM_HEADERS = {
-    "ChecksumCRC32": "x-amz-checksum-crc32",
-    "ChecksumCRC32C": "x-amz-checksum-crc32c",
-    "ChecksumSHA256": "x-amz-checksum-sha256",
-}
 
 
 async def _sha256_of(body: BufferChain) -> bytes:

@@ -9,8 +9,8 @@ keep-alive, ``Expect: 100-continue``) so that it can act on one request at a tim
 ``Host`` header is forwarded untouched: SigV4 signs it.
 
 Order of checks per request: down, stall, latency, reset, error, then forward (where
-the credentials rewrite acts on the request, and drop_response, then truncate and
-corrupt, act on the upstream's answer). Setting a fault replaces its previous setting;
+the credentials rewrite acts on the request, and drop_response, then an answer rewrite,
+truncate and corrupt, act on the upstream's answer). Setting a fault replaces its previous setting;
 ``clear()`` removes all, releasing stalled requests.
 """
 
@@ -84,6 +84,7 @@ class FaultCounters:
     dropped_responses: int = 0
     upstream_failures: int = 0
     auth_rewritten: int = 0
+    rewritten: int = 0
     held_now: int = 0
 
 
@@ -96,6 +97,9 @@ class _Rule:
     seconds: float = 0.0
     access_key_id: str = ""
     target_contains: str = ""  # only requests whose target (path and query) holds this
+    code: str = ""  # the S3 error code of an injected error ("" = the status's usual one)
+    answer_status: int = 0  # rewrite: the upstream status this rule replaces
+    answer: bytes = b""  # rewrite: the whole answer sent instead
 
     def matches(self, method: str, target: str = "") -> bool:
         return (self.methods is None or method in self.methods) and self.target_contains in target
@@ -291,9 +295,21 @@ class FaultProxy:
         rule = _Rule(_methods(methods), rate=rate, status=status) if rate > 0 else None
         self._set("error_rate", rule)
 
-    def error_next(self, n: int, status: int = 503, methods: Iterable[str] | None = None) -> None:
-        """Answer exactly the next ``n`` matching requests with an S3 error."""
-        self._set("error_next", _Rule(_methods(methods), remaining=n, status=status))
+    def error_next(self, n: int, status: int = 503, methods: Iterable[str] | None = None, *,
+                   target_contains: str = "", code: str = "") -> None:
+        """Answer exactly the next ``n`` matching requests with an S3 error (of ``code``
+        when given, e.g. NoSuchUpload; only requests whose target holds
+        ``target_contains``, e.g. ``uploadId=`` for a multipart Complete or Abort)."""
+        self._set("error_next", _Rule(_methods(methods), remaining=n, status=status,
+                                      target_contains=target_contains, code=code))
+
+    def rewrite_answer_next(self, n: int, status: int, answer: bytes, methods: Iterable[str] | None = None, *,
+                            target_contains: str = "") -> None:
+        """Forward the next ``n`` matching requests; where the server answers ``status``,
+        send ``answer`` (a whole HTTP response) instead: a server that ignores a
+        condition (a 412 becomes a 200) as the client sees it, with SigV4 intact."""
+        self._set("rewrite", _Rule(_methods(methods), remaining=n, answer_status=status, answer=answer,
+                                   target_contains=target_contains))
 
     def set_reset_rate(self, rate: float, methods: Iterable[str] | None = None) -> None:
         """Reset (TCP RST) the connection instead of answering this fraction of requests."""
@@ -421,12 +437,12 @@ class FaultProxy:
                     self._count("resets")
                     _abort(writer)
                     return
-                rule = self._take("error_next", request.method) or self._take(
+                rule = self._take("error_next", request.method, request.target) or self._take(
                     "error_rate", request.method
                 )
                 if rule is not None:
                     self._count("errors")
-                    writer.write(self._error_response(rule.status, request.method))
+                    writer.write(self._error_response(rule.status, request.method, rule.code))
                     await writer.drain()
                 else:
                     if not await self._forward(request, link, writer):
@@ -493,8 +509,9 @@ class FaultProxy:
             await asyncio.sleep(rule.seconds)
         return True
 
-    def _error_response(self, status: int, method: str) -> bytes:
-        code, message = _ERROR_CODES.get(status, ("InjectedFault", "Injected fault."))
+    def _error_response(self, status: int, method: str, code: str = "") -> bytes:
+        usual, message = _ERROR_CODES.get(status, ("InjectedFault", "Injected fault."))
+        code = code or usual
         request_id = f"FAULTPROXY{next(self._request_ids):08d}"
         body = (
             '<?xml version="1.0" encoding="UTF-8"?>\n'
@@ -559,6 +576,8 @@ class FaultProxy:
             None if no_body or chunked or "content-length" not in h else int(h["content-length"])
         )
         until_close = not no_body and not chunked and length is None
+        if not until_close and await self._rewrite(request, response.status, ureader, writer, chunked, length):
+            return True
         has_body = chunked or until_close or bool(length)
         truncate = has_body and self._take("truncate", request.method) is not None
         corrupt = has_body and self._take("corrupt", request.method, request.target) is not None
@@ -574,6 +593,26 @@ class FaultProxy:
         if until_close or h.get("connection", "").lower() == "close":
             link.drop()
         return not until_close
+
+    async def _rewrite(self, request: _Request, status: int, ureader: asyncio.StreamReader,
+                       writer: asyncio.StreamWriter, chunked: bool, length: int | None) -> bool:
+        """Send a rewrite rule's answer in place of the upstream's (read and dropped)."""
+        with self._lock:
+            rule = self._rules.get("rewrite")
+            if rule is None or not rule.matches(request.method, request.target) or rule.answer_status != status:
+                return False
+            if rule.remaining is not None:
+                if rule.remaining <= 0:
+                    return False
+                rule.remaining -= 1
+        if chunked:
+            await _read_chunked(ureader)
+        elif length:
+            await ureader.readexactly(length)
+        self._count("rewritten")
+        writer.write(rule.answer)
+        await writer.drain()
+        return True
 
     async def _read_response_head(
         self, ureader: asyncio.StreamReader, writer: asyncio.StreamWriter
