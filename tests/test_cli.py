@@ -106,7 +106,7 @@ def test_help_lists_every_subcommand(run_cli: Run) -> None:
         assert name in out
     rc, out, _ = run_cli("gc", "--help")
     assert rc == 0
-    for flag in ("--older-than", "--max-bytes", "--dry-run", "--lifecycle", "--config", "--set"):
+    for flag in ("--older-than", "--max-bytes", "--dry-run", "--lifecycle", "--uploads", "--config", "--set"):
         assert flag in out
     rc, out, _ = run_cli("check", "--help")
     assert rc == 0 and "--read-only" in out and "ec_transfer_config" in out
@@ -539,6 +539,7 @@ def test_gc_lifecycle_installs_a_rule(run_cli: Run, env: dict[str, str], make_st
     assert set(got) == {"someone-else", f"ec-s3-expire:{PREFIX}/"}
     mine = got[f"ec-s3-expire:{PREFIX}/"]
     assert mine["Expiration"]["Days"] == 7 and mine["Filter"]["Prefix"] == f"{PREFIX}/"
+    assert mine["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
     # Re-running replaces our rule (36h rounds up to 2 days) and keeps the other one.
     rc, out, err = run_cli("gc", "--lifecycle", "--older-than", "36h", "--json")
     assert rc == 0 and json.loads(out)["rule"]["Expiration"]["Days"] == 2 and "whole days" in err
@@ -553,6 +554,60 @@ def test_gc_lifecycle_unsupported_server(run_cli: Run, env: dict[str, str], faul
     assert rc == 1
     assert "NOT installed" in out and "does not support bucket lifecycle rules" in out
     assert "501 NotImplemented" in out and "gc --older-than" in out
+
+
+# --- incomplete multipart uploads ------------------------------------------------------
+def _start_upload(store: S3Store, key: str) -> str:
+    async def start() -> str:
+        client = await store._get_client()
+        resp = await client.create_multipart_upload(Bucket=store.bucket, Key=key)
+        await client.upload_part(Bucket=store.bucket, Key=key, UploadId=resp["UploadId"], PartNumber=1, Body=b"x" * 1000)
+        return str(resp["UploadId"])
+
+    return store.run(start(), timeout=30)
+
+
+def _open_uploads(store: S3Store) -> set[str]:
+    async def collect() -> set[str]:
+        client = await store._get_client()
+        resp = await client.list_multipart_uploads(Bucket=store.bucket)
+        return {u["UploadId"] for u in resp.get("Uploads") or []}
+
+    return store.run(collect(), timeout=30)
+
+
+def test_gc_uploads_reports_then_aborts_stale_uploads(run_cli: Run, env: dict[str, str],
+                                                      make_store: Callable[..., S3Store]) -> None:
+    """Incomplete uploads under the prefix: a dry run lists them and aborts nothing; the
+    real run aborts those older than --older-than (default 1d keeps fresh ones) and
+    leaves uploads outside the prefix alone."""
+    store = make_store()
+    mine = {_start_upload(store, f"{PREFIX}/llava-aaaa/{i}.safetensors") for i in range(2)}
+    other = _start_upload(store, "elsewhere/x")
+    rc, out, err = run_cli("gc", "--uploads")  # default 1d: these are seconds old
+    assert rc == 0, out + err
+    assert "found        2 incomplete upload(s)" in out and "aborted      0" in out
+    assert _open_uploads(store) == mine | {other}
+    rc, out, _ = run_cli("gc", "--uploads", "--older-than", "0s", "--dry-run")
+    assert rc == 0 and "would abort  2" in out and "dry run: nothing was aborted" in out
+    assert f"{PREFIX}/llava-aaaa/0.safetensors" in out
+    assert _open_uploads(store) == mine | {other}
+    rc, out, _ = run_cli("gc", "--uploads", "--older-than", "0s", "--json")
+    report = json.loads(out)
+    assert rc == 0 and report["ok"] and report["aborted"] == 2 and report["prefix"] == f"{PREFIX}/"
+    assert _open_uploads(store) == {other}
+
+
+def test_gc_uploads_flags_and_failures(run_cli: Run, env: dict[str, str], fault_proxy: FaultProxy,
+                                       make_store: Callable[..., S3Store]) -> None:
+    rc, _, err = run_cli("gc", "--uploads", "--max-bytes", "1G")
+    assert rc == 1 and "--uploads takes only --older-than" in err
+    store = make_store()
+    upload = _start_upload(store, f"{PREFIX}/ns/a")
+    fault_proxy.set_error_rate(1.0, status=403, methods=["DELETE"])
+    rc, out, _ = run_cli("gc", "--uploads", "--older-than", "0s", "--endpoint-url", fault_proxy.endpoint_url)
+    assert rc == 1 and "aborted      0" in out and "FAIL" in out
+    assert _open_uploads(store) == {upload}
 
 
 # ---------------------------------------------------------------------- inspect

@@ -3,6 +3,7 @@
 Owns the per-namespace summary (counts, bytes, age classes), the choice of what gc
 deletes (:func:`plan_gc`, pure) and the batched deletes, with their reports and
 printing. Does not own the lifecycle-rule variant of gc (:mod:`ec_s3.cli.lifecycle`),
+the gc of incomplete multipart uploads (:mod:`ec_s3.cli.uploads`),
 the listing walk (:mod:`ec_s3.cli.listing`) nor retries (the store's).
 
 Ages are since an object was written: S3 keeps no access time.
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ec_s3.blob.format import BLOB_NAME_RE
-from ec_s3.cli import lifecycle
+from ec_s3.cli import lifecycle, uploads
 from ec_s3.cli.common import (
     CONFIG_HELP,
     Outcome,
@@ -282,7 +283,11 @@ def run_gc_command(args: argparse.Namespace) -> int:
         max_bytes = parse_size(args.max_bytes) if args.max_bytes is not None else None
     except ValueError as exc:
         return fail(str(exc))
-    if args.lifecycle:
+    if args.uploads:
+        if args.lifecycle or max_bytes is not None:
+            return fail("--uploads takes only --older-than (default 1d) and --dry-run",
+                        "e.g. `ec-s3 gc --uploads --dry-run`; blobs and uploads are two gc runs")
+    elif args.lifecycle:
         if older is None or max_bytes is not None:
             return fail("--lifecycle needs --older-than (whole days) and no --max-bytes",
                         "e.g. `ec-s3 gc --lifecycle --older-than 7d`; size budgets need the listing gc")
@@ -290,6 +295,9 @@ def run_gc_command(args: argparse.Namespace) -> int:
         return fail("gc needs --older-than and/or --max-bytes",
                     "e.g. `ec-s3 gc --older-than 7d --dry-run` or `ec-s3 gc --max-bytes 500GiB`")
     with opened_store(args) as store:
+        if args.uploads:
+            with ProgressBar.for_args(args) as progress:
+                return uploads.run(args, store, older, progress)
         if args.lifecycle:
             assert older is not None
             return lifecycle.run(args, store, older)
@@ -346,14 +354,19 @@ def register(sub: Any) -> None:
                     "(DeleteObjects); --dry-run only reports. A blob deleted while a consumer fetches it "
                     "is just a miss (the item is encoded again). With --lifecycle, install an S3 "
                     "lifecycle rule instead (expire objects under the prefix --older-than whole days "
-                    "after they are written), so the server does the gc; servers without lifecycle "
-                    "support are reported.",
+                    "after they are written, and abort incomplete multipart uploads a day after they "
+                    "start), so the server does the gc; servers without lifecycle support are reported. "
+                    "With --uploads, report and abort incomplete multipart uploads under the prefix "
+                    "started longer ago than --older-than (default 1d) instead; --dry-run only reports.",
         epilog=CONFIG_HELP + "\nsizes: 500MiB, 10GB (1000^3), 2G (=2GiB), or bytes; "
                              "durations: 30m, 12h, 7d, 1d12h, 2w, or seconds\n",
         namespace_help="only this namespace",
     )
-    p.add_argument("--older-than", metavar="DURATION", help="delete blobs at least this old (e.g. 7d, 12h, 30m; 0s = all)")
+    p.add_argument("--older-than", metavar="DURATION",
+                   help="delete blobs (with --uploads: abort uploads) at least this old (e.g. 7d, 12h, 30m; 0s = all)")
     p.add_argument("--max-bytes", metavar="SIZE", help="then delete the oldest until the rest fits this budget (e.g. 500GiB)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
+    p.add_argument("--uploads", action="store_true",
+                   help="abort incomplete multipart uploads started longer ago than --older-than (default 1d)")
     p.add_argument("--lifecycle", action="store_true",
                    help="install an S3 lifecycle expiration rule (--older-than, whole days) instead of deleting")

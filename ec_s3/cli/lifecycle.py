@@ -1,4 +1,5 @@
-"""``ec-s3 gc --lifecycle``: let the S3 server expire old blobs by a bucket lifecycle rule.
+"""``ec-s3 gc --lifecycle``: let the S3 server expire old blobs, and abort stale incomplete
+multipart uploads, by a bucket lifecycle rule.
 
 Owns the rule ec-s3 installs (one per prefix, found again by its ID so a re-run
 replaces it and keeps every other rule), telling "this server has no lifecycle
@@ -24,7 +25,7 @@ from ec_s3.store.client import S3Store
 from ec_s3.store.errors import to_store_error
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
-__all__ = ["LifecycleReport", "install_lifecycle", "install_lifecycle_async", "lifecycle_rule", "run"]
+__all__ = ["ABORT_UPLOADS_AFTER_DAYS", "LifecycleReport", "install_lifecycle", "install_lifecycle_async", "lifecycle_rule", "run"]
 
 
 @dataclasses.dataclass
@@ -43,6 +44,9 @@ class LifecycleReport:
         return dataclasses.asdict(self)
 
 
+#: ec-s3's own uploads finish in seconds: one a day old is abandoned.
+ABORT_UPLOADS_AFTER_DAYS = 1
+
 _UNSUPPORTED_CODES = frozenset({"NotImplemented", "MethodNotAllowed", "UnsupportedOperation",
                                 "XNotImplemented", "NotSupported"})
 
@@ -54,6 +58,9 @@ def lifecycle_rule(prefix: str, days: int, *, namespace: str | None = None) -> d
         "Filter": {"Prefix": where},
         "Status": "Enabled",
         "Expiration": {"Days": int(days)},
+        # Parts of uploads never completed nor aborted (a killed producer, an abort that
+        # kept failing) are invisible to listings and expirations: abort them too.
+        "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": ABORT_UPLOADS_AFTER_DAYS},
     }
 
 
@@ -156,7 +163,8 @@ def run(args: argparse.Namespace, store: S3Store, older_s: float) -> int:
         json_out(report.to_dict())
         return EXIT_OK if report.ok else EXIT_FAIL
     rule = report.rule
-    desc = f"expire objects under s3://{store.bucket}/{rule['Filter']['Prefix']} {days} day(s) after they are written"
+    desc = (f"expire objects under s3://{store.bucket}/{rule['Filter']['Prefix']} {days} day(s) after they are "
+            f"written, abort incomplete uploads {ABORT_UPLOADS_AFTER_DAYS} day(s) after they start")
     if not report.ok:
         assert report.diagnosis is not None
         out(f"lifecycle rule NOT installed ({desc})")
