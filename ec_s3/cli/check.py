@@ -3,7 +3,8 @@
 Owns the probe sequence (LIST the prefix, HEAD a missing key, then PUT/HEAD/GET/DELETE
 a probe object; reads only with ``--read-only``), its report and its printing. Does not
 own the wording of a failure (:mod:`ec_s3.store.diagnose`, shared with the connector's
-start-up checks), nor retries (the store's).
+start-up checks), retries (the store's), nor the endpoint's capability table that
+follows a passing check (:mod:`ec_s3.cli.capabilities`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
+from ec_s3.cli.capabilities import Capability, endpoint_facts, print_table, probe_capabilities, static_rows
 from ec_s3.cli.common import add_command, config_from_args
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fmt_ms, json_out, out, print_diagnosis, where
 from ec_s3.cli.listing import list_page
@@ -58,6 +60,7 @@ class CheckReport:
     diagnosis: Diagnosis | None = None
     warnings: list[str] = dataclasses.field(default_factory=list)
     probe_key: str = ""
+    capabilities: list[Capability] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -77,7 +80,24 @@ async def _timed(aw: Awaitable[T]) -> tuple[T, float]:
 
 
 async def check_access_async(store: S3Store, *, read_only: bool = False, probe_bytes: int = 4096,
-                             environ: Mapping[str, str] | None = None) -> CheckReport:
+                             environ: Mapping[str, str] | None = None, capabilities: bool = True) -> CheckReport:
+    """The access steps; once they pass, the endpoint's capabilities (probed unless
+    ``capabilities`` is False; TLS and region always)."""
+    existing: list[str] = []
+    report = await _check_steps(store, read_only, probe_bytes, environ, existing)
+    facts = endpoint_facts(store.config)
+    report.region, report.region_source, report.ca, report.ca_source = (
+        facts.region, facts.region_source, facts.ca, facts.ca_source)
+    if report.ok and capabilities:
+        report.capabilities = await probe_capabilities(store, read_only=read_only, facts=facts,
+                                                       existing_key=existing[0] if existing else None)
+    else:
+        report.capabilities = static_rows(store.config, facts)
+    return report
+
+
+async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, environ: Mapping[str, str] | None,
+                       existing: list[str]) -> CheckReport:
     config = store.config
     root = f"{config.prefix}/"
     probe = f"{root}{PROBE_NAMESPACE}/check-{int(time.time())}-{secrets.token_hex(6)}.bin"
@@ -101,6 +121,7 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
         page, ms = await _timed(list_page(store, root, max_keys=1))
         contents = page.get("Contents") or []
         first = contents[0] if contents else None
+        existing.extend([str(first["Key"])] if first else [])
         report.steps.append(CheckStep("list", True, ms, f"ListObjectsV2 s3://{config.bucket}/{root} answers"
                                       + (" (prefix has objects)" if first else " (prefix is empty)")))
     except AccessDenied as exc:
@@ -247,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         out(f"  {status}  {step.name:<11} {fmt_ms(step.latency_ms)}  {step.detail}")
     for note in report.warnings:
         out(f"warning: {note}")
+    if report.capabilities:
+        print_table(report.capabilities)
     if report.ok:
         what = "read access (HEAD/GET, misses answer 404)" if args.read_only else "read/write access"
         out(f"PASS: {what} to s3://{config.bucket}/{config.prefix}/ works")
@@ -263,9 +286,13 @@ def register(sub: Any) -> None:
                     "step's latency: LIST the prefix, HEAD a missing key (must answer 404: that is a miss), "
                     "then PUT, HEAD, GET and DELETE a probe object under <prefix>/_ec_s3_probe/. "
                     "With --read-only only reads are tried (LIST, HEAD and GET of a missing key), so a "
-                    "consumer's read-only credentials pass. Exit status 0 on PASS, 1 on FAIL with the "
-                    "cause (wrong credentials, missing bucket, unreachable endpoint, missing permission) "
-                    "and the fix.",
+                    "consumer's read-only credentials pass. Then a table of the endpoint's capabilities "
+                    "(ranged GET, If-None-Match: * on PUT and on CompleteMultipartUpload, multipart, "
+                    "checksum headers verified, TLS and its CA, region, clock skew) and what ec-s3 does "
+                    "about each one that is missing; its probes delete their objects and abort their "
+                    "uploads, and --read-only skips the writing ones. Exit status 0 on PASS, 1 on FAIL "
+                    "with the cause (wrong credentials, missing bucket, unreachable endpoint, missing "
+                    "permission) and the fix; a missing capability alone does not fail the check.",
         namespace_help="namespace override (checked like any config key)",
     )
     p.add_argument("--read-only", action="store_true",

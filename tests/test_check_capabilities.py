@@ -1,0 +1,128 @@
+"""``ec-s3 check``'s capability table against SeaweedFS, and through a proxy that makes
+the server look as if it ignored ``If-None-Match: *`` or a wrong checksum (the answers
+are rewritten on the way back, so SigV4 stays intact and the real server keeps the
+state honest). Every run must leave no probe object and no probe upload behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from ec_s3.cli import main as cli
+from ec_s3.cli.check import CheckReport, check_access
+from ec_s3.config import ECS3Config
+from ec_s3.store.client import S3Store
+from support.faultproxy import FaultProxy
+
+PREFIX = "ec-cache"
+# What a gateway that drops the condition answers: a 200 (with a body Complete's parser takes).
+_OK_BODY = b'<?xml version="1.0" encoding="UTF-8"?>\n<CompleteMultipartUploadResult><ETag>"0"</ETag></CompleteMultipartUploadResult>'
+_OK_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n%s" % (len(_OK_BODY), _OK_BODY)
+
+
+def _rows(report: CheckReport) -> dict[str, tuple[str, str, str]]:
+    return {c.name: (c.status, c.detail, c.action) for c in report.capabilities}
+
+
+def _leftovers(store: S3Store) -> tuple[list[str], list[str]]:
+    """(object keys, upload keys) anywhere in the bucket."""
+
+    async def collect() -> tuple[list[str], list[str]]:
+        client = await store._get_client()
+        objects = await client.list_objects_v2(Bucket=store.bucket)
+        uploads = await client.list_multipart_uploads(Bucket=store.bucket)
+        return ([o["Key"] for o in objects.get("Contents") or []],
+                [u["Key"] for u in uploads.get("Uploads") or []])
+
+    return store.run(collect(), timeout=30)
+
+
+def _check(config: ECS3Config, **kwargs: Any) -> CheckReport:
+    report = check_access(config, timeout=120, environ={}, **kwargs)
+    assert report.ok, report
+    return report
+
+
+def test_capabilities_of_seaweedfs(make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]) -> None:
+    """SeaweedFS honours every probed capability; plain http is reported with what it means."""
+    rows = _rows(_check(make_config()))
+    for name in ("ranged GET", "conditional PUT", "conditional Complete", "multipart upload", "checksum headers",
+                 "clock skew"):
+        assert rows[name][0] == "ok", (name, rows[name])
+    assert rows["TLS"][0] == "missing" and "in clear" in rows["TLS"][2]
+    assert rows["region"] == ("info", "us-east-1 (config key `region`)", "")
+    assert _leftovers(make_store()) == ([], [])
+
+
+def test_ignored_conditions_are_reported_with_what_ec_s3_does(make_config: Callable[..., ECS3Config],
+                                                              make_store: Callable[..., S3Store],
+                                                              fault_proxy: FaultProxy) -> None:
+    """The second conditional PUT and the second conditional Complete answer 200 (as on
+    moto or Ceph RGW 16.2 for Complete): both rows say "missing" and what ec-s3 does; the
+    upload the server still holds is aborted by the cleanup."""
+    fault_proxy.rewrite_answer_next(2, 412, _OK_ANSWER)
+    rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
+    assert fault_proxy.counters.rewritten == 2
+    for name in ("conditional PUT", "conditional Complete"):
+        status, detail, action = rows[name]
+        assert status == "missing" and "ignored" in detail and "same bytes" in action, rows[name]
+    assert "If-Match" in rows["conditional PUT"][2]
+    assert rows["multipart upload"][0] == "ok" and rows["ranged GET"][0] == "ok"
+    assert _leftovers(make_store()) == ([], [])
+
+
+def test_unverified_checksum_is_reported(make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store],
+                                         fault_proxy: FaultProxy) -> None:
+    """A wrong x-amz-checksum-crc32 "accepted" (RGW 16.2 stores it): reported, and the
+    object the server would have kept is deleted."""
+    fault_proxy.rewrite_answer_next(1, 400, _OK_ANSWER, ["PUT"], target_contains="-crc")
+    rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
+    status, detail, action = rows["checksum headers"]
+    assert status == "missing" and "accepted" in detail and "ec-s3-crc32" in action
+    assert _leftovers(make_store()) == ([], [])
+
+
+def test_probes_clean_up_when_a_probe_fails(make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store],
+                                           fault_proxy: FaultProxy) -> None:
+    """UploadPart refused: the multipart rows say so, and the open upload is aborted."""
+    fault_proxy.error_next(5, 500, ["PUT"], target_contains="partNumber=")
+    rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
+    assert rows["multipart upload"][0] == "missing" and "500" in rows["multipart upload"][1]
+    assert rows["conditional Complete"][0] == "skipped"
+    assert rows["conditional PUT"][0] == "ok"
+    assert _leftovers(make_store()) == ([], [])
+
+
+def test_read_only_skips_the_writing_probes(make_config: Callable[..., ECS3Config],
+                                           make_store: Callable[..., S3Store]) -> None:
+    store = make_store()
+    body = os.urandom(100)
+    store.run(store.put_async(f"{PREFIX}/ns/blob", body), timeout=30)
+    seen_before = _leftovers(store)
+    rows = _rows(_check(make_config(), read_only=True))
+    assert rows["ranged GET"][0] == "ok"
+    for name in ("conditional PUT", "conditional Complete", "multipart upload", "checksum headers"):
+        assert rows[name][0] == "skipped" and "--read-only" in rows[name][1]
+    assert _leftovers(store) == seen_before
+
+
+def test_check_prints_the_table_and_json(make_config: Callable[..., ECS3Config], s3_endpoint: Any, bucket: str,
+                                         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_endpoint.credentials.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_endpoint.credentials.secret_access_key)
+    base = ["--bucket", bucket, "--endpoint-url", s3_endpoint.url]
+    assert cli.main(["check", *base]) == 0
+    out = capsys.readouterr().out
+    assert "endpoint capabilities:" in out and "conditional Complete  ok" in out
+    assert "ec-s3 without TLS:" in out
+    assert cli.main(["check", "--json", *base]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {c["name"] for c in report["capabilities"]} >= {"ranged GET", "clock skew", "TLS", "region"}
+    assert report["region_source"] and report["ca_source"] == "plain http: no TLS"
+    assert cli.main(["check", "--read-only", *base]) == 0
+    assert "skipped  --read-only: writing probes skipped" in capsys.readouterr().out
