@@ -80,15 +80,15 @@ async def _timed(aw: Awaitable[T]) -> tuple[T, float]:
 
 
 async def check_access_async(store: S3Store, *, read_only: bool = False, probe_bytes: int = 4096,
-                             environ: Mapping[str, str] | None = None, capabilities: bool = True) -> CheckReport:
-    """The access steps; once they pass, the endpoint's capabilities (probed unless
-    ``capabilities`` is False; TLS and region always)."""
+                             environ: Mapping[str, str] | None = None) -> CheckReport:
+    """The access steps; once they pass, the endpoint's capabilities are probed (the
+    TLS and region rows come either way)."""
     existing: list[str] = []
     report = await _check_steps(store, read_only, probe_bytes, environ, existing)
     facts = endpoint_facts(store.config)
     report.region, report.region_source, report.ca, report.ca_source = (
         facts.region, facts.region_source, facts.ca, facts.ca_source)
-    if report.ok and capabilities:
+    if report.ok:
         report.capabilities = await probe_capabilities(store, read_only=read_only, facts=facts,
                                                        existing_key=existing[0] if existing else None)
     else:
@@ -121,7 +121,8 @@ async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, enviro
         page, ms = await _timed(list_page(store, root, max_keys=1))
         contents = page.get("Contents") or []
         first = contents[0] if contents else None
-        existing.extend([str(first["Key"])] if first else [])
+        if first and int(first.get("Size") or 0) >= 5:  # the capability probe reads bytes 1-4
+            existing.append(str(first["Key"]))
         report.steps.append(CheckStep("list", True, ms, f"ListObjectsV2 s3://{config.bucket}/{root} answers"
                                       + (" (prefix has objects)" if first else " (prefix is empty)")))
     except AccessDenied as exc:
