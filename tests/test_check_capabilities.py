@@ -7,6 +7,7 @@ state honest). Every run must leave no probe object and no probe upload behind.
 from __future__ import annotations
 
 import contextlib
+import email.utils
 import json
 import os
 import socket
@@ -90,6 +91,24 @@ def test_unverified_checksum_is_reported(make_config: Callable[..., ECS3Config],
     rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
     status, detail, action = rows["checksum headers"]
     assert status == "missing" and "accepted" in detail and "ec-s3-crc32" in action
+    assert _leftovers(make_store()) == ([], [])
+
+
+def test_ignored_range_and_clock_skew_are_reported(make_config: Callable[..., ECS3Config],
+                                                   make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """A 200 to the ranged GET (rclone serve s3 answers so) and a server Date an hour
+    ahead: both rows say what they mean for ec-s3."""
+    whole = b"HTTP/1.1 200 OK\r\nContent-Length: 64\r\n\r\n" + bytes(64)
+    fault_proxy.rewrite_answer_next(1, 206, whole, ["GET"], target_contains="cap-")
+    rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
+    status, detail, action = rows["ranged GET"]
+    assert status == "missing" and "Range ignored" in detail and "whole object" in action
+    ahead = email.utils.formatdate(time.time() + 3600, usegmt=True)
+    fault_proxy.rewrite_answer_next(1, 404, f"HTTP/1.1 404 Not Found\r\nDate: {ahead}\r\n"
+                                    "Content-Length: 0\r\n\r\n".encode(), ["HEAD"], target_contains="cap-")
+    rows = _rows(_check(make_config(fault_proxy.endpoint_url)))
+    status, detail, action = rows["clock skew"]
+    assert status == "missing" and detail.startswith("+3") and "RequestTimeTooSkewed" in action
     assert _leftovers(make_store()) == ([], [])
 
 

@@ -99,6 +99,19 @@ def test_no_such_upload_with_the_object_absent_restarts_once(make_store: Callabl
     assert bytes(store.run(store.get_async("k"), timeout=30)) == data
 
 
+def test_a_lost_answer_to_complete_is_not_a_failure(make_store: Callable[..., S3Store],
+                                                    fault_proxy: FaultProxy) -> None:
+    """Complete succeeded but its answer was lost: the retry meets the upload gone (or
+    completed); the object is there, so the blob counts as stored, not failed."""
+    store = _store(make_store, fault_proxy)
+    data = os.urandom(6 * MiB)
+    fault_proxy.drop_response_next(1, ["POST"], target_contains="uploadId=")
+    assert store.run(store.put_async("k", data), timeout=60) in (PutOutcome.CREATED, PutOutcome.ALREADY_EXISTS)
+    assert fault_proxy.counters.dropped_responses == 1 and _creates(fault_proxy) == 1
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+    _wait_for(lambda: _uploads(store) == [])
+
+
 def test_conflicts_twice_give_up_as_transient(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
     """Restarted once only: a second conflict is a transient failure (the spool retries
     later), and neither upload is left behind."""

@@ -327,13 +327,13 @@ class FaultProxy:
         (of requests whose target holds ``target_contains``: one object's key)."""
         self._set("corrupt", _Rule(_methods(methods), remaining=n, target_contains=target_contains))
 
-    def drop_response_next(self, n: int, methods: Iterable[str] | None = None) -> None:
+    def drop_response_next(self, n: int, methods: Iterable[str] | None = None, *, target_contains: str = "") -> None:
         """Forward the next ``n`` requests, then reset instead of relaying the answer.
 
         The server has acted (a PUT landed) but the client never learns it: the case
         where a retried conditional PUT meets its own first attempt.
         """
-        self._set("drop_response", _Rule(_methods(methods), remaining=n))
+        self._set("drop_response", _Rule(_methods(methods), remaining=n, target_contains=target_contains))
 
     def set_wrong_credentials(self, access_key_id: str | None, methods: Iterable[str] | None = None) -> None:
         """Rewrite the access key id of matching requests' SigV4 ``Authorization`` header
@@ -564,7 +564,7 @@ class FaultProxy:
         assert response is not None and link.conn is not None
         self._count("forwarded")
         ureader = link.conn[0]
-        if self._take("drop_response", request.method) is not None:
+        if self._take("drop_response", request.method, request.target) is not None:
             self._count("dropped_responses")
             _abort(writer)
             raise _Close  # the caller drops the upstream link, its answer unread
