@@ -148,7 +148,7 @@ def test_check_prints_the_table_and_json(make_config: Callable[..., ECS3Config],
     assert cli.main(["check", "--json", *base]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {c["name"] for c in report["capabilities"]} >= {"ranged GET", "clock skew", "TLS", "region"}
-    assert report["region_source"] and report["ca_source"] == "plain http: no TLS"
+    assert report["region_source"] and report["tls_ca_source"] == "plain http: no TLS"
     assert cli.main(["check", "--read-only", *base]) == 0
     assert "skipped  --read-only: writing probes skipped" in capsys.readouterr().out
 

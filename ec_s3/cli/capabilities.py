@@ -58,7 +58,7 @@ class Capability:
 class EndpointFacts:
     region: str
     region_source: str
-    ca: str  # the CA bundle trusted ("" over plain http)
+    ca_file: str | None  # the CA bundle TLS is verified with (None: not verified / no TLS)
     ca_source: str
 
 
@@ -71,9 +71,9 @@ def endpoint_facts(config: ECS3Config) -> EndpointFacts:
     """
     https = (config.endpoint_url or "https://").lower().startswith("https://")
     if not https:
-        ca, ca_source = "", "plain http: no TLS"
+        ca, ca_source = None, "plain http: no TLS"
     elif not config.verify_tls:
-        ca, ca_source = "", "verify_tls: false (certificates not checked)"
+        ca, ca_source = None, "verify_tls: false (certificates not checked)"
     else:
         from botocore.httpsession import get_cert_path
 
@@ -127,7 +127,7 @@ def static_rows(config: ECS3Config, facts: EndpointFacts) -> list[Capability]:
         tls = Capability("TLS", MISSING, f"https, {facts.ca_source}",
                          "anyone on the path can impersonate the server; trust its CA instead")
     else:
-        tls = Capability("TLS", OK, f"https, CA {facts.ca} ({facts.ca_source})")
+        tls = Capability("TLS", OK, f"https, CA {facts.ca_file} ({facts.ca_source})")
     return [tls, Capability("region", INFO, f"{facts.region} ({facts.region_source})")]
 
 

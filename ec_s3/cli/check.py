@@ -86,8 +86,8 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
     existing: list[str] = []
     report = await _check_steps(store, read_only, probe_bytes, environ, existing)
     facts = endpoint_facts(store.config)
-    report.region, report.region_source, report.ca, report.ca_source = (
-        facts.region, facts.region_source, facts.ca, facts.ca_source)
+    report.region, report.region_source, report.tls_ca, report.tls_ca_source = (
+        facts.region, facts.region_source, facts.ca_file, facts.ca_source)
     if report.ok:
         report.capabilities = await probe_capabilities(store, read_only=read_only, facts=facts,
                                                        existing_key=existing[0] if existing else None)
