@@ -62,8 +62,21 @@ def test_capabilities_of_seaweedfs(make_config: Callable[..., ECS3Config], make_
                  "clock skew"):
         assert rows[name][0] == "ok", (name, rows[name])
     assert rows["TLS"][0] == "missing" and "in clear" in rows["TLS"][2]
-    assert rows["region"] == ("info", "us-east-1 (config key `region`)", "")
+    assert rows["region"][0] == "info" and rows["region"][1].startswith("us-east-1 (from ")
     assert _leftovers(make_store()) == ([], [])
+
+
+def test_tls_row_names_the_ca_and_the_region_its_source(make_config: Callable[..., ECS3Config], https_endpoint: Any,
+                                                         clean_aws_env: pytest.MonkeyPatch) -> None:
+    """Over real TLS with a private CA trusted through AWS_CA_BUNDLE, and the region
+    from AWS_REGION: the rows say which CA and which region, and where each came from."""
+    clean_aws_env.setenv("AWS_CA_BUNDLE", str(https_endpoint.ca_path))
+    clean_aws_env.setenv("AWS_REGION", "eu-west-3")
+    rows = _rows(_check(make_config(https_endpoint.url)))
+    assert rows["TLS"] == ("ok", f"https, verified with {https_endpoint.ca_path} (from AWS_CA_BUNDLE)", "")
+    assert rows["region"] == ("info", "eu-west-3 (from AWS_REGION)", "")
+    rows = _rows(check_access(make_config(https_endpoint.url, verify_tls=False), timeout=120, environ={}))
+    assert rows["TLS"][0] == "missing" and "impersonate" in rows["TLS"][2]
 
 
 def test_ignored_conditions_are_reported_with_what_ec_s3_does(make_config: Callable[..., ECS3Config],
@@ -148,7 +161,8 @@ def test_check_prints_the_table_and_json(make_config: Callable[..., ECS3Config],
     assert cli.main(["check", "--json", *base]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {c["name"] for c in report["capabilities"]} >= {"ranged GET", "clock skew", "TLS", "region"}
-    assert report["region_source"] and report["tls_ca_source"] == "plain http: no TLS"
+    tls = next(c for c in report["capabilities"] if c["name"] == "TLS")
+    assert report["region_source"] and tls["status"] == "missing" and tls["detail"].startswith("plain http")
     assert cli.main(["check", "--read-only", *base]) == 0
     assert "skipped  --read-only: writing probes skipped" in capsys.readouterr().out
 

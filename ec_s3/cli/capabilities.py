@@ -15,8 +15,8 @@ blob replaced between ranges is never read as a blend. What a missing capability
 is said per row (``action``).
 
 Does not own the access check around it (:mod:`ec_s3.cli.check`) nor how the client
-resolves the region and the CA (:mod:`ec_s3.store.connection`; see
-:func:`endpoint_facts`).
+resolves the region and the CA (:func:`ec_s3.store.connection.resolve_endpoint`, whose
+answer the TLS and region rows show).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.console import out
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
+from ec_s3.store.connection import EndpointSettings
 from ec_s3.store.errors import to_store_error
 
-__all__ = ["Capability", "EndpointFacts", "endpoint_facts", "print_table", "probe_capabilities", "static_rows"]
+__all__ = ["Capability", "print_table", "probe_capabilities", "static_rows"]
 
 OK, MISSING, UNKNOWN, SKIPPED, INFO = "ok", "missing", "unknown", "skipped", "info"
 _SKEW_WARN_S = 300.0  # SigV4 refuses requests beyond 15 min: warn well before
@@ -52,33 +53,6 @@ class Capability:
     status: str  # ok | missing | unknown | skipped | info
     detail: str  # what the endpoint did
     action: str = ""  # what ec-s3 does about it (where not ok)
-
-
-@dataclasses.dataclass(frozen=True)
-class EndpointFacts:
-    region: str
-    region_source: str
-    ca_file: str | None  # the CA bundle TLS is verified with (None: not verified / no TLS)
-    ca_source: str
-
-
-def endpoint_facts(config: ECS3Config) -> EndpointFacts:
-    """The region and the CA the client uses, and where each came from.
-
-    The one place to plug :mod:`ec_s3.store.connection`'s own report in once it gives
-    one (region from the AWS chain, CA from ``ca_bundle`` / ``AWS_CA_BUNDLE``): today
-    the client is given ``region`` and ``verify_tls`` as configured.
-    """
-    https = (config.endpoint_url or "https://").lower().startswith("https://")
-    if not https:
-        ca, ca_source = None, "plain http: no TLS"
-    elif not config.verify_tls:
-        ca, ca_source = None, "verify_tls: false (certificates not checked)"
-    else:
-        from botocore.httpsession import get_cert_path
-
-        ca, ca_source = str(get_cert_path(True)), "botocore's default bundle (certifi)"
-    return EndpointFacts(config.region, "config key `region`", ca, ca_source)
 
 
 # ---------------------------------------------------------------------- answers
@@ -117,18 +91,18 @@ def _skew_row(answer: _Answer | None, received: float) -> Capability:
                       "15 min; sync this host's clock (NTP) before the connector starts")
 
 
-def static_rows(config: ECS3Config, facts: EndpointFacts) -> list[Capability]:
-    https = (config.endpoint_url or "https://").lower().startswith("https://")
-    if not https:
-        tls = Capability("TLS", MISSING, f"plain http ({config.endpoint_url})",
-                         "requests and blobs travel in clear (signatures do not reveal the keys); "
-                         "use https off loopback or a private network")
-    elif not config.verify_tls:
-        tls = Capability("TLS", MISSING, f"https, {facts.ca_source}",
-                         "anyone on the path can impersonate the server; trust its CA instead")
-    else:
-        tls = Capability("TLS", OK, f"https, CA {facts.ca_file} ({facts.ca_source})")
-    return [tls, Capability("region", INFO, f"{facts.region} ({facts.region_source})")]
+def static_rows(config: ECS3Config, settings: EndpointSettings) -> list[Capability]:
+    """TLS and region, as the store resolves them (:func:`ec_s3.store.connection.resolve_endpoint`)."""
+    region = Capability("region", INFO, f"{settings.region} (from {settings.region_source})")
+    if (config.endpoint_url or "https://").lower().startswith("http://"):
+        return [Capability("TLS", MISSING, f"plain http ({config.endpoint_url})",
+                           "requests and blobs travel in clear (signatures do not reveal the keys); "
+                           "use https off loopback or a private network"), region]
+    if not settings.trust.verify:
+        return [Capability("TLS", MISSING, "https, certificate not verified (verify_tls: false)",
+                           "anyone on the path can impersonate the server; trust its CA instead "
+                           "(ca_bundle or AWS_CA_BUNDLE)"), region]
+    return [Capability("TLS", OK, f"https, verified with {settings.ca_file} (from {settings.ca_source})"), region]
 
 
 # ---------------------------------------------------------------------- the probes
@@ -281,7 +255,7 @@ _ORDER = ("ranged GET", "conditional PUT", "conditional Complete", "multipart up
 _WRITING = ("conditional PUT", "conditional Complete", "multipart upload", "checksum headers")
 
 
-async def probe_capabilities(store: S3Store, *, read_only: bool, facts: EndpointFacts,
+async def probe_capabilities(store: S3Store, *, read_only: bool, settings: EndpointSettings,
                              existing_key: str | None = None) -> list[Capability]:
     """Every capability row, probed where it takes a request; ``existing_key`` is an
     object a read-only run may read a range of."""
@@ -308,7 +282,7 @@ async def probe_capabilities(store: S3Store, *, read_only: bool, facts: Endpoint
             rows.setdefault(name, Capability(name, UNKNOWN, f"probe stopped: {reason}"))
     finally:
         await p.cleanup()
-    rows.update((row.name, row) for row in static_rows(store.config, facts))
+    rows.update((row.name, row) for row in static_rows(store.config, settings))
     return [rows[name] for name in _ORDER if name in rows]
 
 

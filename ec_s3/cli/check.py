@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
-from ec_s3.cli.capabilities import Capability, endpoint_facts, print_table, probe_capabilities, static_rows
+from ec_s3.cli.capabilities import Capability, print_table, probe_capabilities, static_rows
 from ec_s3.cli.common import add_command, config_from_args
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fmt_ms, json_out, out, print_diagnosis, where
 from ec_s3.cli.listing import list_page
@@ -85,14 +85,12 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
     TLS and region rows come either way)."""
     existing: list[str] = []
     report = await _check_steps(store, read_only, probe_bytes, environ, existing)
-    facts = endpoint_facts(store.config)
-    report.region, report.region_source, report.tls_ca, report.tls_ca_source = (
-        facts.region, facts.region_source, facts.ca_file, facts.ca_source)
+    settings = resolve_endpoint(store.config)  # as the report's region and CA fields
     if report.ok:
-        report.capabilities = await probe_capabilities(store, read_only=read_only, facts=facts,
+        report.capabilities = await probe_capabilities(store, read_only=read_only, settings=settings,
                                                        existing_key=existing[0] if existing else None)
     else:
-        report.capabilities = static_rows(store.config, facts)
+        report.capabilities = static_rows(store.config, settings)
     return report
 
 
