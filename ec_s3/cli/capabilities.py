@@ -27,7 +27,7 @@ import email.utils
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import urlsplit
 
