@@ -12,6 +12,9 @@ and the CA to trust, each with where it came from. botocore would resolve both i
 only when neither is passed to it, and the direct data path could not know what it
 chose; so they are resolved here, once, in botocore's order, and passed explicitly to
 the client and to the direct path alike (``ec-s3 check`` shows them).
+
+And why a client is quick to build: the clients of a process share one botocore data
+loader, and a plain-HTTP endpoint loads no CA bundle.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from typing import Any
+from urllib.parse import urlsplit
 
 import aioboto3
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.httpsession import AIOHTTPSession
+from aiobotocore.session import AioSession
 from botocore.httpsession import get_cert_path
 from botocore.session import Session as BotocoreSession
+from botocore.utils import get_environ_proxies
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.tls import DEFAULT_CA_SOURCE, Trust, botocore_verify, check_ca_file
@@ -35,6 +42,9 @@ __all__ = ["EndpointSettings", "open_client", "resolve_endpoint"]
 
 # What botocore itself falls back to for S3 when no region is found anywhere.
 DEFAULT_REGION = "us-east-1"
+
+_LOADER_LOCK = threading.Lock()
+_loader: Any = None  # botocore's data loader, shared by every client of the process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +149,36 @@ class BoundedPoolSession(AIOHTTPSession):
             self._timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read, connect=connect + read)
 
 
+def _botocore_session() -> AioSession:
+    """A fresh botocore session (credentials and config stay per client) reading
+    botocore's data through the process's one loader.
+
+    A session of its own re-reads and re-parses the S3 service model, its endpoint
+    rules and the partitions: JSON that is most of the time a client takes to build,
+    paid again by each store of a process (the start-up check's, the connector's, a
+    CLI's). The loader caches that read-only data; botocore itself shares one loader
+    between the clients of a session, and it holds no event-loop state.
+    """
+    global _loader
+    session = AioSession()
+    with _LOADER_LOCK:
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _loader)
+    return session
+
+
+def _client_verify(config: ECS3Config, trust: Trust) -> bool | str:
+    """``create_client``'s ``verify``. Given a CA, aiobotocore loads it into its pool's
+    SSL context on the first request even to an ``http://`` endpoint, where no TLS is
+    spoken: not there, unless a proxy (which may be HTTPS) is in the way."""
+    url = config.endpoint_url
+    if url is not None and urlsplit(url).scheme == "http" and not get_environ_proxies(url):
+        return False
+    return botocore_verify(trust)
+
+
 async def open_client(
     config: ECS3Config, stack: contextlib.AsyncExitStack, settings: EndpointSettings | None = None
 ) -> Any:
@@ -148,6 +188,7 @@ async def open_client(
     settings = settings or resolve_endpoint(config)
     check_ca_file(settings.trust)
     session = aioboto3.Session(
+        botocore_session=_botocore_session(),
         aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
         aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
         aws_session_token=config.session_token.reveal() if config.session_token else None,
@@ -167,5 +208,5 @@ async def open_client(
         http_session_cls=BoundedPoolSession,
     )
     return await stack.enter_async_context(
-        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=botocore_verify(settings.trust))
+        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=_client_verify(config, settings.trust))
     )
