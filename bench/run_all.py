@@ -391,7 +391,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
             pct = r["ratio_save_to_upload"] * 100
             rows.append(_goal(g, f"save_caches / upload time, {size} MiB", f"{pct:.2f}%", "<= 1%", _status(pct <= 1.0),
                               "" if pct <= 1.0 else "the wake-up hands the GIL to the I/O thread inside the step; "
-                              "close: one loop wake-up per step (deferred wake, whatif_save 0.7-0.8x)"))
+                              "close: fewer GIL hand-offs per step"))
     # 7. GPU
     rows.append(_gpu(out_dir))
     return rows
