@@ -1,4 +1,5 @@
-"""Shared helpers for the ec-s3 benchmarks (``bench/*.py``).
+"""Shared helpers for the ec-s3 benchmarks (``bench/*.py``, run as ``python -m bench.<name>``
+from the repository root, which puts ``bench``, ``tests.support`` and ``ec_s3`` on the path).
 
 Machines here are small (2 cores), shared and noisy, so every benchmark measures its
 subject and its baseline in the same run, interleaved, and reports ratios of medians
@@ -38,7 +39,6 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-TESTS_DIR = REPO / "tests"
 RESULTS_DIR = Path(os.environ.get("EC_S3_BENCH_RESULTS", BENCH_DIR / "results"))
 
 MiB = 1 << 20
@@ -49,12 +49,16 @@ BENCH_ENV = {"VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 def setup_env(extra: dict[str, str] | None = None) -> None:
-    """``setdefault`` the offline/CPU env vLLM needs here; put tests/ on sys.path."""
+    """``setdefault`` the offline/CPU env vLLM needs here."""
     from ec_s3.sandbox.env import apply_offline_env
 
     apply_offline_env({**BENCH_ENV, **(extra or {})})
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(TESTS_DIR))
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line that runs ``module`` (e.g. ``bench.e2e``) in a child process; start
+    it with ``cwd=REPO`` so that ``bench`` and ``tests.support`` import as they do here."""
+    return [sys.executable, "-m", module, *args]
 
 
 def log(msg: str) -> None:
@@ -139,7 +143,7 @@ class ProxyProcess:
 
     def __init__(self, upstream: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--proxy-child", upstream],
+            module_command("bench.benchlib", "--proxy-child", upstream), cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.proc.stdout is not None
@@ -178,7 +182,7 @@ class ProxyProcess:
 
 def _proxy_child(upstream: str) -> int:
     setup_env()
-    from support.faultproxy import FaultProxy
+    from tests.support.faultproxy import FaultProxy
 
     proxy = FaultProxy(upstream).start()
     print(proxy.endpoint_url, flush=True)
@@ -445,4 +449,4 @@ def add_common_args(parser: Any) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--proxy-child":
         raise SystemExit(_proxy_child(sys.argv[2]))
-    raise SystemExit("usage: benchlib.py --proxy-child UPSTREAM_URL (internal)")
+    raise SystemExit("usage: python -m bench.benchlib --proxy-child UPSTREAM_URL (internal)")

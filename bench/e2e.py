@@ -24,8 +24,8 @@ on a local directory as the peer, per blob size (4 KiB, 1 MiB, 8 MiB), and the
 critical-path breakdown of a fresh 4 KiB image (plain server, proxy hop, producer
 deferral, PUT, GET, hand-offs). Results in ``e2e.json`` under ``stack``.
 
-    .venv/bin/python bench/e2e.py [--quick] [--seq 24] [--batch 32] [--distinct-ratio 0.5]
-    .venv/bin/python bench/e2e.py --part stack --sizes 4KiB 1MiB --stack-repeats 6
+    .venv/bin/python -m bench.e2e [--quick] [--seq 24] [--batch 32] [--distinct-ratio 0.5]
+    .venv/bin/python -m bench.e2e --part stack --sizes 4KiB 1MiB --stack-repeats 6
 """
 
 from __future__ import annotations
@@ -41,9 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
-import epd_stack  # noqa: E402
+from bench import benchlib as bl
+from bench import epd_stack
 
 PROMPT = "USER: <image>\nWhat is in this picture? ASSISTANT:"
 
@@ -122,7 +121,7 @@ class Engine:
     def __init__(self, role: str, spec: dict[str, Any]) -> None:
         self.role = role
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--engine-child", json.dumps({**spec, "role": role})],
+            bl.module_command("bench.e2e", "--engine-child", json.dumps({**spec, "role": role})), cwd=bl.REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not spec.get("verbose") else None,
             text=True,
         )

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import benchlib as bl
+from bench import benchlib as bl
 
 # Blob sizes: name -> TinyShape keyword arguments (the 8 MiB model has one thin text
 # layer: the prefill of 4096 image tokens stays well under a second on one core).

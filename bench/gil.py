@@ -35,7 +35,7 @@ Does not own: the S3 server (SeaweedFS, fresh per size, on the same cores: on a 
 host it competes with the step for a core, which shows as run-queue time, not as GIL
 waits), nor vLLM (the step is a stand-in; no engine is started).
 
-    .venv/bin/python bench/gil.py [--quick] [--sizes-mib 1 8 32] [--reps 5] [--phase-s 1.5] [--depth 4]
+    .venv/bin/python -m bench.gil [--quick] [--sizes-mib 1 8 32] [--reps 5] [--phase-s 1.5] [--depth 4]
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 

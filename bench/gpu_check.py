@@ -37,8 +37,8 @@ the CUDA branches of ec-s3 are not exercised and the timings mean nothing; the o
 says so. Exit status: 0 ok, 1 a correctness failure (round trip, publish, a sync in
 an ec-s3 call site), 2 a check could not run or proved nothing.
 
-    python bench/gpu_check.py --quick           # on the GPU host, < 3 min
-    python bench/gpu_check.py --dry-run-cpu     # anywhere: same paths on CPU
+    python -m bench.gpu_check --quick           # on the GPU host, < 3 min
+    python -m bench.gpu_check --dry-run-cpu     # anywhere: same paths on CPU
 """
 
 from __future__ import annotations
@@ -62,8 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 REPO = bl.REPO
 WORKER_PY = REPO / "ec_s3" / "connector" / "worker.py"

@@ -18,7 +18,7 @@ to every output held: glibc keeps those holes) and ``direct`` makes it in bf16;
 uploaded, the pool lends room) and ``buffered`` copies each output into a pool buffer on
 the loop (``copy_cpu_outputs``, the pinned path's layout on CPU).
 
-    .venv/bin/python bench/memory.py [--quick] [--budgets-mib 64 256 512] [--blob-mib 8] [--saves-x 2 4]
+    .venv/bin/python -m bench.memory [--quick] [--budgets-mib 64 256 512] [--blob-mib 8] [--saves-x 2 4]
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 WIDTH = 4096
 
@@ -197,8 +195,8 @@ def main() -> int:
             env = dict(os.environ)
             if alloc != "default":
                 env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-            proc = subprocess.run([sys.executable, __file__, "--config-child", child], capture_output=True,
-                                  text=True, timeout=600, env=env)
+            proc = subprocess.run(bl.module_command("bench.memory", "--config-child", child), capture_output=True,
+                                  text=True, timeout=600, env=env, cwd=bl.REPO)
             if proc.returncode != 0:
                 bl.log(f"  failed:\n{proc.stderr[-3000:]}")
                 continue

@@ -17,7 +17,7 @@ For each blob size, with vLLM's real Scheduler and the worker-role connector
   ``sys.getswitchinterval()`` = 5 ms).
 Blob width is 32768 bf16 (so a 64 MiB blob is 1024 image tokens of the tiny model).
 
-    .venv/bin/python bench/prefetch.py [--quick] [--sizes-mib 1 8 32 64] [--samples 5]
+    .venv/bin/python -m bench.prefetch [--quick] [--sizes-mib 1 8 32 64] [--samples 5]
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
@@ -84,7 +83,7 @@ def time_to_scheduled(node: Any, probe: Probe, rid: str, idents: list[str], rows
 
 
 def finish(node: Any) -> None:
-    from support.ec_harness import drive
+    from tests.support.ec_harness import drive
 
     drive(node.driver, timeout_s=120)
 
@@ -172,7 +171,7 @@ def main() -> int:
     sizes = args.sizes_mib or ([1, 8, 32] if q else [1, 8, 32, 64])
     samples = args.samples or (3 if q else 6)
 
-    from support.ec_harness import make_node
+    from tests.support.ec_harness import make_node
 
     from ec_s3.store.client import S3Store
     from ec_s3.sandbox.tiny_model import build_tiny_llava

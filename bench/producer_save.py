@@ -15,7 +15,7 @@ safetensors write to local disk) for the same tensor.
 Goal: median ``save_caches`` <= 1% of the upload time (the step bracket is reported
 beside it). Starts its own SeaweedFS.
 
-    .venv/bin/python bench/producer_save.py [--quick] [--sizes-mib 1 8 32 64] [--samples 10]
+    .venv/bin/python -m bench.producer_save [--quick] [--sizes-mib 1 8 32 64] [--samples 10]
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
@@ -141,7 +139,7 @@ def main() -> int:
     from ec_s3.store.client import S3Store
     from ec_s3.sandbox.tiny_model import build_tiny_llava
     from ec_s3.sandbox.vllm_server import ec_transfer_config
-    from support.vllm_rig import make_vllm_config
+    from tests.support.vllm_rig import make_vllm_config
 
     model_dir = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
     example_dir = Path(tempfile.mkdtemp(prefix="ecb-example-save-", dir="/tmp"))

@@ -19,13 +19,12 @@ Per trial, one request, a fresh image:
 
 Goal (issue #13): pickup within 5 ms (p90) of visibility without hammering the store.
 
-    .venv/bin/python bench/promise_pickup.py [--quick] [--delays-ms 5 20 100 300 1000 2000] [--repeats 5]
+    .venv/bin/python -m bench.promise_pickup [--quick] [--delays-ms 5 20 100 300 1000 2000] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
@@ -33,8 +32,7 @@ import types
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
@@ -73,7 +71,7 @@ def use_schedule(sched: Any, name: str) -> None:
 
 
 def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: float) -> dict[str, float]:
-    from support.vllm_rig import fake_encoder_output
+    from tests.support.vllm_rig import fake_encoder_output
 
     from ec_s3.blob.codec import BlobMeta, encode_blob
 
@@ -127,13 +125,13 @@ def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: floa
 
 def _finish(node: Any) -> None:
     """Let the request run to its end (its item is staged: no more waiting)."""
-    from support.ec_harness import drive
+    from tests.support.ec_harness import drive
 
     drive(node.driver, timeout_s=30)
 
 
 def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from support.ec_harness import make_node
+    from tests.support.ec_harness import make_node
 
     from ec_s3.store.client import S3Store
 

@@ -1,8 +1,8 @@
 """Run every ec-s3 benchmark, then print and save the headline ratios.
 
-    .venv/bin/python bench/run_all.py            # full (~15 min on 2 cores)
-    .venv/bin/python bench/run_all.py --quick    # ~3-4 min
-    .venv/bin/python bench/run_all.py --skip-e2e --only transfer scheduler_cost
+    .venv/bin/python -m bench.run_all            # full (~15 min on 2 cores)
+    .venv/bin/python -m bench.run_all --quick    # ~3-4 min
+    .venv/bin/python -m bench.run_all --skip-e2e --only transfer scheduler_cost
 
 Each benchmark runs in its own process (fresh allocator, fresh SeaweedFS, no state
 shared with the others) and writes ``bench/results/<name>.json`` and ``<name>.png``;
@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 BENCHES = ["producer_save", "transfer", "scheduler_cost", "prefetch", "memory", "gil", "promise_pickup",
            "gpu_check", "e2e"]
@@ -46,7 +45,7 @@ def run_bench(name: str, args: argparse.Namespace, out_dir: Path) -> dict[str, A
     if not script.exists() and name in OPTIONAL:
         bl.log(f"=== {name}: {script.name} does not exist; skipped (reported as not measured)")
         return {"rc": 0, "elapsed_s": 0.0, "log": None, "skipped": "script absent"}
-    cmd = [sys.executable, str(script), "--out-dir", str(out_dir)]
+    cmd = bl.module_command(f"bench.{name}", "--out-dir", str(out_dir))
     if args.quick or name == "gpu_check":  # gpu_check: its quick preset is its GPU-time budget
         cmd.append("--quick")
     if args.no_plot:
@@ -252,7 +251,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     if first is None:
         why = "; ".join(f"{k}: {v}" for k, v in ((stack or {}).get("errors") or {}).items())
         rows.append(_goal(g, "fresh 4 KiB image, ec-s3 additions", "-", "<= 10 ms", UNMEASURED,
-                          why or "run bench/e2e.py (stack part)"))
+                          why or "run python -m bench.e2e (stack part)"))
     else:
         b, add = first["breakdown_s"], first["ecs3_additions_s"]
         nan = float("nan")
@@ -293,7 +292,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     g = "2. peer (ECExampleConnector)"
     if not sizes:
         rows.append(_goal(g, "ec-s3 / peer latency, fresh image", "-", "<= 1.2x", UNMEASURED,
-                          "run bench/e2e.py (stack part)"))
+                          "run python -m bench.e2e (stack part)"))
     for size, r in sizes.items():
         q = r["ratio_ecs3_vs_peer"]
         L = r["latency_s"]
@@ -313,7 +312,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     g = "3. transfers"
     if transfer is None:
         rows.append(_goal(g, "GET and PUT / best raw client", "-", ">= 0.9x, CPU/GiB <= 1.5x", UNMEASURED,
-                          "run bench/transfer.py"))
+                          "run python -m bench.transfer"))
     else:
         for op in ("put", "get"):
             vals, cpus, worst = [], [], None
@@ -340,7 +339,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     g = "4. GIL interference"
     gil = load(out_dir, "gil")
     if gil is None:
-        rows.append(_goal(g, "step slowdown while ec-s3 moves data", "-", "<= 5%", UNMEASURED, "run bench/gil.py"))
+        rows.append(_goal(g, "step slowdown while ec-s3 moves data", "-", "<= 5%", UNMEASURED, "run python -m bench.gil"))
     else:
         for phase in ("upload", "download"):
             rs = [(r["size_mib"], r[phase]) for r in gil.get("sizes", []) if phase in r]
@@ -363,7 +362,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     mem = load(out_dir, "memory")
     runs = [r for r in (mem or {}).get("runs", []) if r.get("allocator", "default") == "default"]
     if not runs:
-        rows.append(_goal(g, "peak RSS growth / max_inflight_bytes", "-", "<= 1.2x", UNMEASURED, "run bench/memory.py"))
+        rows.append(_goal(g, "peak RSS growth / max_inflight_bytes", "-", "<= 1.2x", UNMEASURED, "run python -m bench.memory"))
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r.get("encoder", "cast"), r.get("variant", "in-place")), []).append(r)
@@ -385,7 +384,7 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     g = "6. save_caches"
     ps = load(out_dir, "producer_save")
     if ps is None:
-        rows.append(_goal(g, "save_caches / upload time", "-", "<= 1%", UNMEASURED, "run bench/producer_save.py"))
+        rows.append(_goal(g, "save_caches / upload time", "-", "<= 1%", UNMEASURED, "run python -m bench.producer_save"))
     else:
         for size, r in ps["sizes"].items():
             pct = r["ratio_save_to_upload"] * 100
@@ -428,7 +427,7 @@ def _promise_pickup(out_dir: Path) -> list[dict[str, str]]:
     summary = d.get("summary") if isinstance(d, dict) else None
     current = summary.get("current") if isinstance(summary, dict) else None
     if not isinstance(current, dict):
-        why = "run bench/promise_pickup.py" if d is None else "promise_pickup.json has no 'current' summary"
+        why = "run python -m bench.promise_pickup" if d is None else "promise_pickup.json has no 'current' summary"
         return [_goal(g, case_fast, "-", target, UNMEASURED, why)]
     per = current.get("per_delay_ms") or {}
     fast = [v["pickup_ms"]["p90"] for k, v in per.items() if float(k) <= 100 and "pickup_ms" in v]
@@ -459,7 +458,7 @@ def _gpu(out_dir: Path) -> dict[str, str]:
     d = load(out_dir, "gpu_check")
     if d is None or d.get("device") == "cpu":
         cpu = load(out_dir, "gpu_check_cpu")
-        why = "no CUDA host here; on one: python bench/gpu_check.py --quick"
+        why = "no CUDA host here; on one: python -m bench.gpu_check --quick"
         if cpu is not None:
             rt = cpu.get("round_trips", [])
             why += (f" (CPU dry run: script ran, {sum(1 for r in rt if r.get('bit_exact'))}/{len(rt)} "
@@ -572,7 +571,7 @@ def main() -> int:
     total = time.monotonic() - started
     rows, goals = headline(args.out_dir)
     issue = goal_rows(args.out_dir)
-    cmd = "bench/run_all.py" + (" --quick" if args.quick else "") + (" --skip-e2e" if args.skip_e2e else "")
+    cmd = "python -m bench.run_all" + (" --quick" if args.quick else "") + (" --skip-e2e" if args.skip_e2e else "")
     env = bl.environment()
     if args.summary_only:
         title = "Latest results, from the result files: " + "; ".join(_provenance(args.out_dir, b) for b in BENCHES)
@@ -603,7 +602,7 @@ def main() -> int:
     if not args.no_readme and args.out_dir.resolve() == bl.RESULTS_DIR.resolve() and complete:
         update_readme(md)
         env_note = ("From the result files in `bench/results/`" if args.summary_only
-                    else f"`bench/run_all.py{' --quick' if args.quick else ''}`, {env['when']}, git {env['git']}")
+                    else f"`python -m bench.run_all{' --quick' if args.quick else ''}`, {env['when']}, git {env['git']}")
         update_perf_section(env_note, counts, goals_md)
     return 0 if all(r["rc"] == 0 for r in runs.values()) else 1
 

@@ -13,7 +13,7 @@ Baselines in the same run: the same mix through vLLM's ``ECExampleConnector``
 (consumer, files on local disk), and ec-s3 at 0 ms (independence of store latency).
 Goal: p99 < 100 us for every method, independent of store latency.
 
-    .venv/bin/python bench/scheduler_cost.py [--quick] [--latencies-ms 0 50 200] [--rounds 4]
+    .venv/bin/python -m bench.scheduler_cost [--quick] [--latencies-ms 0 50 200] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ import argparse
 import functools
 import random
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
@@ -87,7 +85,7 @@ class CallTimer:
 
 def put_blob(store: Any, keyspace: Any, ident: str) -> None:
     from ec_s3.blob.codec import BlobMeta, encode_blob
-    from support.vllm_rig import fake_encoder_output
+    from tests.support.vllm_rig import fake_encoder_output
 
     t = fake_encoder_output(ident, ROWS)
     blob = encode_blob(t, BlobMeta(ident, torch.bfloat16, (ROWS, WIDTH), keyspace.namespace, "bench"))
@@ -123,7 +121,7 @@ def make_mix(tag: str, rounds: int, per_round: int, rng: random.Random) -> list[
 
 def run_mix(node: Any, mix: list, params_for: Any, timeout_s: float, arrivals_per_step: int = 2) -> dict[str, Any]:
     """Add each round's requests a few per step, drive until all done; returns counts."""
-    from support.ec_harness import drive
+    from tests.support.ec_harness import drive
 
     driver = node.driver
     t0 = time.monotonic()
@@ -139,7 +137,7 @@ def run_mix(node: Any, mix: list, params_for: Any, timeout_s: float, arrivals_pe
 
 
 def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, args: argparse.Namespace) -> dict[str, Any]:
-    from support.ec_harness import make_node
+    from tests.support.ec_harness import make_node
 
     from ec_s3.store.client import S3Store
 
@@ -188,7 +186,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     from ec_s3.sandbox.vllm_server import ec_transfer_config
-    from support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
+    from tests.support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
 
     tag = "EX"
     mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))

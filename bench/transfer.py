@@ -25,7 +25,7 @@ Clients run in the same process on the same asyncio loop thread, in a rotated or
 per repeat. CPU: this process's ``process_time`` (all threads) and the server's
 ``/proc/<pid>/stat``, per GiB moved.
 
-    .venv/bin/python bench/transfer.py [--quick] [--sizes-mib 1 8 32 64] [--concurrency 1 8 32]
+    .venv/bin/python -m bench.transfer [--quick] [--sizes-mib 1 8 32 64] [--concurrency 1 8 32]
 """
 
 from __future__ import annotations
@@ -35,14 +35,12 @@ import asyncio
 import math
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
@@ -339,7 +337,7 @@ class ExampleConnectorClient(Client):
 
         from ec_s3.sandbox.tiny_model import build_tiny_llava
         from ec_s3.sandbox.vllm_server import ec_transfer_config
-        from support.vllm_rig import make_vllm_config
+        from tests.support.vllm_rig import make_vllm_config
 
         model = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
         cfg = ec_transfer_config("ec_both", {"shared_storage_path": str(self.dir)},

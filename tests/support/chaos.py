@@ -32,8 +32,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
-from support.faultproxy import FaultProxy
-from support.vllm_rig import ECWorkerSim, SchedulerDriver, make_scheduler, make_vllm_config
+from .faultproxy import FaultProxy
+from .vllm_rig import ECWorkerSim, SchedulerDriver, make_scheduler, make_vllm_config
 
 __all__ = [
     "CallRecord",

@@ -23,7 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from ec_s3.connector import items
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.vllm_server import ec_transfer_config
-from support.vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+from .vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
 
 items.STRICT = True
 
