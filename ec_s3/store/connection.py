@@ -169,14 +169,12 @@ def _botocore_session() -> AioSession:
     return session
 
 
-def _client_verify(config: ECS3Config, trust: Trust) -> bool | str:
-    """``create_client``'s ``verify``. Given a CA, aiobotocore loads it into its pool's
-    SSL context on the first request even to an ``http://`` endpoint, where no TLS is
-    spoken: not there, unless a proxy (which may be HTTPS) is in the way."""
+def _speaks_tls(config: ECS3Config) -> bool:
+    """Whether the client may speak TLS: not to an ``http://`` endpoint without a proxy
+    (which may be HTTPS). Where it cannot, no CA file is loaded: each load costs tens of
+    ms of the first request, and aiobotocore would do it even for ``http://``."""
     url = config.endpoint_url
-    if url is not None and urlsplit(url).scheme == "http" and not get_environ_proxies(url):
-        return False
-    return botocore_verify(trust)
+    return not (url is not None and urlsplit(url).scheme == "http" and not get_environ_proxies(url))
 
 
 async def open_client(
@@ -186,7 +184,9 @@ async def open_client(
     CA of ``settings`` (default: :func:`resolve_endpoint`). No network I/O; a CA file
     that cannot be loaded raises :class:`~ec_s3.store.errors.CABundleError`."""
     settings = settings or resolve_endpoint(config)
-    check_ca_file(settings.trust)
+    tls = _speaks_tls(config)
+    if tls:
+        check_ca_file(settings.trust)
     session = aioboto3.Session(
         botocore_session=_botocore_session(),
         aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
@@ -208,5 +208,5 @@ async def open_client(
         http_session_cls=BoundedPoolSession,
     )
     return await stack.enter_async_context(
-        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=_client_verify(config, settings.trust))
+        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=botocore_verify(settings.trust) if tls else False)
     )
