@@ -28,6 +28,7 @@ __all__ = [
     "CircuitOpen",
     "IntegrityError",
     "NoCredentials",
+    "ObjectChanged",
     "ObjectNotFound",
     "StoreClosed",
     "StoreConfigError",
@@ -148,6 +149,11 @@ class CircuitOpen(StoreUnavailable):
 
 class StoreClosed(StoreError):
     """The store was closed."""
+
+
+class ObjectChanged(StoreError):
+    """The object was replaced (or resized) between the ranges of one GET: a later
+    range's ``If-Match`` got 412. Not transient: the caller encodes for itself."""
 
 
 class IntegrityError(StoreError):
