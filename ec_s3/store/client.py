@@ -40,7 +40,7 @@ from ec_s3.blob.format import MAX_HEADER_BYTES
 from ec_s3.config import ECS3Config, Secret
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
-from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
+from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of, sha256_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.connection import open_client, resolve_endpoint
 from ec_s3.store.errors import (
@@ -51,6 +51,7 @@ from ec_s3.store.errors import (
     NoCredentials,
     ObjectChanged,
     ObjectNotFound,
+    StoreBusy,
     StoreClosed,
     StoreConfigError,
     StoreError,
@@ -62,6 +63,7 @@ from ec_s3.store.errors import (
     to_store_error,
 )
 from ec_s3.store.ranges import BotocoreAnswer, check_answer
+from ec_s3.store.slots import Slots
 from ec_s3.store.wire import DirectWire, GetAnswer
 
 __all__ = [
@@ -176,7 +178,7 @@ class S3Store:
         self._wire: DirectWire | None = None
         self._client_lock: asyncio.Lock | None = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
-        self._sem: asyncio.Semaphore | None = None
+        self._sem: Slots | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
         self._client_gone = False
@@ -285,7 +287,8 @@ class S3Store:
                 self._exit_stack = stack
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
-                self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
+                self._sem = Slots(min(self.config.max_concurrency, self.config.max_pool_connections),
+                                  self.config.request_timeout_s)
                 self._client = client  # last: its being set means the store is ready
         return self._client
 
@@ -308,10 +311,12 @@ class S3Store:
             self.stats.requests += 1
             caller_error: Exception | None = None
             try:
-                async with self._sem:
+                async with self._sem.hold(op, key):
                     result = await fn(client)
                 self.breaker.success()
                 return result
+            except StoreBusy:
+                raise  # local saturation: a retry would queue again; not the store's fault
             except _CallerError as wrapped:
                 caller_error = wrapped.error
             except Exception as exc:  # noqa: BLE001 - every transport failure becomes a StoreError
@@ -680,7 +685,7 @@ class S3Store:
             value = crc if crc is not None else await crc32_of(body)
             return {_CHECKSUM_HEADERS["ChecksumCRC32"]: base64.b64encode(value.to_bytes(4, "big")).decode()}
         if algo == "SHA256":
-            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await _sha256_of(body)).decode()}
+            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await sha256_of(body)).decode()}
         return None
 
 
@@ -716,16 +721,6 @@ _CHECKSUM_HEADERS = {
     "ChecksumCRC32C": "x-amz-checksum-crc32c",
     "ChecksumSHA256": "x-amz-checksum-sha256",
 }
-
-
-async def _sha256_of(body: BufferChain) -> bytes:
-    def digest() -> bytes:
-        h = hashlib.sha256()
-        for view in body.views:
-            h.update(view)
-        return h.digest()
-
-    return digest() if len(body) < (1 << 20) else await asyncio.to_thread(digest)
 
 
 def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:

@@ -32,6 +32,7 @@ __all__ = [
     "ObjectNotFound",
     "StoreClosed",
     "StoreConfigError",
+    "StoreBusy",
     "StoreError",
     "StoreRequestError",
     "StoreTimeout",
@@ -129,6 +130,12 @@ class StoreTimeout(StoreUnavailable):
 class StoreUnreachable(StoreUnavailable):
     """No connection to the endpoint: refused, no route, DNS failure, connect timeout,
     proxy failure, or no pooled connection free in time."""
+
+
+class StoreBusy(StoreUnavailable):
+    """Not sent: no request slot (``max_concurrency``) came free within
+    ``request_timeout_s``; the slots are held by slow requests. Not retried (a retry
+    would queue again) and not counted by the circuit breaker."""
 
 
 class TLSError(StoreUnreachable):
