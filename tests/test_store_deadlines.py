@@ -33,14 +33,6 @@ def _trickle(sock: socket.socket) -> None:
         sock.sendall(b"x")
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
-    def make(endpoint_url: str | None = None, **overrides: object) -> S3Store:
-        return make_store(endpoint_url, data_path=request.param, **overrides)
-
-    return make
-
-
 def test_a_trickled_body_times_out_as_a_whole(path_store: Callable[..., S3Store]) -> None:
     with ScriptedHTTP(lambda n, head: _trickle) as server:
         store = path_store(server.url, max_attempts=1, read_timeout_s=1.0, request_timeout_s=1.5)

@@ -16,37 +16,21 @@ import pytest
 
 from ec_s3.store.client import S3Store
 from ec_s3.store.errors import StoreError, StoreUnavailable
-from tests.support.scripted_http import ScriptedHTTP
+from tests.support.scripted_http import ScriptedHTTP, answer, get_bytes
 
 BODY = b"hello world!"  # 12 bytes
 PARTIAL = b"206 Partial Content"
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
-    def make(endpoint_url: str | None = None, **overrides: object) -> S3Store:
-        return make_store(endpoint_url, data_path=request.param, **overrides)
-
-    return make
-
-
-def _get(store: S3Store, key: str = "k") -> bytes:
-    return bytes(store.run(store.get_async(key), timeout=30))
-
-
-def _answer(status: bytes, headers: list[bytes], body: bytes) -> bytes:
-    return b"HTTP/1.1 " + status + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
-
-
 GOOD_ANSWERS = {
-    "plain": _answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12"], BODY),
+    "plain": answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12"], BODY),
     "interim 100 and 103 first": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
-    + _answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12"], BODY),
-    "chunked 200": _answer(b"200 OK", [b"Transfer-Encoding: chunked"], b"5\r\nhello\r\n7\r\n world!\r\n0\r\n\r\n"),
-    "chunked 206": _answer(
+    + answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12"], BODY),
+    "chunked 200": answer(b"200 OK", [b"Transfer-Encoding: chunked"], b"5\r\nhello\r\n7\r\n world!\r\n0\r\n\r\n"),
+    "chunked 206": answer(
         PARTIAL, [b"Content-Range: bytes 0-11/12", b"Transfer-Encoding: chunked"], b"c\r\nhello world!\r\n0\r\n\r\n"
     ),
-    "whole object 200": _answer(b"200 OK", [b"Content-Length: 12"], BODY),
+    "whole object 200": answer(b"200 OK", [b"Content-Length: 12"], BODY),
 }
 
 
@@ -54,23 +38,23 @@ GOOD_ANSWERS = {
 def test_legal_answers_give_the_bytes(path_store: Callable[..., S3Store], name: str) -> None:
     with ScriptedHTTP(lambda n, head: GOOD_ANSWERS[name]) as server:
         store = path_store(server.url, max_attempts=1, read_timeout_s=5.0)
-        assert _get(store) == BODY  # also builds the client: not timed
+        assert get_bytes(store) == BODY  # also builds the client: not timed
         started = time.monotonic()
-        assert _get(store) == BODY
+        assert get_bytes(store) == BODY
         assert time.monotonic() - started < 2.5  # an interim answer is not taken as the final one
 
 
 
 MALFORMED = {
     # str.isdigit() accepted it, int() then raised an untyped ValueError (also from the start-up check)
-    "superscript length": _answer(PARTIAL, [b"Content-Range: bytes 0-11/12", "Content-Length: ²".encode("latin-1")], BODY),
+    "superscript length": answer(PARTIAL, [b"Content-Range: bytes 0-11/12", "Content-Length: ²".encode("latin-1")], BODY),
     # RFC 9110 8.6 allows identical repeats but lets a recipient refuse them; llhttp
     # does, on both paths (store/http1.py says why that parser): typed, never a wrong byte.
-    "repeated identical length": _answer(
+    "repeated identical length": answer(
         PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12", b"Content-Length: 12"], BODY
     ),
-    "transfer coding other than chunked": _answer(b"200 OK", [b"Transfer-Encoding: gzip"], BODY),
-    "length and chunked": _answer(b"200 OK", [b"Content-Length: 12", b"Transfer-Encoding: chunked"], b"c\r\n" + BODY + b"\r\n0\r\n\r\n"),
+    "transfer coding other than chunked": answer(b"200 OK", [b"Transfer-Encoding: gzip"], BODY),
+    "length and chunked": answer(b"200 OK", [b"Content-Length: 12", b"Transfer-Encoding: chunked"], b"c\r\n" + BODY + b"\r\n0\r\n\r\n"),
 }
 
 
@@ -79,5 +63,5 @@ def test_malformed_answers_fail_typed(path_store: Callable[..., S3Store], name: 
     with ScriptedHTTP(lambda n, head: MALFORMED[name]) as server:
         store = path_store(server.url, max_attempts=1, read_timeout_s=1.0)
         with pytest.raises(StoreError) as caught:
-            _get(store)
+            get_bytes(store)
         assert isinstance(caught.value, StoreUnavailable), repr(caught.value)

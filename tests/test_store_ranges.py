@@ -16,37 +16,21 @@ from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
 from ec_s3.store.errors import ObjectChanged, StoreError, StoreUnavailable
 from ec_s3.store.ranges import check_answer, parse_content_length, parse_content_range
-from tests.support.scripted_http import ScriptedHTTP, header
+from tests.support.scripted_http import ScriptedHTTP, answer, get_bytes, header
 
 BODY = b"hello world!"  # 12 bytes
 MiB = 1 << 20
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
-    def make(endpoint_url: str | None = None, **overrides: object) -> S3Store:
-        return make_store(endpoint_url, data_path=request.param, **overrides)
-
-    return make
-
-
-def _get(store: S3Store, key: str = "k") -> bytes:
-    return bytes(store.run(store.get_async(key), timeout=30))
-
-
-def _answer(status: bytes, headers: list[bytes], body: bytes) -> bytes:
-    return b"HTTP/1.1 " + status + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
-
-
 PARTIAL = b"206 Partial Content"
 WRONG_ANSWERS = {
     # asked 0-..., answered the second half: the bytes 6-11 taken as 0-5 (issue 18 item 3)
-    "another range": _answer(PARTIAL, [b"Content-Range: bytes 6-11/12", b"Content-Length: 6"], BODY[6:]),
-    "a shorter range": _answer(PARTIAL, [b"Content-Range: bytes 0-5/12", b"Content-Length: 6"], BODY[:6]),
-    "no Content-Range": _answer(PARTIAL, [b"Content-Length: 12"], BODY),
-    "range and length disagree": _answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 11"], BODY[:11]),
+    "another range": answer(PARTIAL, [b"Content-Range: bytes 6-11/12", b"Content-Length: 6"], BODY[6:]),
+    "a shorter range": answer(PARTIAL, [b"Content-Range: bytes 0-5/12", b"Content-Length: 6"], BODY[:6]),
+    "no Content-Range": answer(PARTIAL, [b"Content-Length: 12"], BODY),
+    "range and length disagree": answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 11"], BODY[:11]),
     # str.isdigit() accepts ² and int() then raises an untyped ValueError
-    "superscript total": _answer(PARTIAL, ["Content-Range: bytes 0-11/1²".encode("latin-1"), b"Content-Length: 12"], BODY),
+    "superscript total": answer(PARTIAL, ["Content-Range: bytes 0-11/1²".encode("latin-1"), b"Content-Length: 12"], BODY),
 }
 
 
@@ -55,7 +39,7 @@ def test_an_answer_that_is_not_the_asked_range_fails_typed(path_store: Callable[
     with ScriptedHTTP(lambda n, head: WRONG_ANSWERS[name]) as server:
         store = path_store(server.url, max_attempts=1)
         with pytest.raises(StoreError) as caught:
-            _get(store)
+            get_bytes(store)
         assert isinstance(caught.value, StoreUnavailable), repr(caught.value)
 
 
@@ -116,11 +100,11 @@ def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None
         first, last = (int(v) for v in header(head, b"Range")[len(b"bytes="):].split(b"-"))  # type: ignore[index]
         last = min(last, total - 1)
         if n > 0 and header(head, b"If-Match") != b'"v1"':
-            return _answer(b"400 Bad Request", [b"Content-Length: 0"], b"")
-        return _answer(PARTIAL, [b"Content-Range: bytes %d-%d/%d" % (first, last, total),
+            return answer(b"400 Bad Request", [b"Content-Length: 0"], b"")
+        return answer(PARTIAL, [b"Content-Range: bytes %d-%d/%d" % (first, last, total),
                                  b"Content-Length: %d" % (last - first + 1), b'ETag: "v1"'], data[first : last + 1])
 
     with ScriptedHTTP(script) as server:
         store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
-        assert _get(store) == data
+        assert get_bytes(store) == data
         assert len(server.requests) == 2

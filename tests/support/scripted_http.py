@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Union
 
 Answer = Union[bytes, Callable[[socket.socket], object]]
 Script = Callable[[int, bytes], Answer]
@@ -95,3 +95,13 @@ def header(head: bytes, name: bytes) -> bytes | None:
         if key.strip().lower() == name.lower():
             return value.strip()
     return None
+
+
+def answer(status: bytes, headers: list[bytes], body: bytes) -> bytes:
+    """An HTTP/1.1 answer: ``status`` (``b"206 Partial Content"``), header lines, body."""
+    return b"HTTP/1.1 " + status + b"\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n" + body
+
+
+def get_bytes(store: Any, key: str = "k") -> bytes:
+    """``store.get_async(key)`` run to its end, as bytes."""
+    return bytes(store.run(store.get_async(key), timeout=30))
