@@ -2,16 +2,13 @@
 1 s for a promised blob, polling a missing key (each GET a 404) at the scheduler's
 schedule (``ec_s3.connector.scheduler.promise_poll_interval``), over http and https.
 
-Each case talks to SeaweedFS through a front of its own on loopback (a byte relay; for
-https it terminates TLS with a certificate of a CA made here), which counts the
+Each case talks to SeaweedFS through a front of its own on loopback (tests/support/tls.py's
+relay; for https it terminates TLS with a certificate of a private CA made here), which counts the
 connections it accepts; TIME_WAIT sockets are counted from ``/proc/net/tcp*`` on the
 front's port after the wait. ec-s3's direct GET path (store/recv.py) and its botocore
 path (aiobotocore's pool: the baseline) run in the same run, interleaved per repeat.
 Before issue 18 item 5 every 404 on the direct path closed its connection (a new TCP
 and, over https, TLS handshake per poll).
-
-The TLS front is written here (a few lines of asyncio) rather than taken from
-tests/support: that fixture was not on main when this bench was written.
 
     .venv/bin/python bench/poll_sockets.py [--quick] [--repeats 3] [--wait-s 1.0]
 """
@@ -20,94 +17,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import ipaddress
-import ssl
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib as bl  # noqa: E402
 
-bl.setup_env()
+bl.setup_env()  # puts tests/ on sys.path
+from support.tls import PrivateCA, TLSFront, make_private_ca  # noqa: E402
 
 PATHS = ("direct", "botocore")
 SCHEMES = ("http", "https")
 
 
-def make_tls(tmp: Path) -> tuple[ssl.SSLContext, Path]:
-    """A CA and a server certificate for 127.0.0.1: (server context, CA file)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+class CountingFront(TLSFront):
+    """tests/support/tls.py's relay, counting the connections it accepts; plain TCP
+    when ``context`` is None."""
 
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "ec-s3 bench CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(ca_key, hashes.SHA256()))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    ca_file, cert_file, key_file = tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem"
-    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert_file, key_file)
-    return context, ca_file
+    accepted = 0
 
-
-class Front:
-    """A relay on its own thread and loop: accepts on a fresh port (TLS or not),
-    opens one upstream connection per accepted one, counts what it accepted."""
-
-    def __init__(self, upstream: str, context: ssl.SSLContext | None) -> None:
-        parts = urlsplit(upstream)
-        self._up = (parts.hostname, parts.port)
-        self._context = context
-        self.accepted = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self._context))
-        self.port = self._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        up_reader, up_writer = await asyncio.open_connection(*self._up)
-
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            try:
-                while data := await src.read(1 << 16):
-                    dst.write(data)
-                    await dst.drain()
-            except (ConnectionError, ssl.SSLError):
-                pass
-            finally:
-                dst.close()
-
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        await super()._relay(reader, writer)
 
 
 def time_wait(port: int) -> int:
@@ -126,21 +60,14 @@ def time_wait(port: int) -> int:
     return count
 
 
-def one_wait(ep: bl.Endpoint, bucket: str, path: str, scheme: str, tls: tuple[ssl.SSLContext, Path],
-             wait_s: float) -> dict[str, Any]:
+def one_wait(ep: bl.Endpoint, bucket: str, path: str, scheme: str, ca: PrivateCA, wait_s: float) -> dict[str, Any]:
     from ec_s3.connector.scheduler import promise_poll_interval
     from ec_s3.store.client import ObjectNotFound, S3Store
 
-    front = Front(ep.url, tls[0] if scheme == "https" else None)
-    extra = {"data_path": path, "max_attempts": 1}
-    if scheme == "https":
-        extra["ca_bundle"] = str(tls[1])
-    try:
-        config = ep.config(bucket, endpoint_url=f"{scheme}://127.0.0.1:{front.port}", **extra)
-    except Exception:  # noqa: BLE001 - no ca_bundle key (before issue 18 item 1): not verified
-        extra.pop("ca_bundle", None)
-        config = ep.config(bucket, endpoint_url=f"{scheme}://127.0.0.1:{front.port}", verify_tls=False, **extra)
-    store = S3Store(config)
+    front = CountingFront(ep.url, ca.server_context() if scheme == "https" else None).start()  # type: ignore[arg-type]
+    tls = {"ca_bundle": str(ca.ca_path)} if scheme == "https" else {}
+    store = S3Store(ep.config(bucket, endpoint_url=f"{scheme}://127.0.0.1:{front.port}", data_path=path,
+                              max_attempts=1, **tls))
     try:
         store.run(store._get_client(), timeout=30)  # the client's build is not the wait's cost
         gets, per_get = 0, []
@@ -156,7 +83,7 @@ def one_wait(ep: bl.Endpoint, bucket: str, path: str, scheme: str, tls: tuple[ss
             time.sleep(max(0.0, t0 + promise_poll_interval(waited) - time.monotonic()))
     finally:
         store.close()
-        front.close()
+        front.stop()
     time.sleep(0.2)  # closes settle into TIME_WAIT
     return {"gets": gets, "connections": front.accepted, "time_wait": time_wait(front.port),
             "ms_per_404": bl.summary([t * 1e3 for t in per_get])["median"]}
@@ -172,11 +99,11 @@ def main() -> int:
     samples: dict[str, list[dict[str, Any]]] = {f"{s}/{p}": [] for s in SCHEMES for p in PATHS}
     with bl.s3_endpoint("pollsock") as ep, tempfile.TemporaryDirectory() as tmp:
         bucket = bl.create_bucket(ep)
-        tls = make_tls(Path(tmp))
+        ca = make_private_ca(Path(tmp))
         for r in range(repeats):
             order = [(s, p) for s in SCHEMES for p in PATHS]
             for scheme, path in order[r % len(order):] + order[: r % len(order)]:  # rotated per repeat
-                result = one_wait(ep, bucket, path, scheme, tls, args.wait_s)
+                result = one_wait(ep, bucket, path, scheme, ca, args.wait_s)
                 bl.log(f"{scheme}/{path}: {result}")
                 samples[f"{scheme}/{path}"].append(result)
     summary: dict[str, Any] = {}
