@@ -26,12 +26,12 @@ from typing import Any
 from bench import benchlib as bl
 
 BENCHES = ["producer_save", "transfer", "scheduler_cost", "prefetch", "memory", "gil", "promise_pickup",
-           "gpu_check", "e2e"]
+           "poll_sockets", "gpu_check", "e2e"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
-            "gpu_check": (300, 180), "e2e": (1500, 900)}
+            "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900)}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
 OPTIONAL = {"promise_pickup"}
 # Exit status 2 of gpu_check: no CUDA (a CPU dry run), reported "not run: no GPU", not a failure.
@@ -108,6 +108,14 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
             rows.append(["1. producer: save_caches / ECExampleConnector save", f"{size} MiB",
                          f"{r['ratio_save_to_example_save']:.3f}x", "-", ""])
         goals["producer_save"] = ok
+
+    d = load(out_dir, "poll_sockets")
+    if d:
+        for case, r in d["summary"].items():
+            rows.append(["9b. promise wait: sockets per 1 s of 404 polls", case,
+                         f"{r['gets']['median']:.0f} GETs, {r['connections']['median']:.0f} connections, "
+                         f"{r['time_wait']['median']:.0f} TIME_WAIT; "
+                         f"{r.get('ms_per_404_vs_botocore', 1.0):.2f}x botocore's ms per 404", "1 connection", ""])
 
     d = load(out_dir, "transfer")
     if d:

@@ -181,6 +181,16 @@ class ECS3Config:
         default=10.0,
         metadata=_doc("Timeout waiting for data on an open connection per attempt.", min=0.01, max=3600.0),
     )
+    # read_timeout_s bounds each silence, not the whole: a server trickling a byte per
+    # read_timeout_s would hold a request, and one of max_concurrency slots, forever.
+    request_timeout_s: float = dataclasses.field(
+        default=120.0,
+        metadata=_doc(
+            "Total time one attempt of one S3 request may take (connect, send, answer, body); also the "
+            "longest wait for one of `max_concurrency` slots.",
+            min=0.1, max=3600.0,
+        ),
+    )
     max_attempts: int = dataclasses.field(
         default=4,
         metadata=_doc("Attempts per S3 request (throttling, 5xx and connection errors retry; 4xx never).", min=1, max=20),

@@ -154,3 +154,13 @@ def fault_proxy(s3_endpoint: S3Endpoint) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture(params=["direct", "botocore"])
+def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
+    """``make_store`` on each data path in turn (``data_path: direct``, ``botocore``)."""
+
+    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Store:
+        return make_store(endpoint_url, data_path=request.param, **overrides)
+
+    return make

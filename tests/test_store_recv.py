@@ -95,12 +95,15 @@ def test_keep_alive_reuses_one_connection() -> None:
 
 
 BAD_ANSWERS = {
-    "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n" + OK_BODY + b"\r\n0\r\n\r\n",
     # A length that covers the chunked framing: read by length, the framing would be data.
     "chunked with a length": b"HTTP/1.1 200 OK\r\nContent-Length: 1012\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n"
     + OK_BODY + b"\r\n0\r\n\r\n",
     "no length": b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\n\r\n" + OK_BODY,
+    # Identical, allowed by RFC 9110 8.6 but refused by llhttp (and so by aiohttp): typed.
     "two lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\ncontent-length: 1000\r\n\r\n" + OK_BODY,
+    "two different lengths": b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\ncontent-length: 999\r\n\r\n" + OK_BODY,
+    "superscript length": b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n" + OK_BODY,
+    "an upgrade": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n",
     "garbled status": b"HTTP/1.1 2OO OK\r\nContent-Length: 1000\r\n\r\n" + OK_BODY,
     "not http": b"SSH-2.0-OpenSSH_9.6\r\n\r\n",
     "bad header line": b"HTTP/1.1 200 OK\r\nContent-Length 1000\r\n\r\n" + OK_BODY,
@@ -237,8 +240,10 @@ def test_error_answers_are_read_however_framed(name: str) -> None:
                 assert got.status == 404
                 assert b"<Code>NoSuchKey</Code>" in await got.read_error_body(64 * 1024)
             assert loop.time() - started < 1.5  # ended by its framing, not by the read timeout
-            assert pool.in_use == 0 and pool.idle == 0
+            framed = name != "until close"
+            assert (pool.in_use, pool.idle) == (0, int(framed))  # a framed error body keeps its connection
             assert await fetch(pool) == OK_BODY
+            assert pool.opened == (1 if framed else 2)
 
     run(scenario())
 
@@ -254,5 +259,57 @@ def test_a_stalled_error_body_gives_what_came() -> None:
                 assert got.status == 503
                 assert await got.read_error_body(64 * 1024) == b"<Error><Code>SlowDown</Code>"
             assert pool.in_use == 0 and pool.idle == 0
+
+    run(scenario())
+
+
+LEGAL_ANSWERS = {
+    "chunked": b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\n\r\n3e8\r\n" + OK_BODY + b"\r\n0\r\n\r\n",
+    "chunked in pieces": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"64\r\n" + OK_BODY[i : i + 100] + b"\r\n" for i in range(0, 1000, 100)) + b"0\r\n\r\n",
+    "interim 100 and 103": b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK,
+}
+
+
+@pytest.mark.parametrize("name", sorted(LEGAL_ANSWERS))
+def test_legal_answers_are_read_and_keep_their_connection(name: str) -> None:
+    async def scenario() -> None:
+        async with serving([LEGAL_ANSWERS[name]], read_timeout_s=2.0) as (canned, pool):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for _ in range(3):
+                assert await fetch(pool) == OK_BODY
+            assert loop.time() - started < 1.5  # an interim answer is not waited on as the final one
+            assert (canned.connections, pool.idle) == (1, 1)
+
+    run(scenario())
+
+
+def test_many_404s_use_one_connection() -> None:
+    """A consumer polls a promised blob with GETs that meet 404 until it is stored:
+    each 404 must not cost a connection (and a TIME_WAIT socket, and over https a
+    handshake)."""
+    async def scenario() -> None:
+        async with serving([ERROR_ANSWERS["length"]] * 50 + [OK]) as (canned, pool):
+            for _ in range(50):
+                async with pool.get("/b-1/k", {"Host": "x"}, "GET", "k") as got:
+                    assert got.status == 404
+                    await got.read_error_body(64 * 1024)
+            assert await fetch(pool) == OK_BODY
+            assert (canned.connections, pool.opened) == (1, 1)
+
+    run(scenario())
+
+
+def test_an_error_body_over_its_bound_closes_the_connection() -> None:
+    big = b"HTTP/1.1 503 Slow Down\r\nContent-Length: 100000\r\n\r\n" + b"x" * 100_000
+
+    async def scenario() -> None:
+        async with serving([big, OK]) as (canned, pool):
+            async with pool.get("/b-1/k", {"Host": "x"}, "GET", "k") as got:
+                assert len(await got.read_error_body(1000)) == 1000
+            assert pool.idle == 0
+            assert await fetch(pool) == OK_BODY
+            assert pool.opened == 2
 
     run(scenario())

@@ -376,7 +376,9 @@ def test_cut_body_closes_its_connection(direct: Callable[..., S3Store], fault_pr
     assert pool.opened == 2 and (pool.in_use, pool.idle) == (0, 1)
 
 
-def test_error_answers_close_their_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+def test_error_answers_keep_their_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+    """A framed error answer is read to its end and its connection kept: a consumer
+    polling a promised blob meets a 404 per GET (issue 18 item 5)."""
     store = direct(fault_proxy.endpoint_url, max_attempts=1)
     pool = _recv_pool(store)
     for status, kind in ((403, AccessDenied), (503, StoreUnavailable), (400, StoreRequestError)):
@@ -384,7 +386,12 @@ def test_error_answers_close_their_connection(direct: Callable[..., S3Store], fa
         with pytest.raises(kind) as err:
             store.run(store.get_async("k"), timeout=30)
         assert err.value.status == status and err.value.code is not None
-        assert (pool.in_use, pool.idle) == (0, 0)
+        assert (pool.in_use, pool.idle) == (0, 1)
+    before = fault_proxy.counters.connections
+    for _ in range(20):  # SeaweedFS's own 404s
+        with pytest.raises(ObjectNotFound):
+            store.run(store.get_async("missing"), timeout=30)
+    assert fault_proxy.counters.connections == before and pool.opened == 1
 
 
 def test_cancelled_get_closes_its_socket_and_stops_writing(direct: Callable[..., S3Store]) -> None:

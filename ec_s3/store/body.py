@@ -1,7 +1,8 @@
 """Request and response bodies of the S3 store, without copies.
 
 Owns :class:`BufferChain` (bytes held in several buffers, sent as one body), the
-seekable reader botocore gets for it, and the CRC32 the store stores beside a blob.
+seekable reader botocore gets for it, the CRC32 the store stores beside a blob and the
+SHA-256 of a checksum header.
 Does not own sending, retrying or where a downloaded body is written (the caller's
 allocator decides; :mod:`ec_s3.store.client` does the I/O).
 """
@@ -9,12 +10,13 @@ allocator decides; :mod:`ec_s3.store.client` does the I/O).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["CHECKSUM_HEADERS", "Body", "BufferChain", "ChainReader", "crc32_of"]
+__all__ = ["CHECKSUM_HEADERS", "Body", "BufferChain", "ChainReader", "crc32_of", "sha256_of"]
 
 #: botocore's checksum fields and the headers that carry them on the wire.
 CHECKSUM_HEADERS = {
@@ -113,3 +115,14 @@ async def crc32_of(body: memoryview | BufferChain) -> int:
         return value
 
     return crc() if len(chain) < (1 << 20) else await asyncio.to_thread(crc)
+
+
+async def sha256_of(body: BufferChain) -> bytes:
+    """SHA-256 of the body (x-amz-checksum-sha256); large bodies off the loop thread."""
+    def digest() -> bytes:
+        h = hashlib.sha256()
+        for view in body.views:
+            h.update(view)
+        return h.digest()
+
+    return digest() if len(body) < (1 << 20) else await asyncio.to_thread(digest)

@@ -41,7 +41,7 @@ from ec_s3.config import ECS3Config, Secret
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
 from ec_s3.store.body import CHECKSUM_HEADERS as _CHECKSUM_HEADERS
-from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of
+from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of, sha256_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.connection import open_client, resolve_endpoint
 from ec_s3.store.errors import (
@@ -50,7 +50,9 @@ from ec_s3.store.errors import (
     CircuitOpen,
     IntegrityError,
     NoCredentials,
+    ObjectChanged,
     ObjectNotFound,
+    StoreBusy,
     StoreClosed,
     StoreConfigError,
     StoreError,
@@ -62,8 +64,10 @@ from ec_s3.store.errors import (
     to_store_error,
 )
 from ec_s3.store.multipart import put_multipart
+from ec_s3.store.ranges import BotocoreAnswer, check_answer
+from ec_s3.store.slots import Slots
 from ec_s3.store.tasks import all_or_none as _all_or_none
-from ec_s3.store.wire import DirectWire, GetAnswer, fill_from_chunks
+from ec_s3.store.wire import DirectWire, GetAnswer
 
 __all__ = [
     "AccessDenied",
@@ -76,6 +80,7 @@ __all__ = [
     "DELETE_BATCH",
     "IntegrityError",
     "NoCredentials",
+    "ObjectChanged",
     "ObjectInfo",
     "ObjectNotFound",
     "PutOutcome",
@@ -177,7 +182,7 @@ class S3Store:
         self._wire: DirectWire | None = None
         self._client_lock: asyncio.Lock | None = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
-        self._sem: asyncio.Semaphore | None = None
+        self._sem: Slots | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
         self._client_gone = False
@@ -293,7 +298,8 @@ class S3Store:
                 self._exit_stack = stack
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
-                self._sem = asyncio.Semaphore(min(self.config.max_concurrency, self.config.max_pool_connections))
+                self._sem = Slots(min(self.config.max_concurrency, self.config.max_pool_connections),
+                                  self.config.request_timeout_s)
                 self._client = client  # last: its being set means the store is ready
         return self._client
 
@@ -316,10 +322,12 @@ class S3Store:
             self.stats.requests += 1
             caller_error: Exception | None = None
             try:
-                async with self._sem:
+                async with self._sem.hold(op, key):
                     result = await fn(client)
                 self.breaker.success()
                 return result
+            except StoreBusy:
+                raise  # local saturation: a retry would queue again; not the store's fault
             except _CallerError as wrapped:
                 caller_error = wrapped.error
             except Exception as exc:  # noqa: BLE001 - every transport failure becomes a StoreError
@@ -417,7 +425,10 @@ class S3Store:
 
         The first request asks for the first part (``Range: bytes=0-<part-1>``); its
         ``Content-Range`` gives the object's size, so a blob up to one part costs one
-        round trip and a larger one fetches its remaining parts in parallel.
+        round trip and a larger one fetches its remaining parts in parallel, each with
+        ``If-Match`` of the first answer's ETag: an object replaced between two ranges
+        is never a blend. Then the whole GET restarts once, into the same buffer; a
+        second change (or another size) is :class:`ObjectChanged`.
         ``allocate(size)`` says where the bytes go (e.g. a shared-memory staging slot),
         so the body is copied once, from the socket to its final place.
         """
@@ -428,70 +439,92 @@ class S3Store:
                 return allocate(nbytes)
             except Exception as exc:  # noqa: BLE001 - the caller's, re-raised unchanged by _call
                 raise _CallerError(exc) from exc
-        part = self.config.multipart_part_bytes
-        holder: list[memoryview] = []
 
-        stored_crc: list[str] = []
+        holder: list[memoryview] = []
+        for attempt in (1, 2):
+            try:
+                out, stored_crc = await self._get_whole(key, alloc, holder)
+                break
+            except ObjectChanged:
+                if attempt == 2:
+                    raise
+        self.stats.bytes_downloaded += len(out)
+        if self.config.checksum_algorithm != "none" and stored_crc:
+            actual = f"{await crc32_of(out):08x}"
+            if actual != stored_crc:
+                self.stats.integrity_failures += 1
+                raise IntegrityError("GET", key, f"CRC32 {actual} != stored {stored_crc}")
+        return out
+
+    async def _get_whole(
+        self, key: str, alloc: Callable[[int], memoryview], holder: list[memoryview]
+    ) -> tuple[memoryview, str]:
+        """One pass of :meth:`get_async`: the object in ``holder[0]`` (allocated on the
+        first answer) and the CRC its writer stored."""
+        part = self.config.multipart_part_bytes
         # A blob is a whole number of MiB of tensor plus a small header: asking for one
         # part plus a header's worth keeps an N-part blob from needing one more request.
-        first_span = part + MAX_HEADER_BYTES
+        last = part + MAX_HEADER_BYTES - 1
+        seen: dict[str, str] = {}
 
-        def _place(length: int, total: int | None) -> memoryview:
-            if total is None:  # a 200 with the whole object (servers may ignore Range)
-                total = length
+        def _place(length: int, total: int) -> memoryview:
             if total > self.config.max_blob_bytes:
                 raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
             if not holder:
                 holder.append(alloc(total))
-            out = holder[0]
-            if len(out) != total:
-                raise StoreUnavailable("GET", key, "object size changed between attempts")
-            return out
+            if len(holder[0]) != total:
+                raise ObjectChanged("GET", key, f"object is {total} bytes now, was {len(holder[0])}")
+            return holder[0][:length]
 
         async def _first(client: Any) -> int:
-            async with self._open_range(client, key, 0, first_span - 1) as answer:
-                headers = answer.headers
-                stored_crc[:] = [headers.get(_CRC_HEADER, "")]
-                length = _content_length(headers, key)
-                out = _place(length, _content_range_total(headers.get("Content-Range")))
-                await answer.read_into(out[:length])
-                return length
+            async with self._open_range(client, key, 0, last) as answer:
+                span = check_answer(answer.status, answer.headers, 0, last, key)
+                seen.update(crc=answer.headers.get(_CRC_HEADER, ""), etag=answer.headers.get("ETag", ""))
+                if span.length is None:  # a 200 of unknown length (chunked): the whole object
+                    data = await answer.read_to_end(self.config.max_blob_bytes)
+                    _place(len(data), len(data))[:] = data
+                    return len(data)
+                await answer.read_into(_place(span.length, span.total or span.length))
+                return span.length
 
         first = await self._call("GET", key, _first)
         out = holder[0]
         if first < len(out):
+            etag = seen["etag"] or None
             await _all_or_none(
-                [self._get_range(key, out, start, min(start + part, len(out))) for start in range(first, len(out), part)]
+                [self._get_range(key, out, start, min(start + part, len(out)), etag) for start in range(first, len(out), part)]
             )
-        self.stats.bytes_downloaded += len(out)
-        if self.config.checksum_algorithm != "none" and stored_crc and stored_crc[0]:
-            actual = f"{await crc32_of(out):08x}"
-            if actual != stored_crc[0]:
-                self.stats.integrity_failures += 1
-                raise IntegrityError("GET", key, f"CRC32 {actual} != stored {stored_crc[0]}")
-        return out
+        return out, seen["crc"]
 
-    async def _get_range(self, key: str, out: memoryview, start: int, end: int) -> None:
+    async def _get_range(self, key: str, out: memoryview, start: int, end: int, etag: str | None) -> None:
         async def _get(client: Any) -> None:
-            async with self._open_range(client, key, start, end - 1) as answer:
-                total = _content_range_total(answer.headers.get("Content-Range"))
-                if total != len(out):
-                    raise StoreUnavailable("GET", key, f"object is {total} bytes now, was {len(out)}")
+            async with self._open_range(client, key, start, end - 1, etag) as answer:
+                span = check_answer(answer.status, answer.headers, start, end - 1, key)
+                if span.total != len(out):
+                    raise ObjectChanged("GET", key, f"object is {span.total} bytes now, was {len(out)}")
                 await answer.read_into(out[start:end])
 
-        await self._call("GET", key, _get)
+        try:
+            await self._call("GET", key, _get)
+        except StoreRequestError as exc:
+            if exc.status != 412:
+                raise
+            raise ObjectChanged("GET", key, "replaced between two ranges of one GET", status=412, code=exc.code) from exc
 
     @contextlib.asynccontextmanager
-    async def _open_range(self, client: Any, key: str, first: int, last: int) -> AsyncIterator[GetAnswer]:
+    async def _open_range(
+        self, client: Any, key: str, first: int, last: int, if_match: str | None = None
+    ) -> AsyncIterator[GetAnswer]:
         """``Range: bytes=first-last`` of ``key`` on this store's data path, its body
         unread; released on every way out."""
         if self._wire is not None:
-            async with self._wire.get(key, first, last) as answer:
+            async with self._wire.get(key, first, last, if_match) as answer:
                 yield answer
             return
-        resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+        condition = {"IfMatch": if_match} if if_match else {}
+        resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}", **condition)
         with _closing(resp["Body"]) as body:
-            yield _BotocoreAnswer(resp, body, key)
+            yield BotocoreAnswer(resp, body, key)
 
     async def delete_async(self, key: str) -> None:
         async def _delete(client: Any) -> None:
@@ -602,7 +635,7 @@ class S3Store:
             value = crc if crc is not None else await crc32_of(body)
             return {_CHECKSUM_HEADERS["ChecksumCRC32"]: base64.b64encode(value.to_bytes(4, "big")).decode()}
         if algo == "SHA256":
-            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await _sha256_of(body)).decode()}
+            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await sha256_of(body)).decode()}
         return None
 
 
@@ -618,47 +651,9 @@ def _closing(body: Any) -> Iterator[Any]:
         body.close()
 
 
-class _BotocoreAnswer(GetAnswer):
-    """aiobotocore's ``get_object`` answer as the direct path gives one: the headers
-    the store reads, and the body streamed into a buffer."""
-
-    def __init__(self, resp: dict[str, Any], body: Any, key: str) -> None:
-        self._body, self._key = body, key
-        self.headers = {
-            "Content-Length": str(resp["ContentLength"]),
-            "Content-Range": resp.get("ContentRange") or "",
-            _CRC_HEADER: str((resp.get("Metadata") or {}).get(CRC_METADATA_KEY, "")),
-        }
-
-    async def read_into(self, out: memoryview) -> None:
-        await fill_from_chunks(self._body.iter_chunks(1 << 20), out, self._key)
-
-
-def _content_range_total(value: str | None) -> int | None:
-    if not value or "/" not in value:
-        return None
-    total = value.rsplit("/", 1)[1]
-    return int(total) if total.isdigit() else None
 
 
 _CRC_HEADER = f"x-amz-meta-{CRC_METADATA_KEY}"
-
-
-async def _sha256_of(body: BufferChain) -> bytes:
-    def digest() -> bytes:
-        h = hashlib.sha256()
-        for view in body.views:
-            h.update(view)
-        return h.digest()
-
-    return digest() if len(body) < (1 << 20) else await asyncio.to_thread(digest)
-
-
-def _content_length(headers: Mapping[str, str], key: str) -> int:
-    value = headers.get("Content-Length", "")
-    if not value.isdigit():
-        raise StoreUnavailable("GET", key, "answer without a Content-Length")
-    return int(value)
 
 
 def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:

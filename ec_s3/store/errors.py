@@ -28,9 +28,11 @@ __all__ = [
     "CircuitOpen",
     "IntegrityError",
     "NoCredentials",
+    "ObjectChanged",
     "ObjectNotFound",
     "StoreClosed",
     "StoreConfigError",
+    "StoreBusy",
     "StoreError",
     "StoreRequestError",
     "StoreTimeout",
@@ -130,6 +132,12 @@ class StoreUnreachable(StoreUnavailable):
     proxy failure, or no pooled connection free in time."""
 
 
+class StoreBusy(StoreUnavailable):
+    """Not sent: no request slot (``max_concurrency``) came free within
+    ``request_timeout_s``; the slots are held by slow requests. Not retried (a retry
+    would queue again) and not counted by the circuit breaker."""
+
+
 class TLSError(StoreUnreachable):
     """The TLS handshake failed: a wrong scheme or port, or an untrusted certificate.
 
@@ -148,6 +156,11 @@ class CircuitOpen(StoreUnavailable):
 
 class StoreClosed(StoreError):
     """The store was closed."""
+
+
+class ObjectChanged(StoreError):
+    """The object was replaced (or resized) between the ranges of one GET: a later
+    range's ``If-Match`` got 412. Not transient: the caller encodes for itself."""
 
 
 class IntegrityError(StoreError):

@@ -11,14 +11,18 @@ aiohttp GET, 1.2-1.5x faster).
 Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint (``http://``,
 or ``https://`` with the caller's SSL context: asyncio's TLS transport decrypts into
 the protocol's buffer) with at most ``limit`` open, a bounded wait for one and idle ones
-closed after ``keepalive_s``; the connect and per-read timeouts; parsing a response
-head (status line, headers case-insensitive, at most 64 KiB); and the body's framing:
-a 200/206 needs exactly one ``Content-Length`` and no ``Transfer-Encoding``, an error
-answer's body is read however it comes, up to a bound. A connection is reused only
-after a whole, well-formed response; anything else (a short, long or chunked body, a
-parse error, a timeout, an error answer, the caller's exception, cancellation) aborts
-it, so no byte of a later response can land in an earlier caller's buffer. A reused
-connection that the server closed before answering (an idle keep-alive it timed out)
+closed after ``keepalive_s``; the connect and per-read timeouts; feeding each answer's
+bytes to its parser (:mod:`.http1`, llhttp) until the final head is in (interim 1xx
+skipped, at most 64 KiB), then the body: one of known length straight into the caller's
+buffer, never seen by the parser; a chunked one through the parser; an error answer's
+through the parser into a small buffer, up to a bound. A 200/206 with neither a
+``Content-Length`` nor chunked framing is refused (read to the close, a cut body would
+look whole). A connection is reused only after a whole answer read to its framed end,
+error answers included (a consumer polling a promised blob gets a 404 per GET: one
+connection, not one per poll); anything else (a short, long or unframed body, a parse
+error, a timeout, an unread body, cancellation mid-body) aborts it, so no byte of a
+later answer can land in an earlier caller's buffer. A reused connection that the
+server closed before answering (an idle keep-alive it timed out)
 is retried once on a fresh one: a GET is idempotent.
 
 Does not own: the SSL context (verification) and proxies (through a proxy the caller
@@ -32,19 +36,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from multidict import CIMultiDict, CIMultiDictProxy
-
 from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, tls_error
+from ec_s3.store.http1 import Answer, HTTPProtocolError
 
 __all__ = ["RecvAnswer", "RecvPool"]
 
-# A response head longer than this is not S3's; refusing it bounds the scratch buffer.
+# A response head longer than this is not S3's (interim answers included).
 MAX_HEAD_BYTES = 64 * 1024
 _HEAD_READ = 4096
+# A body the parser reads (chunked, an error answer's) comes through a buffer this big.
+_FRAMED_READ = 64 * 1024
 
 
 class _Fault(Exception):
@@ -58,11 +63,12 @@ class _Fault(Exception):
 
 class _Conn(asyncio.BufferedProtocol):
     """One keep-alive connection. States: ``idle`` (between exchanges: any byte is a
-    protocol error), ``head`` (reading a response head into the scratch buffer),
-    ``paused`` (head in, socket reading paused until the caller names the body's
-    destination), ``body`` (the kernel writes into the caller's buffer), ``raw`` (an
-    error answer's body, into a small buffer of its own), ``closed`` (aborted or lost:
-    nothing is written into a caller's buffer any more)."""
+    protocol error), ``head`` (the answer's bytes go to the parser until its final head
+    is in), ``paused`` (head in, socket reading paused until the caller says where the
+    body goes), ``body`` (the kernel writes into the caller's buffer; the parser never
+    sees these bytes), ``framed`` (the parser reads the body, chunked or an error
+    answer's, and hands it to a sink), ``closed`` (aborted or lost: nothing is written
+    into a caller's buffer any more)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, read_timeout_s: float) -> None:
         self._loop = loop
@@ -73,11 +79,11 @@ class _Conn(asyncio.BufferedProtocol):
         self.exchanges = 0
         self.last_used = loop.time()
         self._state = "idle"
-        self._scratch = bytearray(MAX_HEAD_BYTES)
+        self._scratch = bytearray(_FRAMED_READ)
+        self._answer = Answer()
         self._hlen = 0
         self._out: memoryview | None = None
         self._pos = 0
-        self._until: bytes | None = None
         self._waiter: asyncio.Future[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_read = 0.0
@@ -87,13 +93,13 @@ class _Conn(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._state in ("body", "raw") and self._out is not None:
+        if self._state == "body" and self._out is not None:
             return self._out[self._pos :]
         if self._state == "head":
             # A few KiB at a time: a head is ~0.5 KiB, and the body bytes read along
             # with it are the only ones copied (into ``early``), so keep them few.
-            return memoryview(self._scratch)[self._hlen : self._hlen + _HEAD_READ]
-        return memoryview(self._scratch)  # idle: whatever comes is an error (buffer_updated)
+            return memoryview(self._scratch)[:_HEAD_READ]
+        return memoryview(self._scratch)  # framed, or idle: whatever comes is an error
 
     def buffer_updated(self, nbytes: int) -> None:
         self._last_read = self._loop.time()
@@ -102,20 +108,8 @@ class _Conn(asyncio.BufferedProtocol):
             if self._out is not None and self._pos >= len(self._out):
                 self._state = "idle"
                 self._finish(None)
-        elif self._state == "raw":
-            self._pos += nbytes
-            tail = bytes(self._out[max(0, self._pos - nbytes - 8) : self._pos]) if self._out is not None else b""
-            if self._out is None or self._pos >= len(self._out) or (self._until is not None and self._until in tail):
-                self._state = "idle"
-                self._finish(None)
-        elif self._state == "head":
-            start = max(0, self._hlen - 3)
-            self._hlen += nbytes
-            end = self._scratch.find(b"\r\n\r\n", start, self._hlen)
-            if end >= 0:
-                self._head_done(end)
-            elif self._hlen >= MAX_HEAD_BYTES:
-                self._fail(_Fault(f"answer head over {MAX_HEAD_BYTES} bytes"))
+        elif self._state in ("head", "framed"):
+            self._parse(nbytes)
         elif self._state != "closed":
             self._fail(_Fault("bytes arrived outside of an answer"))
 
@@ -132,23 +126,24 @@ class _Conn(asyncio.BufferedProtocol):
         self._fail(_Fault(f"connection {reason} {where}", stale=stale), close=False)
 
     # -- driven by the pool --------------------------------------------------------------
-    async def exchange(self, request: bytes) -> tuple[int, str, CIMultiDictProxy[str], bytes]:
-        """Send ``request`` and wait for the answer's head: (status, reason, headers,
-        the body bytes that came with the head)."""
+    async def exchange(self, request: bytes) -> Answer:
+        """Send ``request`` and wait for the answer's final head (interim 1xx skipped)."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise _Fault("connection closed while idle", stale=self.exchanges > 0)
         self.reusable = False
+        self._answer = Answer()
         self._state, self._hlen, self._pos, self._out = "head", 0, 0, None
         self._waiter = self._loop.create_future()
         self.transport.write(request)
         self._arm()
         return await self._waiter  # type: ignore[no-any-return]
 
-    async def read_body(self, out: memoryview, early: bytes) -> None:
-        """Fill ``out`` (the whole rest of the body): first the bytes that came with the
-        head, then the kernel writes the rest in place."""
+    async def read_body(self, out: memoryview) -> None:
+        """Fill ``out`` (the whole rest of a body of known length): first the bytes
+        that came with the head, then the kernel writes the rest in place."""
         if self.closed or self.transport is None:
             raise _Fault("connection closed before the body")
+        early = self._answer.early
         n = min(len(early), len(out))
         out[:n] = early[:n]
         if n >= len(out):
@@ -156,26 +151,33 @@ class _Conn(asyncio.BufferedProtocol):
             self.transport.resume_reading()  # idle: notice the server closing it
             return
         self._out, self._pos, self._state = out, n, "body"
-        self._waiter = self._loop.create_future()
-        self.transport.resume_reading()
-        self._arm()
-        await self._waiter
+        await self._wait_reading()
 
-    async def read_raw(self, early: bytes, limit: int, until: bytes | None) -> bytes:
-        """Up to ``limit`` bytes, ending early once ``until`` has come; whatever
-        arrived when the server closed or went quiet."""
-        buf = bytearray(limit)
-        n = min(len(early), limit)
-        buf[:n] = early[:n]
-        if n >= limit or (until is not None and until in early) or self.closed or self.transport is None:
-            return bytes(buf[:n])
-        self._out, self._pos, self._state, self._until = memoryview(buf), n, "raw", until
-        self._waiter = self._loop.create_future()
-        self.transport.resume_reading()
-        self._arm()
-        with contextlib.suppress(_Fault):
-            await self._waiter
-        return bytes(buf[: self._pos])
+    async def read_framed(self, sink: Callable[[bytes], bool]) -> bool:
+        """Hand the body, as the parser reads it, to ``sink`` until its end; True when
+        it ended by its framing. ``sink`` returns False to stop early (the connection
+        is then aborted). A close or a quiet server raises :class:`_Fault`."""
+        answer = self._answer
+        if answer.early and not sink(bytes(answer.early)):
+            self.abort()
+            return False
+        answer.early.clear()
+        if answer.complete or answer.framing == "none":
+            self._state = "idle"
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()  # idle: notice the server closing it
+            return True
+        if self.closed or self.transport is None:
+            raise _Fault("connection closed before the body")
+
+        def feed(data: bytes) -> None:
+            if not sink(data):
+                self._fail(_Fault("body over its bound"))
+
+        answer.sink = feed
+        self._state = "framed"
+        await self._wait_reading()
+        return True
 
     def abort(self) -> None:
         self.reusable = False
@@ -187,19 +189,35 @@ class _Conn(asyncio.BufferedProtocol):
             self.transport.abort()  # stops reading at once, before returning
 
     # -- internals -----------------------------------------------------------------------
-    def _head_done(self, end: int) -> None:
-        try:
-            status, reason, headers, keep_alive = _parse_head(bytes(self._scratch[:end]))
-        except ValueError as exc:
-            self._fail(_Fault(f"malformed answer head: {exc}"))
-            return
-        early = bytes(self._scratch[end + 4 : self._hlen])
-        self.reusable = keep_alive
-        self._state = "paused"
-        self._disarm()  # the caller, not the server, is what we wait for now
+    async def _wait_reading(self) -> None:
         assert self.transport is not None
-        self.transport.pause_reading()
-        self._finish((status, reason, headers, early))
+        self._waiter = self._loop.create_future()
+        self.transport.resume_reading()
+        self._arm()
+        await self._waiter
+
+    def _parse(self, nbytes: int) -> None:
+        head = self._state == "head"
+        self._hlen += nbytes
+        try:
+            self._answer.feed(memoryview(self._scratch)[:nbytes])
+        except HTTPProtocolError as exc:
+            self._fail(_Fault(f"malformed answer: {exc}"))
+            return
+        if self._state == "closed":
+            return  # a sink stopped it
+        if head and self._answer.head_done:
+            self.reusable = self._answer.keep_alive
+            self._state = "paused"
+            self._disarm()  # the caller, not the server, is what we wait for now
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self._finish(self._answer)
+        elif head and self._hlen >= MAX_HEAD_BYTES:
+            self._fail(_Fault(f"answer head over {MAX_HEAD_BYTES} bytes"))
+        elif not head and self._answer.complete:
+            self._state = "idle"
+            self._finish(None)
 
     def _arm(self) -> None:
         self._last_read = self._loop.time()
@@ -215,7 +233,7 @@ class _Conn(asyncio.BufferedProtocol):
         # One timer per read_timeout, not one per received chunk: each chunk only
         # stamps _last_read, and the timer re-arms itself for the remaining time.
         self._timer = None
-        if self._state not in ("head", "body", "raw"):
+        if self._state not in ("head", "body", "framed"):
             return
         due = self._last_read + self._read_timeout
         if self._loop.time() >= due:
@@ -240,68 +258,86 @@ class _Conn(asyncio.BufferedProtocol):
             waiter.set_exception(fault)
 
 
-def _parse_head(raw: bytes) -> tuple[int, str, CIMultiDictProxy[str], bool]:
-    """Status, reason, headers and whether the connection may be kept, of an HTTP/1.x
-    answer head (without its blank line). ValueError when it is not well-formed."""
-    lines = raw.split(b"\r\n")
-    version, _, rest = lines[0].partition(b" ")
-    code, _, reason = rest.partition(b" ")
-    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
-        raise ValueError(f"status line {lines[0][:80]!r}")
-    headers: CIMultiDict[str] = CIMultiDict()
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise ValueError(f"header line {line[:80]!r}")
-        headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
-    connection = headers.get("Connection", "").lower()
-    keep_alive = version == b"HTTP/1.1" and "close" not in connection
-    return int(code), reason.decode("latin-1"), CIMultiDictProxy(headers), keep_alive
-
-
 class RecvAnswer:
-    """A response head; :meth:`read_into` reads its body into the caller's buffer."""
+    """A response's final head; :meth:`read_into` reads its body into the caller's buffer."""
 
-    def __init__(
-        self, conn: _Conn, op: str, key: str, status: int, reason: str, headers: CIMultiDictProxy[str], early: bytes
-    ) -> None:
+    def __init__(self, conn: _Conn, op: str, key: str, parsed: Answer) -> None:
         self._conn, self._op, self._key = conn, op, key
-        self.status, self.reason, self.headers = status, reason, headers
-        self._early = early
+        self.status, self.reason, self.headers = parsed.status, parsed.reason, parsed.headers
+        self.framing = parsed.framing
+        self.content_length = parsed.content_length
         self.complete = False
-        self._chunked = "Transfer-Encoding" in headers
-        lengths = headers.getall("Content-Length", [])
-        self.content_length = int(lengths[0]) if len(lengths) == 1 and lengths[0].isdigit() else None
-        if status not in (200, 206):
-            return  # an error answer's body is read as it comes (read_error_body), then dropped
-        if self._chunked:
-            raise StoreUnavailable(op, key, f"unexpected Transfer-Encoding {headers['Transfer-Encoding']!r}")
-        if self.content_length is None:
-            raise StoreUnavailable(op, key, f"answer needs exactly one Content-Length, got {lengths!r}")
-        if len(early) > self.content_length:
-            raise StoreUnavailable(op, key, "answer longer than its Content-Length")
+        if self.status in (200, 206) and self.framing not in ("length", "chunked"):
+            # Read to the close, a cut body would look whole: refuse it.
+            raise StoreUnavailable(op, key, "answer has neither a Content-Length nor chunked framing")
 
     async def read_into(self, out: memoryview) -> None:
-        """Fill ``out`` with the whole body of a 200/206; ``len(out)`` must be its Content-Length."""
-        if self.status not in (200, 206) or len(out) != self.content_length:
-            raise StoreUnavailable(self._op, self._key, f"body is {self.content_length} bytes, buffer {len(out)}")
+        """Fill ``out`` with the whole body of a 200/206: ``len(out)`` must be its
+        length. A body of known length is written in place by the kernel; a chunked
+        one comes through the parser (copied)."""
         if out.format != "B" or out.ndim != 1:
             out = out.cast("B")
+        if self.status not in (200, 206) or (self.framing == "length" and len(out) != self.content_length):
+            raise StoreUnavailable(self._op, self._key, f"body is {self.content_length} bytes, buffer {len(out)}")
+        pos = 0
+
+        def into(data: bytes) -> bool:
+            nonlocal pos
+            end = pos + len(data)
+            if end > len(out):
+                return False
+            out[pos:end] = data
+            pos = end
+            return True
+
         try:
-            await self._conn.read_body(out, self._early)
+            if self.framing == "length":
+                await self._conn.read_body(out)
+            elif not await self._conn.read_framed(into):
+                raise _Fault("body longer than expected")
+        except _Fault as fault:
+            raise _typed(self._op, self._key, fault) from None
+        if pos != len(out) and self.framing == "chunked":
+            raise StoreUnavailable(self._op, self._key, f"chunked body of {pos} bytes, expected {len(out)}")
+        self.complete = True
+
+    async def read_to_end(self, limit: int) -> bytes:
+        """The whole body of a 200 of unknown length (chunked), at most ``limit`` bytes."""
+        if self.content_length is not None:
+            if self.content_length > limit:
+                raise StoreUnavailable(self._op, self._key, f"body of {self.content_length} bytes over {limit}")
+            out = bytearray(self.content_length)
+            await self.read_into(memoryview(out))
+            return bytes(out)
+        body = bytearray()
+
+        def collect(data: bytes) -> bool:
+            body.extend(data)
+            return len(body) <= limit
+
+        try:
+            if not await self._conn.read_framed(collect):
+                raise _Fault(f"body over {limit} bytes")
         except _Fault as fault:
             raise _typed(self._op, self._key, fault) from None
         self.complete = True
+        return bytes(body)
 
     async def read_error_body(self, limit: int) -> bytes:
-        """Up to ``limit`` bytes of an error answer's body, however it is framed (S3
-        sends some errors chunked): what came before the end, a timeout or a close.
-        Raw: a chunked body keeps its size lines. The connection is closed after."""
-        self._conn.reusable = False
-        if self._chunked:
-            return await self._conn.read_raw(self._early, limit, b"0\r\n\r\n")
-        size = limit if self.content_length is None else min(self.content_length, limit)
-        return await self._conn.read_raw(self._early, size, None)
+        """Up to ``limit`` bytes of an error answer's body, as its framing says; what
+        came before a close or a timeout. The connection is kept only when the body
+        was framed (a length, chunked or none) and read to its end within ``limit``:
+        a consumer polling a promised blob meets a 404 per GET."""
+        body = bytearray()
+
+        def keep(data: bytes) -> bool:
+            body.extend(data[: limit - len(body)])
+            return len(body) < limit
+
+        with contextlib.suppress(_Fault):
+            ended = await self._conn.read_framed(keep)
+            self.complete = ended and self.framing != "close"
+        return bytes(body)
 
 
 def _typed(op: str, key: str, fault: _Fault) -> StoreError:
@@ -363,23 +399,21 @@ class RecvPool:
         except TimeoutError:
             raise StoreUnreachable(op, key, "timed out waiting for a pooled connection") from None
         conn: _Conn | None = None
+        answer: RecvAnswer | None = None
         try:
             conn, answer = await self._exchange(request.encode("latin-1"), op, key)
             yield answer
-        except BaseException:
-            if conn is not None:
-                conn.abort()
-            raise
-        else:
-            assert conn is not None
-            if answer.complete and conn.reusable and not conn.closed:
-                conn.last_used = asyncio.get_running_loop().time()
-                self._idle.append(conn)
-            else:
-                conn.abort()  # an unread or partly read body: its bytes would poison the next answer
         finally:
             if conn is not None:
                 self._busy.discard(conn)
+                # Kept only after a whole answer, read to its framed end (an error
+                # answer's too, even when the caller then raises its typed error):
+                # any unread byte would poison the next answer.
+                if answer is not None and answer.complete and conn.reusable and not conn.closed:
+                    conn.last_used = asyncio.get_running_loop().time()
+                    self._idle.append(conn)
+                else:
+                    conn.abort()
             self._slots.release()
 
     async def _exchange(self, request: bytes, op: str, key: str) -> tuple[_Conn, RecvAnswer]:
@@ -390,9 +424,9 @@ class RecvPool:
                 conn = await self._connect(op, key)
             self._busy.add(conn)
             try:
-                status, reason, headers, early = await conn.exchange(request)
+                parsed = await conn.exchange(request)
                 conn.exchanges += 1
-                return conn, RecvAnswer(conn, op, key, status, reason, headers, early)
+                return conn, RecvAnswer(conn, op, key, parsed)
             except _Fault as fault:
                 conn.abort()
                 self._busy.discard(conn)

@@ -52,7 +52,7 @@ from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable, f
 from ec_s3.store.recv import RecvAnswer, RecvPool
 from ec_s3.store.tls import Trust, ssl_context
 
-__all__ = ["DirectWire", "GetAnswer", "fill_from_chunks", "object_url"]
+__all__ = ["DirectWire", "GetAnswer", "collect_chunks", "fill_from_chunks", "object_url"]
 
 # aiobotocore's keep-alive (its DEFAULT_KEEPALIVE_TIMEOUT): idle pooled connections
 # close after this, before a server's own idle timeout can race a reuse.
@@ -223,9 +223,10 @@ class DirectWire:
             return resp.headers
 
     @contextlib.asynccontextmanager
-    async def get(self, key: str, first: int, last: int) -> AsyncIterator[GetAnswer]:
-        """A 200/206 answer to ``Range: bytes=first-last``, its body unread; released on exit."""
-        headers = {"Range": f"bytes={first}-{last}"}
+    async def get(self, key: str, first: int, last: int, if_match: str | None = None) -> AsyncIterator[GetAnswer]:
+        """A 200/206 answer to ``Range: bytes=first-last`` (with ``If-Match: if_match``
+        when given), its body unread; released on exit."""
+        headers = {"Range": f"bytes={first}-{last}", **({"If-Match": if_match} if if_match else {})}
         if self._recv is None:
             async with self._request("GET", "GET", key, headers) as resp:
                 yield _AiohttpAnswer(resp, key)
@@ -293,32 +294,44 @@ async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
 
 
 class GetAnswer:
-    """A GET's answer, either path: its headers, and its body read into a buffer."""
+    """A GET's answer, either path: its status and headers, and its body read into a buffer."""
 
+    status: int
     headers: Mapping[str, str]
 
     async def read_into(self, out: memoryview) -> None:
-        """Fill ``out`` with the whole body (``len(out)`` is its Content-Length); a
-        short or long body is a transient error."""
+        """Fill ``out`` with the whole body (``len(out)`` is its length); a short or
+        long body is a transient error."""
+        raise NotImplementedError
+
+    async def read_to_end(self, limit: int) -> bytes:
+        """The whole body of an answer of unknown length (a chunked 200); over
+        ``limit`` bytes is a transient error."""
         raise NotImplementedError
 
 
 class _RecvGetAnswer(GetAnswer):
     def __init__(self, answer: RecvAnswer) -> None:
         self._answer = answer
-        self.headers = answer.headers
+        self.status, self.headers = answer.status, answer.headers
 
     async def read_into(self, out: memoryview) -> None:
         await self._answer.read_into(out)
+
+    async def read_to_end(self, limit: int) -> bytes:
+        return await self._answer.read_to_end(limit)
 
 
 class _AiohttpAnswer(GetAnswer):
     def __init__(self, resp: aiohttp.ClientResponse, key: str) -> None:
         self._resp, self._key = resp, key
-        self.headers = resp.headers
+        self.status, self.headers = resp.status, resp.headers
 
     async def read_into(self, out: memoryview) -> None:
         await fill_from_chunks(_chunks(self._resp), out, self._key)
+
+    async def read_to_end(self, limit: int) -> bytes:
+        return await collect_chunks(_chunks(self._resp), limit, self._key)
 
 
 async def _recv_error(op: str, key: str, answer: RecvAnswer) -> StoreError:
@@ -363,3 +376,14 @@ async def fill_from_chunks(chunks: AsyncIterator[bytes], out: memoryview, key: s
         pos = end
     if pos != size:
         raise StoreUnavailable("GET", key, f"body ended after {pos} of {size} bytes")
+
+
+async def collect_chunks(chunks: AsyncIterator[bytes], limit: int, key: str) -> bytes:
+    """A streamed body of unknown length (a chunked answer), joined; more than
+    ``limit`` bytes is a transient error."""
+    data = bytearray()
+    async for chunk in chunks:
+        data += chunk
+        if len(data) > limit:
+            raise StoreUnavailable("GET", key, f"body of unknown length over {limit} bytes")
+    return bytes(data)

@@ -1,0 +1,108 @@
+"""What a ranged GET answer must say: its status, Content-Length and Content-Range checked against the range asked.
+
+Why: a 206 whose ``Content-Range`` is not the range that was asked for (a cache or
+gateway that answers another slice) would otherwise land in the caller's buffer as
+if it were the asked bytes; every ranged answer of either data path is checked here
+before a byte of its body is read. Numbers are ASCII digits only (``str.isdigit``
+accepts ``²``, which ``int`` then refuses with an untyped ValueError).
+
+Owns: parsing ``Content-Length`` and ``Content-Range`` strictly, the rule that turns an
+answer's status and those headers into a :class:`Span` or a typed
+:class:`~.errors.StoreUnavailable`, and the adapter that gives aiobotocore's
+``get_object`` answer the shape of the direct path's (:class:`BotocoreAnswer`).
+Does not own sending the requests (:mod:`.wire`, the aiobotocore client), retries and
+the order of the ranges of one GET (:mod:`.client`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ec_s3.store.errors import StoreUnavailable
+from ec_s3.store.wire import GetAnswer, collect_chunks, fill_from_chunks
+
+__all__ = ["BotocoreAnswer", "Span", "check_answer", "parse_content_length", "parse_content_range"]
+
+_LENGTH_RE = re.compile(r"[0-9]{1,19}")
+_RANGE_RE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)")
+
+
+def parse_content_length(value: str | None) -> int | None:
+    """The length a ``Content-Length`` value says; None when absent or not a number.
+    Identical repeated values (``5, 5``, allowed by RFC 9110) are one length."""
+    if value is None:
+        return None
+    values = {v.strip() for v in value.split(",")}
+    if len(values) != 1:
+        return None
+    (only,) = values
+    return int(only) if _LENGTH_RE.fullmatch(only) else None
+
+
+def parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """(first, last, total) of a ``bytes first-last/total`` value (total None for
+    ``*``); None when absent or malformed."""
+    match = _RANGE_RE.fullmatch((value or "").strip())
+    if match is None:
+        return None
+    total = None if match.group(3) == "*" else int(match.group(3))
+    return int(match.group(1)), int(match.group(2)), total
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """What an accepted answer carries: ``length`` body bytes (None: a 200 of unknown
+    length, read to its end), of an object of ``total`` bytes (None when unknown)."""
+
+    length: int | None
+    total: int | None
+
+
+def check_answer(status: int, headers: Mapping[str, str], first: int, last: int, key: str) -> Span:
+    """The span of an answer to ``Range: bytes=first-last``, or a typed error when the
+    answer is not that range: a 206 must name exactly ``first`` to ``min(last,
+    total - 1)`` and carry as many bytes; a 200 (a server that ignores Range: the whole
+    object) is only the asked bytes when the range starts at 0."""
+    raw_length = headers.get("Content-Length")
+    length = parse_content_length(raw_length)
+    if raw_length is not None and length is None:
+        raise StoreUnavailable("GET", key, f"malformed Content-Length {raw_length[:40]!r}")
+    if status == 200:
+        if first != 0:
+            raise StoreUnavailable("GET", key, f"asked bytes {first}-{last}, answered the whole object (200)")
+        return Span(length, length)
+    if status != 206:
+        raise StoreUnavailable("GET", key, f"unexpected status {status} to a ranged GET")
+    raw_range = headers.get("Content-Range")
+    parsed = parse_content_range(raw_range)
+    if parsed is None or parsed[2] is None:
+        raise StoreUnavailable("GET", key, f"206 with a malformed Content-Range {(raw_range or '')[:60]!r}")
+    start, end, total = parsed
+    if start != first or end != min(last, total - 1) or end < start:
+        raise StoreUnavailable("GET", key, f"asked bytes {first}-{last}, answered {raw_range!r}")
+    if length is not None and length != end - start + 1:
+        raise StoreUnavailable("GET", key, f"Content-Range {raw_range!r} with Content-Length {length}")
+    return Span(end - start + 1, total)
+
+
+class BotocoreAnswer(GetAnswer):
+    """aiobotocore's ``get_object`` answer as the direct path gives one: status, the
+    headers the store reads, and the body streamed into a buffer."""
+
+    def __init__(self, resp: Mapping[str, Any], body: Any, key: str) -> None:
+        self._body, self._key = body, key
+        self.status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        headers = {"Content-Range": resp.get("ContentRange") or "", "ETag": resp.get("ETag") or ""}
+        if resp.get("ContentLength") is not None:  # absent on a chunked answer
+            headers["Content-Length"] = str(resp["ContentLength"])
+        headers.update({f"x-amz-meta-{k}": str(v) for k, v in (resp.get("Metadata") or {}).items()})
+        self.headers = headers
+
+    async def read_into(self, out: memoryview) -> None:
+        await fill_from_chunks(self._body.iter_chunks(1 << 20), out, self._key)
+
+    async def read_to_end(self, limit: int) -> bytes:
+        return await collect_chunks(self._body.iter_chunks(1 << 20), limit, self._key)

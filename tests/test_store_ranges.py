@@ -1,0 +1,110 @@
+"""A GET takes exactly the bytes it asked for, or fails typed, on both data paths.
+
+Against a scripted raw server (tests/support/scripted_http.py): a 206 of another range,
+malformed numbers. Against SeaweedFS: a blob replaced between the ranges of one GET is
+never a blend (``If-Match``). Legal but unusual HTTP/1.1 answers: tests/test_store_http1.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import boto3
+import pytest
+
+from ec_s3.config import ECS3Config
+from ec_s3.store.client import S3Store
+from ec_s3.store.errors import ObjectChanged, StoreError, StoreUnavailable
+from ec_s3.store.ranges import check_answer, parse_content_length, parse_content_range
+from tests.support.scripted_http import ScriptedHTTP, answer, get_bytes, header
+
+BODY = b"hello world!"  # 12 bytes
+MiB = 1 << 20
+
+
+PARTIAL = b"206 Partial Content"
+WRONG_ANSWERS = {
+    # asked 0-..., answered the second half: the bytes 6-11 taken as 0-5 (issue 18 item 3)
+    "another range": answer(PARTIAL, [b"Content-Range: bytes 6-11/12", b"Content-Length: 6"], BODY[6:]),
+    "a shorter range": answer(PARTIAL, [b"Content-Range: bytes 0-5/12", b"Content-Length: 6"], BODY[:6]),
+    "no Content-Range": answer(PARTIAL, [b"Content-Length: 12"], BODY),
+    "range and length disagree": answer(PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 11"], BODY[:11]),
+    # str.isdigit() accepts ² and int() then raises an untyped ValueError
+    "superscript total": answer(PARTIAL, ["Content-Range: bytes 0-11/1²".encode("latin-1"), b"Content-Length: 12"], BODY),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
+def test_an_answer_that_is_not_the_asked_range_fails_typed(path_store: Callable[..., S3Store], name: str) -> None:
+    with ScriptedHTTP(lambda n, head: WRONG_ANSWERS[name]) as server:
+        store = path_store(server.url, max_attempts=1)
+        with pytest.raises(StoreError) as caught:
+            get_bytes(store)
+        assert isinstance(caught.value, StoreUnavailable), repr(caught.value)
+
+
+def test_parsers_take_ascii_digits_only() -> None:
+    assert parse_content_length("12") == 12
+    assert parse_content_length("12, 12") == 12
+    assert parse_content_length("12, 13") is None
+    assert parse_content_length("²") is None and parse_content_length("١٢") is None
+    assert parse_content_range("bytes 0-11/12") == (0, 11, 12)
+    assert parse_content_range("bytes 0-11/*") == (0, 11, None)
+    assert parse_content_range("bytes ٠-11/12") is None
+    with pytest.raises(StoreUnavailable):
+        check_answer(206, {"Content-Range": "bytes 1-12/13"}, 0, 12, "k")
+    with pytest.raises(StoreUnavailable):
+        check_answer(200, {"Content-Length": "12"}, 6, 11, "k")  # a later range answered whole
+
+
+# -- a blob replaced between the ranges of one GET, on SeaweedFS ------------------------------
+
+def _raw_client(config: ECS3Config) -> object:
+    assert config.access_key_id is not None and config.secret_access_key is not None
+    return boto3.client(
+        "s3", endpoint_url=config.endpoint_url, region_name="us-east-1",
+        aws_access_key_id=config.access_key_id.reveal(), aws_secret_access_key=config.secret_access_key.reveal(),
+    )
+
+
+def _replacing_allocator(config: ECS3Config, key: str, new: bytes) -> Callable[[int], memoryview]:
+    """An allocator that, once the first range has answered, overwrites the object (as a
+    second writer would) before the later ranges are asked for."""
+    def allocate(nbytes: int) -> memoryview:
+        _raw_client(config).put_object(Bucket=config.bucket, Key=key, Body=new)  # type: ignore[attr-defined]
+        return memoryview(bytearray(nbytes))
+
+    return allocate
+
+
+def test_a_blob_replaced_between_ranges_is_never_a_blend(path_store: Callable[..., S3Store]) -> None:
+    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+    old, new = b"a" * (12 * MiB), b"b" * (12 * MiB)
+    store.run(store.put_async("k", old), timeout=60)
+    got = store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", new)), timeout=60)
+    assert bytes(got) == new  # restarted once on the 412, the new object whole
+
+
+def test_a_blob_replaced_by_another_size_is_object_changed(path_store: Callable[..., S3Store]) -> None:
+    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+    store.run(store.put_async("k", b"a" * (12 * MiB)), timeout=60)
+    with pytest.raises(ObjectChanged):
+        store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", b"c" * (11 * MiB))), timeout=60)
+
+
+def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None:
+    total = 6 * MiB
+    data = bytes(range(256)) * (total // 256)
+
+    def script(n: int, head: bytes) -> bytes:
+        first, last = (int(v) for v in header(head, b"Range")[len(b"bytes="):].split(b"-"))  # type: ignore[index]
+        last = min(last, total - 1)
+        if n > 0 and header(head, b"If-Match") != b'"v1"':
+            return answer(b"400 Bad Request", [b"Content-Length: 0"], b"")
+        return answer(PARTIAL, [b"Content-Range: bytes %d-%d/%d" % (first, last, total),
+                                 b"Content-Length: %d" % (last - first + 1), b'ETag: "v1"'], data[first : last + 1])
+
+    with ScriptedHTTP(script) as server:
+        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        assert get_bytes(store) == data
+        assert len(server.requests) == 2
