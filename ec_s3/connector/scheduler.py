@@ -401,7 +401,7 @@ class ECS3Scheduler:
         if self._looking and not scheduler_output.total_num_scheduled_tokens:
             # The engine has nothing to run but our transfers, and its loop does not
             # sleep between steps: without this it would keep the GIL from the I/O
-            # thread that runs them (measured: 5-14x longer time-to-schedulable).
+            # thread that runs them (bench/scheduler_cost.py measures the difference).
             time.sleep(0)
         meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
         if self._loads:
