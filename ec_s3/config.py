@@ -271,6 +271,18 @@ class ECS3Config:
             min=0.0, max=600.0,
         ),
     )
+    # The worker's own fetch (a staged file it cannot read, or workers on another host)
+    # runs inside the model step: vLLM gathers the embedding right after. The step waits
+    # at most this long; the store's attempts (max_attempts) are its only retries.
+    remote_load_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_doc(
+            "Consumer: the longest a model step waits for a worker's own S3 fetch of a blob it cannot read from "
+            "staging (its only retries are the store's `max_attempts`); then the item is encoded in the step if the "
+            "request has media, else the load fails.",
+            min=0.1, max=600.0,
+        ),
+    )
     # 0: a producer's HEAD costs a round trip (bench/results/summary.md) on
     # every fresh image's critical path, to save an encoder run only for images another
     # producer (or an earlier run) already uploaded; the HEAD still runs, in the background,

@@ -84,6 +84,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_loads_encoded_locally_total": ("Promised hits a worker could not load and had vLLM encode in the same step instead.", "loads_encoded_locally"),
     "vllm:ec_s3_remote_loads_total": ("Blobs a worker on another host than its scheduler fetched from S3 itself.", "remote_loads"),
     "vllm:ec_s3_remote_load_failures_total": ("Such fetches that failed after their retries.", "remote_load_failures"),
+    "vllm:ec_s3_remote_load_seconds_total": (
+        "Time model steps waited for a worker's own S3 fetch (bounded per fetch by remote_load_timeout_s).",
+        "remote_load_seconds"),
     "vllm:ec_s3_promises_withheld_total": ("Producer: items sent without a promise because the store was down (circuit open).", "promises_withheld"),
     "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
