@@ -25,6 +25,7 @@ Owns the payload, its aggregation and the Prometheus families. Does not own the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
@@ -34,7 +35,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop
 from ec_s3.transfer.fsutil import ensure_private_dir
-from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter
+from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter, stats_dir
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -245,8 +246,7 @@ def open_stats_writer(
     one warning, when the shared directory cannot be used (metrics must never stop a
     worker)."""
     try:
-        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
-        writer = SharedStatsWriter(str(directory), stats_identity(vllm_config), counters)
+        writer = SharedStatsWriter(str(_stats_directory(config)), stats_identity(vllm_config), counters)
     except (OSError, ValueError) as exc:
         logger.warning(
             "ec-s3: worker counters (uploads, loads) will not reach /metrics: cannot write them to %s (%s); "
@@ -257,13 +257,20 @@ def open_stats_writer(
     return writer
 
 
-def open_stats_reader(config: ECS3Config, vllm_config: VllmConfig) -> SharedStatsReader | None:
-    """The scheduler side of the stats route; removes files dead workers left."""
+def open_stats_reader(config: ECS3Config, vllm_config: VllmConfig, loop: BackgroundLoop) -> SharedStatsReader | None:
+    """The scheduler side of the stats route, collecting on ``loop`` (never on the
+    engine thread); removes files dead workers left."""
     try:
-        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+        directory = _stats_directory(config)
     except (OSError, ValueError) as exc:
         logger.warning("ec-s3: worker counters will not reach /metrics: %s", exc)
         return None
     reader = SharedStatsReader(str(directory), stats_identity(vllm_config))
     reader.remove_dead()
+    reader.collect_periodically(loop)
     return reader
+
+
+def _stats_directory(config: ECS3Config) -> Path:
+    ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+    return ensure_private_dir(stats_dir(config.staging_dir), key="staging_dir")

@@ -128,7 +128,7 @@ class ECS3Scheduler:
         self._looking = 0  # lookups running on the I/O loop
         self._steps = 0
         self._retries_reported = 0
-        self._worker_stats = open_stats_reader(config, vllm_config)
+        self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
         describe_role("scheduler", vllm_config, config, model)
 
     # ------------------------------------------------------------------ admission
@@ -512,7 +512,7 @@ class ECS3Scheduler:
 
     def close(self) -> None:
         if self._worker_stats is not None:
-            self._worker_stats.remove_dead()
+            self._worker_stats.close()
         if self._staging is not None:
             self._staging.close()
         self._store.close(timeout=1.0)
