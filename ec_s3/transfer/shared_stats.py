@@ -57,8 +57,9 @@ _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 def stats_dir(staging_dir: str | os.PathLike[str]) -> Path:
     """The stats files' own directory under ``staging_dir``: listing it costs nothing
     however many other files (staging, other programs' in ``/dev/shm``) are beside it.
-    Per user, since ``staging_dir`` may be shared."""
-    return Path(staging_dir) / f"ec-s3-counters-{os.geteuid()}"
+    Per user, since ``staging_dir`` may be shared; not named ``ec-s3-*``, which is what
+    staging's clean-up of dead processes' directories looks at."""
+    return Path(staging_dir) / f".ec-s3-counters-{os.geteuid()}"
 
 
 def stats_file_prefix(engine_id: str) -> str:
