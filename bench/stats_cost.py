@@ -9,13 +9,12 @@ A writer flushes new counters every 20 ms throughout (but the stuck one), as a b
 worker would. Baseline in the same run: the same loop calling a function that does
 nothing (the timer's own cost under that load). Goal: p99 < 0.2 ms at every load.
 
-    .venv/bin/python bench/stats_cost.py [--quick] [--calls 2000]
+    .venv/bin/python -m bench.stats_cost [--quick] [--calls 2000]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
@@ -24,8 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import benchlib as bl  # noqa: E402
+from bench import benchlib as bl
 
 bl.setup_env()
 
