@@ -25,11 +25,12 @@ from typing import Any
 
 from bench import benchlib as bl
 
-BENCHES = ["producer_save", "transfer", "scheduler_cost", "prefetch", "memory", "gil", "promise_pickup",
-           "poll_sockets", "gpu_check", "e2e"]
+BENCHES = ["producer_save", "transfer", "scheduler_cost", "stats_cost", "prefetch", "memory", "gil",
+           "promise_pickup", "poll_sockets", "gpu_check", "e2e"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
+            "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
             "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900)}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
@@ -153,6 +154,14 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
                          f"all calls p99 {s['all_calls_us']['p99']:.0f} us, {s.get('p99_vs_0ms', float('nan')):.2f}x of 0 ms)",
                          "< 100 us", _yes(met)])
         goals["scheduler_cost"] = ok
+
+    d = load(out_dir, "stats_cost")
+    if d:
+        for name, r in d["loads"].items():
+            rows.append(["3. scheduler: stats call p99 (get_ec_connector_stats, every step)", name.replace("_", " "),
+                         f"{r['call_us']['p99']:.0f} us (empty call {r['baseline_us']['p99']:.0f} us)",
+                         f"< {d['goal_p99_us']:.0f} us", _yes(r["call_us"]["p99"] < d["goal_p99_us"])])
+        goals["stats_cost"] = d["worst_p99_us"] < d["goal_p99_us"]
 
     d = load(out_dir, "prefetch")
     if d:

@@ -19,8 +19,9 @@ import dataclasses
 import math
 import os
 import re
+import types
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 __all__ = ["ConfigError", "ECS3Config", "Secret", "config_keys"]
 
@@ -147,7 +148,7 @@ class ECS3Config:
         default="direct",
         metadata=_doc(
             "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent on ec-s3's own aiohttp "
-            "pool: 2-3.5x less client CPU per 1 MiB blob) or `botocore` (every request through aiobotocore; the "
+            "pool: less client CPU per request, see bench/results/summary.md) or `botocore` (every request through aiobotocore; the "
             "escape hatch). Other requests always go through aiobotocore."
         ),
     )
@@ -157,8 +158,8 @@ class ECS3Config:
     )
     # vLLM's CPU backend pins every thread of a worker to its OMP cores (one core per
     # worker by default): the I/O thread, started there, would share that core with the
-    # model step and its ~1 s busy-wait (bench/epd_stack.py: an 8 MiB PUT 650 ms, ~20x a
-    # raw client's). GPU workers are not pinned: `auto` changes nothing there.
+    # model step and its busy-wait after each step (NOTES.md; bench/epd_stack.py measures
+    # what that costs an upload). GPU workers are not pinned: `auto` changes nothing there.
     io_cpus: str = dataclasses.field(
         default="auto",
         metadata=_doc(
@@ -260,10 +261,10 @@ class ECS3Config:
         default="always",
         metadata=_doc("Consumer: `always` look up every item in the bucket, or only items `promised` in `ec_transfer_params`."),
     )
-    # 5 s: from save_caches to a visible blob took p99 0.04 / 0.15 / 0.56 / 1.8 s for
-    # 1 / 8 / 32 / 64 MiB (bench/producer_save.py, loopback SeaweedFS, loaded 2-core
-    # host). A promise later than ~3x the largest p99 is a dead or overloaded producer;
-    # waiting 30 s (the old default) then only added 30 s to the request.
+    # 5 s: about 3x the p99 time from save_caches to a visible 64 MiB blob
+    # (bench/producer_save.py; today's numbers in bench/results/summary.md). A promise
+    # later than that is a dead or overloaded producer; waiting longer (30 s was the old
+    # default) only adds the wait to the request.
     promised_wait_s: float = dataclasses.field(
         default=5.0,
         metadata=_doc(
@@ -280,7 +281,19 @@ class ECS3Config:
             min=0.0, max=600.0,
         ),
     )
-    # 0: a producer's HEAD costs a round trip (6 ms on loopback, more across hosts) on
+    # The worker's own fetch (a staged file it cannot read, or workers on another host)
+    # runs inside the model step: vLLM gathers the embedding right after. The step waits
+    # at most this long; the store's attempts (max_attempts) are its only retries.
+    remote_load_timeout_s: float = dataclasses.field(
+        default=10.0,
+        metadata=_doc(
+            "Consumer: the longest a model step waits for a worker's own S3 fetch of a blob it cannot read from "
+            "staging (its only retries are the store's `max_attempts`); then the item is encoded in the step if the "
+            "request has media, else the load fails.",
+            min=0.1, max=600.0,
+        ),
+    )
+    # 0: a producer's HEAD costs a round trip (bench/results/summary.md) on
     # every fresh image's critical path, to save an encoder run only for images another
     # producer (or an earlier run) already uploaded; the HEAD still runs, in the background,
     # and its answer skips the encoder for every later request of that image.
@@ -350,7 +363,9 @@ class ECS3Config:
         for name in _SECRET_KEYS:
             if isinstance(raw.get(name), str):
                 raw[name] = _resolve_secret(name, raw[name], environ)
-        values = {name: _coerce(fields[name], value) for name, value in raw.items() if name in fields}
+        # Resolved, not compared as strings: ``float | None`` is ``Optional[float]``.
+        hints = get_type_hints(cls)
+        values = {name: _coerce(fields[name], value, hints[name]) for name, value in raw.items() if name in fields}
         config = cls(**values)
         config.validate()
         return config
@@ -484,13 +499,15 @@ def _resolve_secret(name: str, value: str, environ: Mapping[str, str]) -> str:
     return value
 
 
-def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
-    """Turn a JSON or CLI value into the field's type, or fail naming the key."""
-    name, annotation = f.name, f.type
+def _coerce(f: dataclasses.Field[Any], value: Any, hint: Any) -> Any:
+    """Turn a JSON or CLI value into the field's type (``hint``, resolved), or fail
+    naming the key."""
+    name = f.name
     if value is None:
         if f.default is None:
             return None
         raise ConfigError(f"{name} may not be null")
+    kind = _without_none(hint)
     try:
         if f.metadata.get("secret"):
             if isinstance(value, Secret):
@@ -498,54 +515,66 @@ def _coerce(f: dataclasses.Field[Any], value: Any) -> Any:
             if not isinstance(value, str) or not value:
                 raise TypeError("a non-empty string")
             return Secret(value)
-        if annotation in ("int", "int | None"):
-            if isinstance(value, bool):
-                raise TypeError("an integer")
-            if isinstance(value, float):
-                if not value.is_integer():
-                    raise TypeError("an integer")
-                return int(value)
-            return int(str(value).strip().replace("_", ""))
-        if annotation == "float":
-            if isinstance(value, bool):
-                raise TypeError("a number")
-            number = float(value)
-            if not math.isfinite(number):
-                raise TypeError("a finite number")
-            return number
-        if annotation == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in ("1", "true", "yes", "on"):
-                return True
-            if text in ("0", "false", "no", "off"):
-                return False
-            raise TypeError("a boolean (true/false)")
-        if annotation in ("str", "str | None"):
-            if not isinstance(value, str):
-                raise TypeError("a string")
-            return value
-        choices = _LITERALS.get(annotation)
-        if choices is not None:
-            if value not in choices:
-                raise TypeError("one of " + ", ".join(repr(c) for c in choices))
+        parse = _PARSERS.get(kind)
+        if parse is not None:
+            return parse(value)
+        if get_origin(kind) is Literal:
+            if value not in get_args(kind):
+                raise TypeError("one of " + ", ".join(repr(c) for c in get_args(kind)))
             return value
     except (TypeError, ValueError) as exc:
         shown = "<hidden>" if f.metadata.get("secret") else repr(value)
-        expected = exc.args[0] if isinstance(exc, TypeError) and exc.args else annotation
+        expected = exc.args[0] if isinstance(exc, TypeError) and exc.args else getattr(kind, "__name__", kind)
         raise ConfigError(f"{name}={shown} is invalid: expected {expected}") from None
-    raise AssertionError(f"unhandled config type {annotation} for {name}")  # pragma: no cover
+    raise AssertionError(f"unhandled config type {hint} for {name}")  # pragma: no cover
 
 
-_LITERALS: dict[str, tuple[str, ...]] = {
-    "Backpressure": get_args(Backpressure),
-    "LookupPolicy": get_args(LookupPolicy),
-    "AddressingStyle": get_args(AddressingStyle),
-    "ChecksumAlgorithm": get_args(ChecksumAlgorithm),
-    "StartupCheck": get_args(StartupCheck),
-    "DataPath": get_args(DataPath),
-}
+def _without_none(hint: Any) -> Any:
+    """``X`` for ``X | None`` (and ``Optional[X]``); any other hint as it is."""
+    if get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in get_args(hint) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError("an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise TypeError("an integer")
+        return int(value)
+    return int(str(value).strip().replace("_", ""))
+
+
+def _parse_float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise TypeError("a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise TypeError("a finite number")
+    return number
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise TypeError("a boolean (true/false)")
+
+
+def _parse_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError("a string")
+    return value
+
+
+_PARSERS: dict[Any, Any] = {int: _parse_int, float: _parse_float, bool: _parse_bool, str: _parse_str}
 
 
 def config_keys() -> list[tuple[str, str, str]]:

@@ -112,3 +112,22 @@ def test_literal_secret_warns_without_showing_it(caplog: pytest.LogCaptureFixtur
     warnings = [r.getMessage() for r in caplog.records if "literally" in r.getMessage()]
     assert len(warnings) == 1 and "secret_access_key" in warnings[0] and "env:NAME" in warnings[0]
     assert "hunter2" not in caplog.text
+
+
+def test_a_key_typed_float_or_none_is_parsed_by_its_resolved_type() -> None:
+    """``_coerce`` used to compare annotations as strings: a ``float | None`` key hit its
+    "unhandled config type" AssertionError."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Extended(ECS3Config):
+        grace_s: float | None = dataclasses.field(default=None, metadata={"doc": "test key", "min": 0.0})
+        tries: int | None = dataclasses.field(default=None, metadata={"doc": "test key", "min": 1})
+
+    cfg = Extended.from_extra_config({**BASE, "grace_s": "1.5", "tries": 3.0}, environ={})
+    assert cfg.grace_s == 1.5 and cfg.tries == 3 and isinstance(cfg.tries, int)
+    assert Extended.from_extra_config({**BASE, "grace_s": None}, environ={}).grace_s is None
+    with pytest.raises(ConfigError, match="grace_s"):
+        Extended.from_extra_config({**BASE, "grace_s": "soon"}, environ={})
+    with pytest.raises(ConfigError, match="grace_s"):
+        Extended.from_extra_config({**BASE, "grace_s": -1}, environ={})

@@ -126,36 +126,56 @@ def test_worker_rides_out_a_short_outage(
     make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
     fault_proxy: FaultProxy, make_store: Callable[..., S3Store],
 ) -> None:
-    """A fetch the store fails (retries spent) is tried again within the worker's bound."""
-    worker = make_worker(extra_config(fault_proxy.endpoint_url, max_attempts=2, breaker_threshold=50))
+    """A fetch the store fails a few times is retried by the store's own attempts."""
+    worker = make_worker(extra_config(fault_proxy.endpoint_url, max_attempts=4, breaker_threshold=50))
     spec, x = _remote_spec(worker, make_store(), "img-x")
     fault_proxy.error_next(3, 503, methods=["GET"])
     cache = _load(worker, spec)
     assert torch.equal(cache["img-x"], x)
-    assert [m for m, _ in fault_proxy.seen].count("GET") == 4  # 2 + 2: one more attempt after the first failed
+    assert [m for m, _ in fault_proxy.seen].count("GET") == 4
     meta = worker.build_connector_worker_meta()
     assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == set()
+    assert worker.counters.get("remote_loads") == 1 and worker.counters.get("remote_load_seconds") > 0
 
 
-def test_worker_gives_up_within_its_bound_and_reports(
+def test_worker_retries_in_one_layer_and_reports(
     make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
-    fault_proxy: FaultProxy, make_store: Callable[..., S3Store], monkeypatch: pytest.MonkeyPatch,
+    fault_proxy: FaultProxy, make_store: Callable[..., S3Store],
 ) -> None:
-    """Without media nothing else can produce the embedding, so the worker keeps trying
-    for its whole budget (an outage of a few seconds is ridden out), then gives up."""
-    import ec_s3.connector.worker as worker_module
-
-    monkeypatch.setattr(worker_module, "_REMOTE_FETCH_BUDGET_S", 3.0)
+    """The store's attempts are the fetch's only retries: an item without media used to
+    be fetched again and again (a worker loop around the store's attempts) for up to
+    60 s inside the model step."""
     worker = make_worker(extra_config(fault_proxy.endpoint_url, max_attempts=2, breaker_threshold=50))
     spec, _ = _remote_spec(worker, make_store(), "img-y")
     fault_proxy.set_error_rate(1.0, 503, methods=["GET"])
     started = time.monotonic()
     cache = _load(worker, spec)
     elapsed = time.monotonic() - started
-    assert cache == {} and 2.0 < elapsed < 20, elapsed
-    assert [m for m, _ in fault_proxy.seen].count("GET") > 6  # more than 3 attempts: it used its budget
+    assert cache == {} and elapsed < 5, elapsed
+    assert [m for m, _ in fault_proxy.seen].count("GET") == 2  # max_attempts, once
     meta = worker.build_connector_worker_meta()
     assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == {"img-y"}
+    assert worker.counters.get("remote_load_failures") == 1
+    assert 0 < worker.counters.get("remote_load_seconds") <= elapsed
+
+
+def test_worker_fetch_holds_the_step_at_most_remote_load_timeout_s(
+    make_worker: Callable[[dict[str, Any]], ECS3Connector], extra_config: Callable[..., dict[str, Any]],
+    fault_proxy: FaultProxy, make_store: Callable[..., S3Store],
+) -> None:
+    """A store that accepts the GET and never answers holds the step for the stated
+    budget, not for the store's attempts times read_timeout_s."""
+    worker = make_worker(extra_config(fault_proxy.endpoint_url, remote_load_timeout_s=0.5, read_timeout_s=5.0,
+                                      max_attempts=4, breaker_threshold=50))
+    spec, _ = _remote_spec(worker, make_store(), "img-w")
+    fault_proxy.set_stall(True, methods=["GET"])
+    try:
+        started = time.monotonic()
+        cache = _load(worker, spec)
+        elapsed = time.monotonic() - started
+    finally:
+        fault_proxy.set_stall(False)
+    assert cache == {} and 0.4 < elapsed < 1.5, elapsed
     assert worker.counters.get("remote_load_failures") == 1
 
 

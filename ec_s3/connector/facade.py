@@ -59,6 +59,7 @@ class ECS3Connector(ECConnectorBase):
         self._worker: ECS3Worker | None = None
         self._part: ECS3Scheduler | ECS3Worker  # this process role's part (`_role` is vLLM's)
         self._closed = False
+        self._bound = False  # between vLLM's bind_connector_metadata and clear_connector_metadata
         if role == ECConnectorRole.SCHEDULER:
             self._part = self._scheduler = ECS3Scheduler(vllm_config, self.config, self.model, self.counters)
         elif role == ECConnectorRole.WORKER:
@@ -67,17 +68,30 @@ class ECS3Connector(ECConnectorBase):
             raise ValueError(f"unknown EC connector role: {role}")
 
     # ------------------------------------------------------------------ worker side
+    def bind_connector_metadata(self, connector_metadata: ECConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._bound = True
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._bound = False
+
+    def _metadata(self) -> ECConnectorMetadata | None:
+        """This step's metadata through vLLM's accessor; None outside the bind/clear
+        window (``save_caches`` is a public hook: a runner may call it there)."""
+        return self._get_connector_metadata() if self._bound else None
+
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.start_load_caches(encoder_cache, self._connector_metadata)
+        self._worker.start_load_caches(encoder_cache, self._metadata())
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.save_caches(encoder_cache, mm_hash, self._connector_metadata)
+        self._worker.save_caches(encoder_cache, mm_hash, self._metadata())
 
     def start_save_caches(self, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.start_save_caches(kwargs.get("encoder_cache"), self._connector_metadata)
+        self._worker.start_save_caches(kwargs.get("encoder_cache"), self._metadata())
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         assert self._worker is not None

@@ -25,6 +25,7 @@ Owns the payload, its aggregation and the Prometheus families. Does not own the 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
@@ -34,7 +35,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop
 from ec_s3.transfer.fsutil import ensure_private_dir
-from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter
+from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter, stats_dir
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -84,6 +85,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_loads_encoded_locally_total": ("Promised hits a worker could not load and had vLLM encode in the same step instead.", "loads_encoded_locally"),
     "vllm:ec_s3_remote_loads_total": ("Blobs a worker on another host than its scheduler fetched from S3 itself.", "remote_loads"),
     "vllm:ec_s3_remote_load_failures_total": ("Such fetches that failed after their retries.", "remote_load_failures"),
+    "vllm:ec_s3_remote_load_seconds_total": (
+        "Time model steps waited for a worker's own S3 fetch (bounded per fetch by remote_load_timeout_s).",
+        "remote_load_seconds"),
     "vllm:ec_s3_promises_withheld_total": ("Producer: items sent without a promise because the store was down (circuit open).", "promises_withheld"),
     "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
@@ -242,8 +246,7 @@ def open_stats_writer(
     one warning, when the shared directory cannot be used (metrics must never stop a
     worker)."""
     try:
-        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
-        writer = SharedStatsWriter(str(directory), stats_identity(vllm_config), counters)
+        writer = SharedStatsWriter(str(_stats_directory(config)), stats_identity(vllm_config), counters)
     except (OSError, ValueError) as exc:
         logger.warning(
             "ec-s3: worker counters (uploads, loads) will not reach /metrics: cannot write them to %s (%s); "
@@ -254,13 +257,20 @@ def open_stats_writer(
     return writer
 
 
-def open_stats_reader(config: ECS3Config, vllm_config: VllmConfig) -> SharedStatsReader | None:
-    """The scheduler side of the stats route; removes files dead workers left."""
+def open_stats_reader(config: ECS3Config, vllm_config: VllmConfig, loop: BackgroundLoop) -> SharedStatsReader | None:
+    """The scheduler side of the stats route, collecting on ``loop`` (never on the
+    engine thread); removes files dead workers left."""
     try:
-        directory = ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+        directory = _stats_directory(config)
     except (OSError, ValueError) as exc:
         logger.warning("ec-s3: worker counters will not reach /metrics: %s", exc)
         return None
     reader = SharedStatsReader(str(directory), stats_identity(vllm_config))
     reader.remove_dead()
+    reader.collect_periodically(loop)
     return reader
+
+
+def _stats_directory(config: ECS3Config) -> Path:
+    ensure_private_dir(config.staging_dir, key="staging_dir", shared_ok=True)
+    return ensure_private_dir(stats_dir(config.staging_dir), key="staging_dir")

@@ -128,7 +128,7 @@ class ECS3Scheduler:
         self._looking = 0  # lookups running on the I/O loop
         self._steps = 0
         self._retries_reported = 0
-        self._worker_stats = open_stats_reader(config, vllm_config)
+        self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
         describe_role("scheduler", vllm_config, config, model)
 
     # ------------------------------------------------------------------ admission
@@ -401,7 +401,7 @@ class ECS3Scheduler:
         if self._looking and not scheduler_output.total_num_scheduled_tokens:
             # The engine has nothing to run but our transfers, and its loop does not
             # sleep between steps: without this it would keep the GIL from the I/O
-            # thread that runs them (measured: 5-14x longer time-to-schedulable).
+            # thread that runs them (bench/scheduler_cost.py measures the difference).
             time.sleep(0)
         meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
         if self._loads:
@@ -512,7 +512,7 @@ class ECS3Scheduler:
 
     def close(self) -> None:
         if self._worker_stats is not None:
-            self._worker_stats.remove_dead()
+            self._worker_stats.close()
         if self._staging is not None:
             self._staging.close()
         self._store.close(timeout=1.0)

