@@ -28,6 +28,7 @@ from multidict import CIMultiDictProxy
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.main import build_parser, config_from_args, main
 from ec_s3.proxy.media import find_media_items, merge_params
+from ec_s3.proxy.naming import content_uuid
 from ec_s3.proxy.server import EPDProxy, ProxyThread, create_app
 from ec_s3.sandbox.net import free_port
 
@@ -265,7 +266,9 @@ async def rig(
     pds: Sequence[FakePD | str] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Rig]:
-    """Start the fakes (a ``str`` stands for a URL used as is, e.g. a dead one) and a proxy."""
+    """Start the fakes (a ``str`` stands for a URL used as is, e.g. a dead one) and a proxy
+    (serial dispatch unless overridden: these tests pin what serial forwards;
+    tests/test_proxy_parallel.py tests parallel dispatch)."""
     encoders = [FakeEncoder("e0")] if encoders is None else encoders
     pds = [FakePD("pd0")] if pds is None else pds
     runners: list[web.AppRunner] = []
@@ -277,7 +280,7 @@ async def rig(
         encoder_urls=[f if isinstance(f, str) else f.url for f in encoders],
         pd_urls=[f if isinstance(f, str) else f.url for f in pds],
         port=0,
-        **{"encode_timeout_s": 5.0, "connect_timeout_s": 2.0, **overrides},
+        **{"encode_timeout_s": 5.0, "connect_timeout_s": 2.0, "dispatch": "serial", **overrides},
     )
     proxy = await EPDProxy(config).start()
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
@@ -582,7 +585,8 @@ def test_forward_media_false_drops_only_published_uuid_media() -> None:
             with_uuid, plain = image("u", uuid="client-uuid-1"), image("p")
             await r.post(chat(with_uuid, plain))
             parts = r.pds[0].bodies[0]["messages"][1]["content"]
-            assert parts[1] == {**with_uuid, "image_url": None}
+            # The client's uuid is replaced by the content identifier (never passed on as is).
+            assert parts[1] == {**with_uuid, "image_url": None, "uuid": content_uuid("image_url", with_uuid["image_url"])}
             assert parts[2] == plain
             assert len(params_of(r.pds[0].bodies[0])) == 2
 

@@ -17,6 +17,7 @@ __all__ = [
     "FORMAT_TAG",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "PENDING_MARK",
     "TENSOR_NAME",
     "identifier_digest",
 ]
@@ -31,6 +32,11 @@ BLOB_SUFFIX = ".safetensors"
 #: A blob's path below ``<prefix>/<namespace>/``: an optional tenant tag (for requests
 #: with a ``cache_salt``), then the identifier's SHA-256.
 BLOB_NAME_RE = re.compile(r"(?:t-[0-9a-f]{32}/)?[0-9a-f]{64}\.safetensors")
+#: The field of an ``ec_transfer_params`` entry that marks an item as *pending*: an
+#: encoder is encoding it while prefill/decode already has the request (the proxy's
+#: parallel dispatch). Written by ``ec_s3.proxy``, read by ``ec_s3.connector``; here
+#: because both may import this module and neither may import the other.
+PENDING_MARK = "ec_s3_pending"
 
 
 def identifier_digest(identifier: str) -> str:

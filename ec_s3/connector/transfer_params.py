@@ -24,6 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
 )
 
 from ec_s3.blob.codec import BlobLayout, BlobMeta
+from ec_s3.blob.format import PENDING_MARK
 from ec_s3.connector.model import ModelInfo
 from ec_s3.log import logger
 from ec_s3.transfer.counters import Counters
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.request import Request
 
-__all__ = ["Promise", "build_transfer_params", "check_promise", "read_promises"]
+__all__ = ["Promise", "build_transfer_params", "check_promise", "pending_features", "read_promises"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,11 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
     promises: dict[str, Promise] = {}
     problems: list[str] = []
     for ident, entry in (raw or {}).items():
+        if isinstance(entry, dict) and entry.get(PENDING_MARK) is True:
+            for feature in pending_features(request, ident, entry):
+                key = model.keyspace.key_for(feature.identifier, cache_salt=request.cache_salt)
+                promises.setdefault(feature.identifier, Promise(key=key, size_bytes=None))
+            continue
         if not isinstance(entry, dict) or "key" not in entry:
             continue  # not an ec-s3 promise (another connector's, or metadata only)
         feature = features.get(ident) if isinstance(ident, str) else None
@@ -96,6 +102,22 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
             request.request_id, "; ".join(problems[:5]),
         )
     return promises
+
+
+def pending_features(request: Request, ident: object, entry: dict[str, Any]) -> list[MultiModalFeatureSpec]:
+    """The items a pending mark (``ec_s3 proxy``'s parallel dispatch: an encoder is
+    encoding them now) stands for: the item whose identifier is the mark's, else those
+    at its ``item_indices`` (an identifier hashed with processor kwargs is not the
+    ``uuid`` the proxy set). The mark is untrusted, and needs no check: the key is this
+    consumer's own, so a false mark costs at most ``promised_wait_s`` of waiting."""
+    features = request.mm_features
+    same = [f for f in features if f.identifier == ident]
+    if same:
+        return same[:1]
+    indices = entry.get("item_indices")
+    if not isinstance(indices, list):
+        return []
+    return [features[i] for i in indices[: len(features)] if type(i) is int and 0 <= i < len(features)]
 
 
 def check_promise(

@@ -33,7 +33,9 @@ class ProxyConfig:
     # TCP connect to any upstream.
     connect_timeout_s: float = 5.0
     # Whole encoder request, connect included; past it the item is left to the consumer.
-    encode_timeout_s: float = 30.0
+    # Keep it below the consumers' promised_wait_s (5 s by default): under parallel
+    # dispatch a consumer waits for a pending item until the proxy gives up on it.
+    encode_timeout_s: float = 4.0
     # Whole PD exchange including the streamed body; None: no limit.
     total_timeout_s: float | None = None
     # Each upstream's /health probe of GET /health.
@@ -46,6 +48,11 @@ class ProxyConfig:
     max_connections_per_upstream: int = 256
     # An upstream that refused a connection is skipped for this long.
     down_cooldown_s: float = 5.0
+    # "parallel": the request goes to prefill/decode at once, its items marked pending,
+    # while encoders encode them (items are named by content, as their uuid); "serial":
+    # encoders first, then prefill/decode with their ec_transfer_params (for servers
+    # that cannot take a uuid per content part).
+    dispatch: str = "parallel"
     # Keep the media in the forwarded request (so the consumer can encode locally). False
     # drops the media of items an encoder published *and* that carry a client ``uuid``
     # (the only parts vLLM accepts without data); the PD then needs them in its processor
@@ -84,6 +91,8 @@ class ProxyConfig:
                 raise ValueError(f"{name}: must be > 0")
         if self.total_timeout_s is not None and not self.total_timeout_s > 0:
             raise ValueError("total_timeout_s: must be > 0 or None")
+        if self.dispatch not in ("parallel", "serial"):
+            raise ValueError(f"dispatch: {self.dispatch!r} is not 'parallel' or 'serial'")
         if self.down_cooldown_s < 0:
             raise ValueError("down_cooldown_s: must be >= 0")
         if self.max_connections_per_upstream < 1:

@@ -40,8 +40,9 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
         prog=prog,
         description=(
             "OpenAI-compatible EPD proxy: sends each media item of a chat request to an encoder "
-            "(ec_producer), then the request plus the encoders' ec_transfer_params to a "
-            "prefill/decode instance (ec_consumer). Encoder failures never fail a request."
+            "(ec_producer) and the request to a prefill/decode instance (ec_consumer), at once "
+            "(--dispatch parallel) or after the encoders answered, with their ec_transfer_params "
+            "(serial). Encoder failures never fail a request."
         ),
     )
     p.add_argument("--encoder-url", "--encode-servers-urls", dest="encoder_urls", action="append", default=[],
@@ -65,6 +66,10 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help=f"connection pool bound per upstream instance (default {d.max_connections_per_upstream})")
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown_s, metavar="S",
                    help=f"skip an upstream this long after it refused a connection (default {d.down_cooldown_s:g})")
+    p.add_argument("--dispatch", choices=["parallel", "serial"], default=d.dispatch,
+                   help="parallel: send the request to prefill/decode while encoders encode its media (items "
+                        "named by content, marked pending); serial: encoders first, then prefill/decode with "
+                        f"their ec_transfer_params (for servers that take no uuid) (default {d.dispatch})")
     p.add_argument("--no-forward-media", dest="forward_media", action="store_false",
                    help="null the media of uuid-carrying items an encoder published (PD must have them cached)")
     p.add_argument("--no-forward-params", dest="forward_params", action="store_false",
@@ -108,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         keepalive_timeout_s=args.keepalive_timeout,
         max_connections_per_upstream=args.max_connections_per_upstream,
         down_cooldown_s=args.down_cooldown,
+        dispatch=args.dispatch,
         forward_media=args.forward_media,
         forward_params=args.forward_params,
         pass_authorization=args.pass_authorization,

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = [
     "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
-    "dump_body", "encoder_body", "encoder_payload", "find_media_items", "merge_params", "parse_body",
-    "splice_params", "strip_published_media",
+    "dump_body", "encoder_body", "encoder_payload", "find_media_items", "media_key", "merge_params", "parse_body",
+    "parts_of", "splice_params", "strip_media", "strip_published_media",
 ]
 
 # Content-part types whose media an encoder turns into an encoder output. Embeddings
@@ -141,6 +141,20 @@ def find_media_items(body: dict[str, Any], limit: int | None = None) -> list[Med
     return list(by_key.values())
 
 
+def parts_of(body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any], str | None]]:
+    """Every dict content part of ``messages`` in order: (message, part, its media field
+    as :func:`media_key` finds it, or None)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    yield message, part, _media_key(part)
+
+
 def _dedupe_key(part: dict[str, Any]) -> str:
     """The part's compact JSON in the client's key order: it is also the part's text in
     its encoder request (:func:`encoder_payload`), so it is computed once. Parts equal
@@ -162,6 +176,9 @@ def _media_key(part: dict[str, Any]) -> str | None:
             if key in part:
                 return key
     return None
+
+
+media_key = _media_key
 
 
 def encoder_body(body: dict[str, Any], item: MediaItem) -> dict[str, Any]:
@@ -232,8 +249,14 @@ def strip_published_media(
 ) -> dict[str, Any]:
     """``forward_media=False``: null the media of parts that an encoder published and that
     carry a ``uuid`` (vLLM's form for a part without data); every other part is kept."""
+    return strip_media(body, [item.part for item, params in results if params])
+
+
+def strip_media(body: dict[str, Any], parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``body`` with the media of the parts equal to one of ``parts`` and carrying a
+    ``uuid`` nulled (vLLM's form for a part without data); every other part is kept."""
     # Identical parts were merged into one item: match parts by value.
-    published = [item.part for item, params in results if params and item.part.get("uuid") is not None]
+    published = [part for part in parts if part.get("uuid") is not None]
     if not published:
         return body
     messages = []

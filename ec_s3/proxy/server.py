@@ -1,28 +1,30 @@
 """The proxy's aiohttp application: chat requests, the relay, ``/health``, ``/metrics``.
 
-Per chat request it finds the multimodal items in ``messages``, sends each distinct item
-alone to an encoder instance (``ec_role: ec_producer``, items spread over the encoders
-and encoded in parallel), merges the ``ec_transfer_params`` the encoders answer with,
-and forwards the original request plus those params to a prefill/decode instance
-(``ec_role: ec_consumer``), relaying its answer (SSE streams chunk by chunk).
+Per chat request it names the media items (:mod:`.naming`), finds them (:mod:`.media`)
+and hands the request to its dispatch (:mod:`.dispatch`): *parallel* (the default) sends
+each distinct item alone to an encoder (``ec_role: ec_producer``) and, at the same time,
+the request with those items marked pending to a prefill/decode instance (``ec_role:
+ec_consumer``); *serial* waits for the encoders and forwards their merged
+``ec_transfer_params``. Either way it relays p/d's answer (SSE streams chunk by chunk).
 
 The flow follows vLLM's example proxy (``examples/online_serving/disaggregated_encoder/
-disagg_epd_proxy.py``) with four deliberate differences:
+disagg_epd_proxy.py``) with these deliberate differences:
 
 * an encoder that is down, slow or failing never fails the client's request: its items
-  simply get no params and the consumer encodes them locally (the media stay in the
-  forwarded request for exactly that reason);
-* the encoders' ``ec_transfer_params`` are merged into the forwarded request (vLLM's
-  example discards them: its shared-storage connector does not need them);
+  simply get no params (or lose their pending mark) and the consumer encodes them
+  locally (the media stay in the forwarded request for exactly that reason);
+* the encoders' ``ec_transfer_params`` (or the pending marks) reach p/d, and a client's
+  ``uuid`` is never passed on as is (:mod:`.naming`);
 * upstream pools are bounded and every timeout is configurable;
 * what one client can cost is bounded (media items per request, requests in flight,
   body size), and every error the proxy answers itself is an OpenAI-style JSON body
   that names no upstream (the log does).
 
-Owns the HTTP side: handlers, sessions, sending, relaying, error answers, and
-:class:`ProxyThread`. It does not own reading or rewriting bodies (:mod:`.media`),
-choosing an upstream (:mod:`.upstreams`), settings (:mod:`.config`) or the command line
-(:mod:`.main`).
+Owns the HTTP side: handlers, sessions, sending to one encoder or one p/d, relaying,
+error answers, and :class:`ProxyThread`. It does not own the order of sends
+(:mod:`.dispatch`), reading or rewriting bodies (:mod:`.media`, :mod:`.naming`),
+choosing an upstream (:mod:`.upstreams`), settings (:mod:`.config`) or the command
+line (:mod:`.main`).
 """
 
 from __future__ import annotations
@@ -40,23 +42,14 @@ from aiohttp import web
 
 from ec_s3.log import logger
 from ec_s3.proxy.config import ProxyConfig
-from ec_s3.proxy.media import (
-    BodyError,
-    MediaItem,
-    TooManyItems,
-    dump_body,
-    encoder_payload,
-    find_media_items,
-    merge_params,
-    parse_body,
-    splice_params,
-    strip_published_media,
-)
+from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
+from ec_s3.proxy.media import BodyError, TooManyItems, find_media_items, parse_body
+from ec_s3.proxy.naming import name_media
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.upstreams import Pool, Upstream, Warner
 
 # ProxyConfig is re-exported: callers build one and hand it to EPDProxy / ProxyThread.
-__all__ = ["PROXY_KEY", "EPDProxy", "ProxyConfig", "ProxyThread", "create_app"]
+__all__ = ["PROXY_KEY", "EPDProxy", "PdAnswer", "ProxyConfig", "ProxyThread", "create_app"]
 
 # What a client is told when PD fails: the upstream's URL goes to the log only.
 _PD_UNAVAILABLE = "prefill/decode server unavailable"
@@ -236,69 +229,26 @@ class EPDProxy:
             if body is None:
                 # Not ours to judge: the PD answers a malformed request with its own error.
                 self.metrics.inc("ec_s3_proxy_requests_total", kind="unparsed")
-                return await self._forward_to_pd(request, raw, headers, stream=False)
-            items = find_media_items(body, cfg.max_items_per_request)
+                return await self.forward_to_pd(request, raw, headers, stream=False)
+            parallel = cfg.dispatch == "parallel" and cfg.forward_params
+            named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request)
+            items = find_media_items(named, cfg.max_items_per_request)
             stream = body.get("stream") is True
-            return await self._chat_with_items(request, raw, body, items, headers, stream=stream)
+            kind = "multimodal" if items else "text"
+            self.metrics.inc("ec_s3_proxy_requests_total", kind=kind)
+            if items:
+                self.metrics.inc("ec_s3_proxy_mm_items_total", len(items))
+            if parallel and items and self.config.encoder_urls:
+                return await dispatch_parallel(self, request, named, items, headers, stream=stream)
+            return await dispatch_serial(self, request, raw, body, named, items, headers, stream=stream)
         except TooManyItems as exc:
             return self._reject(400, "too_many_items", str(exc), "BadRequestError")
         except BodyError as exc:
             return self._reject(400, "bad_body", str(exc), "BadRequestError")
 
-    async def _chat_with_items(
-        self, request: web.Request, raw: bytes, body: dict[str, Any], items: list[MediaItem],
-        headers: dict[str, str], *, stream: bool,
-    ) -> web.StreamResponse:
-        request_id = headers["X-Request-Id"]
-        self.metrics.inc("ec_s3_proxy_requests_total", kind="multimodal" if items else "text")
-        original = body
-        params: dict[str, Any] = {}
-        if items:
-            self.metrics.inc("ec_s3_proxy_mm_items_total", len(items))
-            results = await self._encode_all(body, items, headers, request_id)
-            params = merge_params(results)
-            missing = sum(1 for _, p in results if not p)
-            if missing:
-                self.metrics.inc("ec_s3_proxy_items_without_params_total", missing)
-            if not self.config.forward_media:
-                body = strip_published_media(body, results)
-            logger.debug(
-                "ec-s3 proxy: request %s: %d media item(s), %d published by encoders",
-                request_id, len(items), len(items) - missing,
-            )
-        if not self.config.forward_params:
-            params = {}  # vLLM's example-proxy contract: PD sees the client's request only
-        if not params and body is original and "ec_transfer_params" not in body:
-            return await self._forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
-        if params and body is original:
-            # The client's bytes plus the params: the media are not serialised again.
-            spliced = splice_params(raw, body, params)
-            if spliced is not None:
-                return await self._forward_to_pd(request, spliced, headers, stream=stream)
-        forwarded = dict(body)
-        # The proxy owns this field: a client-sent one is dropped, never trusted.
-        forwarded.pop("ec_transfer_params", None)
-        if params:
-            forwarded["ec_transfer_params"] = params
-        return await self._forward_to_pd(request, dump_body(forwarded), headers, stream=stream)
-
-    async def _encode_all(
-        self, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str], request_id: str
-    ) -> list[tuple[MediaItem, dict[str, Any] | None]]:
-        """One encoder request per distinct item, all in parallel; never raises for an
-        encoder's sake (an item without params is encoded by the consumer)."""
-        # Serialised first, so a body too deep to serialise is refused before any POST.
-        payloads = [encoder_payload(body, item) for item in items]
-        tasks = []
-        for n, payload in enumerate(payloads):
-            enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}", "Content-Type": "application/json"}
-            tasks.append(self._encode_one(payload, enc_headers, request_id))
-        # Every task picks its encoder before its first await, all in this tick, so the
-        # picks see each other's load and the items spread over the encoders.
-        outcomes = await asyncio.gather(*tasks)
-        return list(zip(items, outcomes, strict=True))
-
-    async def _encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None:
+    async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None:
+        """Send one item to the least busy encoder; its ``ec_transfer_params``, or None
+        when it failed (logged and counted, never raised)."""
         assert self._encoder_session is not None
         cfg = self.config
         upstream = self.encoders.acquire()
@@ -344,11 +294,22 @@ class EPDProxy:
                 )
         return None
 
-    async def _forward_to_pd(
+    async def forward_to_pd(
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool
     ) -> web.StreamResponse:
-        """Send to the least busy PD; one that refuses the connection (nothing was sent)
-        is skipped for the next. HTTP errors are relayed as they are."""
+        """Send to the least busy PD and relay its answer."""
+        answer = await self.pd_begin(data, headers, stream=stream)
+        if isinstance(answer, web.Response):
+            return answer
+        return await self.pd_finish(request, answer, headers["X-Request-Id"])
+
+    async def pd_begin(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:
+        """Send to the least busy PD (one that refuses the connection, so nothing was
+        sent, is skipped for the next) and read the start of its answer: the whole body,
+        or for a 200 stream its first chunk, so nothing has reached the client yet when
+        this returns (parallel dispatch may still drop the answer and send again). The
+        :class:`PdAnswer` holds the upstream until :meth:`pd_finish` or its ``close``;
+        errors come back as the client's error answer. HTTP errors are relayed as they are."""
         assert self._pd_session is not None
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
@@ -359,14 +320,15 @@ class EPDProxy:
             if upstream is None:
                 break
             tried.append(upstream)
-            resp: aiohttp.ClientResponse | None = None
+            answer = PdAnswer(self.pds, upstream, stream)
             try:
                 try:
-                    resp = await self._pd_session.post(
+                    answer.resp = await self._pd_session.post(
                         f"{upstream.url}/v1/chat/completions", data=data, headers=send_headers, timeout=timeout
                     )
                 except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                     # Nothing reached this instance: the next one may take the request.
+                    answer.close()
                     self.pds.mark_down(upstream)
                     self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="unreachable")
                     self._warner.warn(
@@ -375,11 +337,12 @@ class EPDProxy:
                     )
                     continue
                 self.pds.mark_up(upstream)
-                self.metrics.inc("ec_s3_proxy_pd_responses_total", upstream=upstream.url, status=str(resp.status))
-                return await self._relay(
-                    request, resp, upstream.url, headers["X-Request-Id"], stream=stream and resp.status == 200
-                )
+                self.metrics.inc("ec_s3_proxy_pd_responses_total", upstream=upstream.url, status=str(answer.resp.status))
+                answer.stream = stream and answer.resp.status == 200
+                answer.first = await (answer.resp.content.readany() if answer.stream else answer.resp.read())
+                return answer
             except asyncio.TimeoutError:
+                answer.close()
                 self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="timeout")
                 self._warner.warn(
                     (upstream.url, "timeout"),
@@ -388,6 +351,7 @@ class EPDProxy:
                 )
                 return _error(504, _PD_TIMEOUT, "GatewayTimeout")
             except aiohttp.ClientError as exc:
+                answer.close()
                 self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="disconnected")
                 self._warner.warn(
                     (upstream.url, "disconnected"),
@@ -395,10 +359,9 @@ class EPDProxy:
                     headers["X-Request-Id"], upstream.url, exc.__class__.__name__, exc,
                 )
                 return _error(502, _PD_UNAVAILABLE, "BadGateway")
-            finally:
-                self.pds.release(upstream)
-                if resp is not None:
-                    resp.close()  # no-op once released; aborts the PD's work if we were cancelled
+            except BaseException:  # cancelled (the client left, or parallel dispatch dropped it)
+                answer.close()  # aborts the PD's work
+                raise
         self._warner.warn(
             ("pd", "none_reachable"),
             "ec-s3 proxy: request %s: no prefill/decode instance reachable (tried %s)",
@@ -406,27 +369,34 @@ class EPDProxy:
         )
         return _error(502, _PD_UNAVAILABLE, "BadGateway")
 
-    async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, upstream_url: str, request_id: str, *, stream: bool
-    ) -> web.StreamResponse:
+    async def pd_finish(self, request: web.Request, answer: PdAnswer, request_id: str) -> web.StreamResponse:
+        """Relay a begun PD answer to the client (SSE chunk by chunk), then free it."""
+        try:
+            return await self._relay(request, answer, request_id)
+        finally:
+            answer.close()
+
+    async def _relay(self, request: web.Request, answer: PdAnswer, request_id: str) -> web.StreamResponse:
+        resp = answer.resp
+        assert resp is not None
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
         out_headers.setdefault("X-Request-Id", request_id)
-        if not stream:
-            body = await resp.read()
-            resp.release()
-            return web.Response(status=resp.status, body=body, headers=out_headers)
+        if not answer.stream:
+            return web.Response(status=resp.status, body=answer.first, headers=out_headers)
         out = web.StreamResponse(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
         try:
             await out.prepare(request)
             try:
+                if answer.first:
+                    await out.write(answer.first)
                 async for chunk in resp.content.iter_any():
                     await out.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 # Status and headers are gone already: end the stream with an error event,
                 # in the shape vLLM uses for errors inside a stream.
                 reason = "timeout" if isinstance(exc, asyncio.TimeoutError) else "disconnected"
-                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream_url, reason=reason)
+                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=answer.upstream.url, reason=reason)
                 logger.warning(
                     "ec-s3 proxy: request %s: prefill/decode stream broke: %s", request_id, exc.__class__.__name__
                 )
@@ -497,6 +467,27 @@ class EPDProxy:
 
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+class PdAnswer:
+    """A prefill/decode answer begun by :meth:`EPDProxy.pd_begin`: the upstream it holds
+    in its pool, the open response and the bytes read so far. ``close`` (idempotent)
+    frees both; closing an unfinished response aborts the PD's work."""
+
+    def __init__(self, pool: Pool, upstream: Upstream, stream: bool) -> None:
+        self.pool = pool
+        self.upstream = upstream
+        self.stream = stream
+        self.resp: aiohttp.ClientResponse | None = None
+        self.first = b""
+        self._held = True
+
+    def close(self) -> None:
+        if self.resp is not None:
+            self.resp.close()  # no-op once released
+        if self._held:
+            self._held = False
+            self.pool.release(self.upstream)
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:

@@ -1,0 +1,202 @@
+"""How a chat request with media travels: serial or parallel dispatch.
+
+**Serial** (``--dispatch serial``, vLLM's example proxy's order): every distinct item goes
+alone to an encoder, all in parallel; when all have answered, their
+``ec_transfer_params`` are merged into the request and it goes to prefill/decode (p/d).
+
+**Parallel** (the default): the items are named by their content (:mod:`.naming`), so
+encoder and p/d derive the same identifiers without waiting for each other, and the
+request goes to p/d *at the same time* as the items go to the encoders, with every item
+marked pending. The consumer waits for a pending item's blob (up to its
+``promised_wait_s``) while its front end renders and processes the request.
+
+When an encoder fails or times out, the p/d request is **cancelled and sent again**
+without that item's mark (p/d then encodes it itself), at once: a consumer cannot learn
+of an encoder's failure by itself, and would otherwise wait out ``promised_wait_s``.
+The client never sees the first attempt: a p/d answer is relayed only once its first
+bytes have arrived (the whole body, or the first SSE chunk, which vLLM sends with the
+first token, i.e. after every pending item was fetched or given up), and an answer that
+has begun is never dropped: an encoder's failure after that point changes nothing, since
+p/d's answer no longer waits on anyone. So the client sees one answer, one stream.
+Resends are at most one per item. An encoder failure that comes after a *non-streamed*
+answer's generation has begun still resends (p/d's progress is invisible until its
+body is complete): the client waits that much longer, and still gets one answer.
+
+Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
+(:mod:`.naming`) or body rewriting (:mod:`.media`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from ec_s3.log import logger
+from ec_s3.proxy.media import (
+    MediaItem,
+    dump_body,
+    encoder_payload,
+    merge_params,
+    splice_params,
+    strip_media,
+    strip_published_media,
+)
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.naming import pending_params
+
+__all__ = ["Answer", "Sender", "dispatch_parallel", "dispatch_serial"]
+
+
+class Answer(Protocol):
+    """A p/d answer begun and not yet relayed (:class:`ec_s3.proxy.server.PdAnswer`)."""
+
+    def close(self) -> None: ...
+
+
+class Sender(Protocol):
+    """What dispatch needs of the proxy (:class:`ec_s3.proxy.server.EPDProxy`): sending
+    one item to an encoder, and beginning, finishing or wholly forwarding a p/d answer."""
+
+    config: ProxyConfig
+    metrics: ProxyMetrics
+
+    async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None: ...
+
+    async def pd_begin(self, data: bytes, headers: dict[str, str], *, stream: bool) -> Any: ...
+
+    async def pd_finish(self, request: web.Request, answer: Any, request_id: str) -> web.StreamResponse: ...
+
+    async def forward_to_pd(
+        self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool
+    ) -> web.StreamResponse: ...
+
+
+def _encode_tasks(
+    proxy: Sender, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str]
+) -> list[asyncio.Task[dict[str, Any] | None]]:
+    """One encoder request per item, started now. Payloads are serialised first, so a
+    body too deep to serialise is refused before any POST; every task picks its encoder
+    before its first await, all in one tick, so the picks see each other's load."""
+    request_id = headers["X-Request-Id"]
+    payloads = [encoder_payload(body, item) for item in items]
+    tasks = []
+    for n, payload in enumerate(payloads):
+        enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}", "Content-Type": "application/json"}
+        tasks.append(asyncio.ensure_future(proxy.encode_one(payload, enc_headers, request_id)))
+    return tasks
+
+
+async def dispatch_serial(
+    proxy: Sender, request: web.Request, raw: bytes, original: dict[str, Any], body: dict[str, Any],
+    items: list[MediaItem], headers: dict[str, str], *, stream: bool,
+) -> web.StreamResponse:
+    """Encoders first, then p/d with their merged params. ``original`` is the client's
+    parsed ``raw``; ``body`` is it named (:func:`~.naming.name_media`)."""
+    params: dict[str, Any] = {}
+    if items:
+        results = list(zip(items, await _gather(_encode_tasks(proxy, body, items, headers)), strict=True))
+        params = merge_params(results)
+        missing = sum(1 for _, p in results if not p)
+        if missing:
+            proxy.metrics.inc("ec_s3_proxy_items_without_params_total", missing)
+        if not proxy.config.forward_media:
+            body = strip_published_media(body, results)
+        logger.debug(
+            "ec-s3 proxy: request %s: %d media item(s), %d published by encoders",
+            headers["X-Request-Id"], len(items), len(items) - missing,
+        )
+    if not proxy.config.forward_params:
+        params = {}  # vLLM's example-proxy contract: PD sees the client's request only
+    if not params and body is original and "ec_transfer_params" not in body:
+        return await proxy.forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
+    if params and body is original:
+        # The client's bytes plus the params: the media are not serialised again.
+        spliced = splice_params(raw, body, params)
+        if spliced is not None:
+            return await proxy.forward_to_pd(request, spliced, headers, stream=stream)
+    return await proxy.forward_to_pd(request, _pd_payload(body, params), headers, stream=stream)
+
+
+async def _gather(tasks: list[asyncio.Task[Any]]) -> list[Any]:
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # no-op when done; a cancelled request stops its encoders
+
+
+def _pd_payload(body: dict[str, Any], params: dict[str, Any]) -> bytes:
+    forwarded = dict(body)
+    # The proxy owns this field: a client-sent one is dropped, never trusted.
+    forwarded.pop("ec_transfer_params", None)
+    if params:
+        forwarded["ec_transfer_params"] = params
+    return dump_body(forwarded)
+
+
+def _kept(params: dict[str, Any] | None) -> bool:
+    """Whether an encoder's answer means its blob is on its way: a producer whose store
+    is down answers without keys (it promises nothing)."""
+    return bool(params) and any(isinstance(e, dict) and "key" in e for e in params.values())  # type: ignore[union-attr]
+
+
+async def dispatch_parallel(
+    proxy: Sender, request: web.Request, body: dict[str, Any], items: list[MediaItem],
+    headers: dict[str, str], *, stream: bool,
+) -> web.StreamResponse:
+    """Encoders and p/d at once; p/d sent again without the marks of items whose encoder
+    failed, for as long as its answer has not begun (module docstring)."""
+    request_id = headers["X-Request-Id"]
+    encodes = _encode_tasks(proxy, body, items, headers)
+    marked = set(range(len(items)))
+
+    def begin() -> asyncio.Task[Answer | web.Response]:
+        pd_body = body if proxy.config.forward_media else strip_media(body, [items[n].part for n in marked])
+        data = _pd_payload(pd_body, pending_params(items, marked))
+        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream))
+
+    attempt = begin()
+    try:
+        while True:
+            await asyncio.wait({attempt, *(t for t in encodes if not t.done())}, return_when=asyncio.FIRST_COMPLETED)
+            if attempt.done():
+                break
+            failed = {n for n in marked if encodes[n].done() and not _kept(encodes[n].result())}
+            if failed:
+                marked -= failed
+                proxy.metrics.inc("ec_s3_proxy_items_without_params_total", len(failed))
+                proxy.metrics.inc("ec_s3_proxy_pd_resends_total")
+                logger.info(
+                    "ec-s3 proxy: request %s: %d encoder(s) failed before prefill/decode answered; sending it "
+                    "again without their pending marks (prefill/decode encodes those items)", request_id, len(failed),
+                )
+                await _drop(attempt)
+                attempt = begin()
+        await _stop(encodes)  # p/d's answer no longer waits on them
+    except BaseException:  # the client left (or a bug): nothing may stay open
+        await _stop(encodes)
+        await _drop(attempt)
+        raise
+    answer = attempt.result()
+    if isinstance(answer, web.Response):
+        return answer
+    return await proxy.pd_finish(request, answer, request_id)
+
+
+async def _stop(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()  # no-op when done
+    await asyncio.wait(tasks)
+
+
+async def _drop(attempt: asyncio.Task[Any]) -> None:
+    """Cancel a p/d attempt and free what it holds (its answer, if it had begun)."""
+    attempt.cancel()
+    await asyncio.wait({attempt})
+    if not attempt.cancelled() and attempt.exception() is None:
+        result = attempt.result()
+        if not isinstance(result, web.Response):
+            result.close()

@@ -1,0 +1,113 @@
+"""The proxy names media itself: content identifiers set as each part's ``uuid``, and
+the pending marks of parallel dispatch. Pure functions, no I/O.
+
+vLLM's chat API accepts a ``uuid`` per content part and then identifies the item by it
+(or, where processor kwargs apply, by a hash of it with the model id and the kwargs), so
+an encoder and a prefill/decode server sent the same ``uuid`` derive the same identifier,
+hence the same blob key, without either having to tell the other. That is what lets the
+proxy send the request to prefill/decode before any encoder has answered.
+
+A content identifier is ``ecs3-`` + SHA-256 of the part's media field name and its
+value: the data URL (or inline data) itself, so equal bytes get equal names; for a remote
+URL, the URL string (the proxy never fetches it: an image changed behind the same URL
+keeps its old name, as with vLLM's own proxy, which names items ``sha256(url)``).
+
+A client's ``uuid`` is never passed on as is (a forged one would poison caches shared by
+every client, vLLM's GHSA-ph72-cqr5-qpp7): on a part that carries media it is *replaced*
+by the content identifier; on a media-less part (a reference into a server's cache) it
+is *namespaced* (``client-`` + its SHA-256), so it can never name what the proxy named.
+
+Owns naming and the pending marks. Does not own finding items (:mod:`.media`) or sending.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Sequence
+from typing import Any
+
+from ec_s3.blob.format import PENDING_MARK
+from ec_s3.proxy.media import MediaItem, TooDeeplyNested, TooManyItems, media_key, parts_of
+
+__all__ = ["CLIENT_PREFIX", "CONTENT_PREFIX", "content_uuid", "name_media", "pending_params"]
+
+CONTENT_PREFIX = "ecs3-"
+CLIENT_PREFIX = "client-"
+# Fields of an image_url value that vLLM does not read: a part differing only in them
+# is the same image, so it gets the same name.
+_IGNORED_URL_FIELDS = frozenset({"url", "detail"})
+
+
+def content_uuid(key: str, value: Any) -> str:
+    """The content identifier of media ``value`` held in field ``key`` of a part."""
+    if isinstance(value, dict) and isinstance(value.get("url"), str) and set(value) <= _IGNORED_URL_FIELDS:
+        basis = value["url"]
+    elif isinstance(value, str):
+        basis = value
+    else:
+        try:
+            basis = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        except RecursionError:
+            raise TooDeeplyNested() from None
+    digest = hashlib.sha256(key.encode())
+    digest.update(b"\n")
+    digest.update(basis.encode("utf-8", "surrogatepass"))
+    return CONTENT_PREFIX + digest.hexdigest()
+
+
+def _client_uuid(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return CLIENT_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def name_media(body: dict[str, Any], *, give_uuids: bool, limit: int | None = None) -> dict[str, Any]:
+    """``body`` with every media part named: parts carrying media get their content
+    identifier as ``uuid`` (all of them with ``give_uuids``, else only those that came
+    with a client's ``uuid``, which is replaced); media-less parts with a client
+    ``uuid`` get it namespaced. The input is not modified; untouched messages are shared.
+
+    More than ``limit`` parts with media raises :class:`TooManyItems` before anything is
+    hashed, so a hostile list costs a scan.
+    """
+    if limit is not None:
+        count = sum(1 for _, part, key in parts_of(body) if key is not None and part.get(key) not in (None, "", {}))
+        if count > limit:
+            raise TooManyItems(count, limit)
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return body
+    renamed: dict[int, dict[str, Any]] = {}  # id(part) -> its named copy
+    for _, part, key in parts_of(body):
+        if key is None:
+            continue
+        has_media = part.get(key) not in (None, "", {})
+        if has_media and (give_uuids or part.get("uuid") is not None):
+            renamed[id(part)] = {**part, "uuid": content_uuid(key, part[key])}
+        elif not has_media and part.get("uuid") is not None:
+            renamed[id(part)] = {**part, "uuid": _client_uuid(part["uuid"])}
+    if not renamed:
+        return body
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(id(p) in renamed for p in content):
+            message = {**message, "content": [renamed.get(id(p), p) for p in content]}
+        out.append(message)
+    return {**body, "messages": out}
+
+
+def pending_params(items: Sequence[MediaItem], marked: Collection[int]) -> dict[str, Any]:
+    """The ``ec_transfer_params`` that tell a consumer which items an encoder is still
+    encoding: one entry per marked item, keyed by its ``uuid``, with the indices of its
+    occurrences among the request's multimodal items (the consumer finds the item by
+    identifier, else by index: with processor kwargs its identifier is a hash of the
+    ``uuid``). An entry promises nothing a consumer trusts: it derives the key itself
+    and waits at most ``promised_wait_s``."""
+    params: dict[str, Any] = {}
+    for n in sorted(marked):
+        item = items[n]
+        ident = item.part.get("uuid")
+        if isinstance(ident, str):
+            params[ident] = {PENDING_MARK: True, "item_indices": list(item.indices)}
+    return params
