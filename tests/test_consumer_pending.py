@@ -1,0 +1,83 @@
+"""Consumer role under pending marks (the proxy's parallel dispatch): vLLM's real
+Scheduler + ECS3Connector against the real S3 server, like tests/test_consumer.py.
+
+A pending mark names an item an encoder is encoding while the consumer already has the
+request: the consumer waits for the blob at *its own* key for that item (up to
+``promised_wait_s``, on the promise poll schedule) and checks it like any blob. A mark
+is untrusted: a false or hostile one costs at most that wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.v1.engine import FinishReason
+
+from ec_s3.blob.format import PENDING_MARK
+from ec_s3.store.client import S3Store
+from support.ec_harness import drive, make_node
+from support.vllm_rig import fake_encoder_output
+from test_consumer import ROWS, put_blob
+
+
+def test_a_pending_item_is_waited_for_by_identifier_or_index(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """img-a is marked by identifier, img-b by index only (the proxy's uuid is not the
+    identifier when processor kwargs hash it); both land 1 s later and are loaded, not
+    encoded. ``lookup: promised``: without the marks nothing would be fetched."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=15, lookup="promised"))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        params = {"img-a": {PENDING_MARK: True, "item_indices": [0]},
+                  "ecs3-not-an-identifier": {PENDING_MARK: True, "item_indices": [1]}}
+
+        def publish() -> None:
+            for ident in ("img-a", "img-b"):
+                put_blob(store, keyspace, ident, fake_encoder_output(ident, ROWS))
+
+        timer = threading.Timer(1.0, publish)
+        timer.start()
+        started = time.monotonic()
+        node.driver.add("r1", ["img-a", "img-b"], ec_transfer_params=params)
+        finished = drive(node.driver, timeout_s=30)
+        timer.join()
+        assert time.monotonic() - started >= 1.0
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        for ident in ("img-a", "img-b"):
+            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+    finally:
+        node.close()
+
+
+def test_false_and_hostile_marks_cost_at_most_the_wait(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
+) -> None:
+    """A mark for a blob that never comes: encoded locally after promised_wait_s.
+    Malformed marks (indices out of range, of the wrong type, a huge list) are ignored;
+    nothing raises into the engine."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=1.0, lookup="promised"))
+    try:
+        params: dict[str, Any] = {
+            "img-gone": {PENDING_MARK: True, "item_indices": [0]},
+            "x": {PENDING_MARK: True, "item_indices": [7, -1, "0", 1.0, None, [0]] + [10**9] * 10_000},
+            "y": {PENDING_MARK: True, "item_indices": "all"},
+            "z": {PENDING_MARK: "yes", "item_indices": [1]},  # not a mark (True only)
+        }
+        started = time.monotonic()
+        node.driver.add("r1", ["img-gone", "img-other"], ec_transfer_params=params)
+        finished = drive(node.driver, timeout_s=20)
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 10
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert sorted(node.sim.encoded) == ["img-gone", "img-other"]
+        assert node.scheduler_connector.counters.get("fallbacks_local") == 1  # img-gone only
+    finally:
+        node.close()
