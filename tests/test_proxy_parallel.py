@@ -37,6 +37,8 @@ class PendingPD(FakePD):
     release: asyncio.Event = field(default_factory=asyncio.Event)
     started: list[float] = field(default_factory=list)
     cancelled: int = 0
+    # How long a request with marks waits at most (the consumer's promised_wait_s).
+    bound_s: float = PROMISED_WAIT_S
     # Requests with fewer marks are answered at once (e.g. the good encoder's blob is
     # there by the time of the resend).
     hold_from_marks: int = 1
@@ -44,10 +46,15 @@ class PendingPD(FakePD):
     async def chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         self.started.append(time.monotonic())
-        body = json.loads(raw)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        body = body if isinstance(body, dict) else {}  # not ours to judge: answered like any
         self.raw.append(raw)
         self.bodies.append(body)
-        pending = [e for e in (body.get("ec_transfer_params") or {}).values() if e.get(PENDING_MARK)]
+        params = body.get("ec_transfer_params")
+        pending = [e for e in (params.values() if isinstance(params, dict) else []) if e.get(PENDING_MARK)]
         stream = body.get("stream") is True
         out: web.StreamResponse | None = None
         if stream:  # like vLLM: headers at once, the first chunk with the first token
@@ -55,7 +62,7 @@ class PendingPD(FakePD):
             await out.prepare(request)
         try:
             if pending and len(pending) >= self.hold_from_marks:
-                await asyncio.wait_for(self.release.wait(), PROMISED_WAIT_S)
+                await asyncio.wait_for(self.release.wait(), self.bound_s)
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -207,6 +214,22 @@ def test_no_encoders_or_serial_or_no_params_send_no_marks() -> None:
                 status, _, _ = await r.post(chat(image("a")))
                 assert status == 200
                 assert not pending_of(r.pds[0].bodies[0])
+
+    run(scenario())
+
+
+def test_items_of_encoders_known_down_are_never_marked() -> None:
+    """Once the only encoder refused a connection (down for down_cooldown_s), the next
+    request is sent without marks: no attempt to drop, no resend."""
+    async def scenario() -> None:
+        pd = PendingPD("pd0")
+        async with rig(encoders=[dead_url()], pds=[pd], dispatch="parallel", down_cooldown_s=30) as r:
+            assert (await r.post(chat(image("a"))))[0] == 200
+            resends = r.metric("ec_s3_proxy_pd_resends_total")
+            assert (await r.post(chat(image("b"))))[0] == 200
+            assert not pending_of(pd.bodies[-1])
+            assert r.metric("ec_s3_proxy_pd_resends_total") == resends
+            assert r.metric("ec_s3_proxy_encoder_requests_total", outcome="skipped") == 1
 
     run(scenario())
 

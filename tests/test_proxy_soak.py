@@ -1,5 +1,10 @@
 """A short soak of the proxy: hostile clients and bad encoders at once, then invariants.
 
+Run with each dispatch. Under parallel dispatch the prefill/decode stub holds a request
+while it marks items pending (as a consumer waits for their blobs, here up to 1 s), so
+encoder failures turn into resends; one encoder is killed mid-soak; and every streamed
+200 must be exactly one stream (one ``[DONE]``).
+
 256 concurrent clients send a mix of ordinary and hostile requests (huge item lists,
 deeply nested JSON, non-JSON, wrong types, giant strings, oversized bodies) through a
 proxy whose encoders are good, dead, slow, erroring or answering garbage. Afterwards:
@@ -32,6 +37,7 @@ from aiohttp import web
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.server import EPDProxy
 from test_proxy import FakeEncoder, FakePD, chat, dead_url, image, run, serve
+from test_proxy_parallel import PendingPD
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -136,22 +142,25 @@ async def settle(probe: Callable[[], int], target: int, timeout: float = 15.0) -
     return value
 
 
-def test_proxy_soak() -> None:
+@pytest.mark.parametrize("dispatch", ["serial", "parallel"])
+def test_proxy_soak(dispatch: str) -> None:
     async def scenario() -> None:
         good, erroring = FakeEncoder("good"), FakeEncoder("erroring", status=500)
         slow = FakeEncoder("slow", delay=3.0)  # beyond encode_timeout_s
+        dying = FakeEncoder("dying", delay=0.2)  # killed mid-soak
         garbage = GarbageEncoder()
-        pd = FakePD("pd0", chunks=3)
+        pd = PendingPD("pd0", chunks=3, bound_s=1.0) if dispatch == "parallel" else FakePD("pd0", chunks=3)
         runners = []
-        for fake in (good, erroring, slow, garbage, pd):
+        for fake in (good, erroring, slow, garbage, pd, dying):
             runner, fake.url = await serve(fake.app())
             runners.append(runner)
+        dying_runner = runners.pop()
         config = ProxyConfig(
-            encoder_urls=[good.url, erroring.url, slow.url, garbage.url, dead_url()],
+            encoder_urls=[good.url, erroring.url, slow.url, garbage.url, dead_url(), dying.url],
             pd_urls=[dead_url(), pd.url],
-            port=0, encode_timeout_s=0.5, connect_timeout_s=1.0, total_timeout_s=20.0,
+            port=0, encode_timeout_s=0.5, connect_timeout_s=5.0, total_timeout_s=20.0,
             keepalive_timeout_s=0.3, down_cooldown_s=0.2, max_items_per_request=CAP,
-            max_in_flight=128, max_body_bytes=MAX_BODY,
+            max_in_flight=128, max_body_bytes=MAX_BODY, dispatch=dispatch,
         )
         proxy = await EPDProxy(config).start()
         url = f"{proxy.url}/v1/chat/completions"
@@ -162,6 +171,8 @@ def test_proxy_soak() -> None:
                                                                  "Content-Type": "application/json"}) as resp:
                     payload = await resp.read()
                     assert b"Traceback" not in payload, payload[:500]
+                    if resp.status == 200 and b"data: " in payload:
+                        assert payload.count(b"data: [DONE]") == 1, payload[:500]  # one stream, never two
                     return resp.status
 
             # Baseline with the stack idle after one of each light request.
@@ -194,9 +205,13 @@ def test_proxy_soak() -> None:
                     latency[kind].append(time.monotonic() - started)
                     outcomes[(kind, status)] += 1
 
+            async def kill_dying() -> None:
+                await asyncio.sleep(2.0)
+                await dying_runner.cleanup()  # its open requests are cut, later ones refused
+
             started = time.monotonic()
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-                await asyncio.gather(*(client(c, kinds, session) for c, kinds in enumerate(schedule())))
+                await asyncio.gather(kill_dying(), *(client(c, kinds, session) for c, kinds in enumerate(schedule())))
             elapsed = time.monotonic() - started
 
             # ---- the table
@@ -209,6 +224,10 @@ def test_proxy_soak() -> None:
             enc = {o: proxy.metrics.get("ec_s3_proxy_encoder_requests_total", outcome=o)
                    for o in ("ok", "http_error", "timeout", "unreachable", "error", "no_params", "skipped")}
             print("encoder outcomes:", {k: int(v) for k, v in enc.items() if v})
+            print("p/d failures:", {(u[-5:], r): int(proxy.metrics.get("ec_s3_proxy_pd_failures_total", upstream=u, reason=r))
+                                    for u in config.pd_urls for r in ("unreachable", "timeout", "disconnected")
+                                    if proxy.metrics.get("ec_s3_proxy_pd_failures_total", upstream=u, reason=r)},
+                  "(live p/d:", pd.url, ")")
 
             # ---- invariants
             unexpected = {k: n for k, n in outcomes.items()
@@ -220,7 +239,7 @@ def test_proxy_soak() -> None:
             assert proxy.metrics.get("ec_s3_proxy_internal_errors_total") == 0
             posts = collections.Counter(
                 rid.rsplit("-enc", 1)[0]
-                for rid in [*(h["X-Request-Id"] for e in (good, erroring, slow) for h in e.headers),
+                for rid in [*(h["X-Request-Id"] for e in (good, erroring, slow, dying) for h in e.headers),
                             *garbage.request_ids]
                 if rid.startswith("soak-")
             )
@@ -228,6 +247,9 @@ def test_proxy_soak() -> None:
             assert all(kinds_of[rid] in ("ok", "ok_stream", "at_cap", "giant_string", "wrong_types", "nested_part")
                        for rid in posts), "a refused request reached an encoder"
             assert enc["ok"] > 0 and enc["timeout"] > 0 and enc["http_error"] > 0 and enc["error"] > 0
+            if dispatch == "parallel":
+                assert proxy.metrics.get("ec_s3_proxy_pd_resends_total") > 0
+                print("p/d resends:", int(proxy.metrics.get("ec_s3_proxy_pd_resends_total")))
 
             # ---- back to baseline
             assert proxy._chat_in_flight == 0

@@ -73,6 +73,8 @@ class Sender(Protocol):
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool
     ) -> web.StreamResponse: ...
 
+    def detach(self, tasks: list[asyncio.Task[Any]]) -> None: ...
+
 
 def _encode_tasks(
     proxy: Sender, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str]
@@ -151,7 +153,13 @@ async def dispatch_parallel(
     failed, for as long as its answer has not begun (module docstring)."""
     request_id = headers["X-Request-Id"]
     encodes = _encode_tasks(proxy, body, items, headers)
-    marked = set(range(len(items)))
+    # One turn of the loop: every encoder request has picked its encoder, and those
+    # that found none (all down) are done already: their items are never marked.
+    await asyncio.sleep(0)
+    marked = {n for n, task in enumerate(encodes) if not task.done() or _kept(task.result())}
+    unmarked = len(items) - len(marked)
+    if unmarked:
+        proxy.metrics.inc("ec_s3_proxy_items_without_params_total", unmarked)
 
     def begin() -> asyncio.Task[Answer | web.Response]:
         pd_body = body if proxy.config.forward_media else strip_media(body, [items[n].part for n in marked])
@@ -175,7 +183,7 @@ async def dispatch_parallel(
                 )
                 await _drop(attempt)
                 attempt = begin()
-        await _stop(encodes)  # p/d's answer no longer waits on them
+        proxy.detach(encodes)  # p/d's answer no longer waits on them; their uploads serve later requests
     except BaseException:  # the client left (or a bug): nothing may stay open
         await _stop(encodes)
         await _drop(attempt)

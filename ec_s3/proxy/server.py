@@ -91,6 +91,9 @@ class EPDProxy:
         self._pd_session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
+        # Encoder requests that outlive their chat request (parallel dispatch: p/d
+        # answered first); each ends within encode_timeout_s, or at stop().
+        self._background: set[asyncio.Task[Any]] = set()
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
@@ -146,7 +149,19 @@ class EPDProxy:
         )
         return self
 
+    def detach(self, tasks: list[asyncio.Task[Any]]) -> None:
+        """Let ``tasks`` run on after their request (an encoder's upload still serves
+        later requests); they are cancelled at :meth:`stop`."""
+        for task in tasks:
+            if not task.done():
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
     async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background)
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -281,11 +296,14 @@ class EPDProxy:
             outcome, detail = "timeout", f"no answer within encode_timeout_s={cfg.encode_timeout_s:g}"
         except (aiohttp.ClientError, ValueError, RecursionError) as exc:  # RecursionError: a too-deep answer
             outcome, detail = "error", f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client left: not the encoder's failure
+            raise
         finally:
             self.encoders.release(upstream)
             self.metrics.inc("ec_s3_proxy_encoder_requests_total", upstream=upstream.url, outcome=outcome)
             self.metrics.inc("ec_s3_proxy_encoder_seconds_total", time.monotonic() - started, upstream=upstream.url)
-            if outcome != "ok":
+            if outcome not in ("ok", "cancelled"):
                 self._warner.warn(
                     (upstream.url, outcome),
                     "ec-s3 proxy: request %s: encoder %s failed (%s); the item goes to prefill/decode "
