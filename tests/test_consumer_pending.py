@@ -81,3 +81,29 @@ def test_false_and_hostile_marks_cost_at_most_the_wait(
         assert node.scheduler_connector.counters.get("fallbacks_local") == 1  # img-gone only
     finally:
         node.close()
+
+
+def test_metadata_only_items_behind_vllms_embeds_proxy(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """vLLM's example proxy in its second shape replaces media with metadata-only
+    ``*_embeds`` items (``uuid = sha256(url)``): the consumer has nothing to encode, so
+    the bucket is the only source. A published item is loaded; a missing one fails that
+    request alone (FinishReason.ERROR, logged with the reason), and the engine goes on
+    serving the next request."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(lookup_wait_s=5.0))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        put_blob(make_store(), keyspace, "sha-published", fake_encoder_output("sha-published", ROWS))
+        node.driver.add("r-hit", ["sha-published"], with_media=False)
+        node.driver.add("r-missing", ["sha-never-published"], with_media=False)
+        finished = drive(node.driver, timeout_s=30)
+        assert finished["r-hit"].finish_reason == FinishReason.LENGTH
+        assert torch.equal(node.sim.encoder_cache["sha-published"], fake_encoder_output("sha-published", ROWS))
+        assert finished["r-missing"].finish_reason == FinishReason.ERROR
+        assert node.scheduler_connector.counters.get("requests_unavailable") == 1
+        node.driver.add("r-after", ["img-with-media"])  # the engine still serves
+        assert drive(node.driver, timeout_s=30)["r-after"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == ["img-with-media"]
+    finally:
+        node.close()

@@ -64,6 +64,7 @@ SCHEDULE_SEEDS = (21, 22, 23, 24)  # (a): 6 requests over these 4 images
 CONTROL_SEED = 40  # (a): sent straight to the consumer, never published
 WARMUP_SEED = 50  # the stack's warm-up request
 FAULT_SEEDS = (31, 32, 33, 34, 35)  # (b): new images around the encoder's death
+SERIAL_SEED = 60  # through a second proxy with --dispatch serial
 PREFIX = "e2e"
 
 M_LOADED = "vllm:ec_s3_blobs_loaded_total"
@@ -138,7 +139,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
         baseline = run_schedule(baseline_srv.url, model, schedule, id_prefix="baseline")
         baseline_by_seed = {
             seed: post_chat(baseline_srv.url, chat_body(model, seed, QUESTION))
-            for seed in (*SCHEDULE_SEEDS, CONTROL_SEED, *FAULT_SEEDS)
+            for seed in (*SCHEDULE_SEEDS, CONTROL_SEED, *FAULT_SEEDS, SERIAL_SEED)
         }
         assert all(r.ok for r in [*baseline.values(), *baseline_by_seed.values()]), baseline
         baseline_srv.stop()
@@ -221,6 +222,10 @@ def test_consumer_uses_published_encoder_outputs(stack: Stack) -> None:
     assert ok_delta == sum(len(s) for s in stack.schedule)  # every item got params
     assert (after_proxy.get(P + "items_without_params_total") or 0) == (
         before_proxy.get(P + "items_without_params_total") or 0)
+    # Parallel dispatch (the proxy's default): p/d had each request while its encoder
+    # still encoded, items marked pending; no encoder failed, so nothing was sent twice.
+    assert stack.proxy.proxy.config.dispatch == "parallel"
+    assert (after_proxy.get(P + "pd_resends_total") or 0) == (before_proxy.get(P + "pd_resends_total") or 0)
 
     # Connector stats reach /metrics with the engine's outputs: allow a moment.
     deadline = time.monotonic() + 5
@@ -275,6 +280,21 @@ def test_worker_counters_reach_metrics_on_the_multiprocess_server(stack: Stack) 
     assert count is not None and count >= distinct, count
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(E2E_TIMEOUT_S)
+def test_serial_dispatch_still_serves_published_outputs(stack: Stack) -> None:
+    """``--dispatch serial`` (encoders first, then p/d with their ec_transfer_params)
+    through the same servers: the answer equals the baseline, so the consumer encoded
+    nothing."""
+    with ProxyThread(ProxyConfig(encoder_urls=[stack.producer.url], pd_urls=[stack.consumer.url], port=0,
+                                 dispatch="serial")) as serial:
+        r = post_chat(serial.url, chat_body(stack.model, SERIAL_SEED, QUESTION))
+        assert r.ok, r
+        assert compare_results(r, stack.baseline_by_seed[SERIAL_SEED])[0], _logs_hint(stack)
+        m = scrape_metrics(f"{serial.url}/metrics")
+        assert m.get(P + "encoder_requests_total", outcome="ok") == 1
+
+
 # --------------------------------------------------------------------------- (b)
 @pytest.mark.slow
 @pytest.mark.timeout(E2E_TIMEOUT_S)
@@ -311,6 +331,10 @@ def test_encoder_killed_mid_run_degrades_to_local_encoding(stack: Stack) -> None
         assert len(r.token_ids) == 8 and all(lp <= 0.0 for lp in r.logprobs), r
     # The encoder answered at most one of them before it died (normally none).
     assert _encoder_failures(stack.proxy_metrics()) - failures_before >= 1
+    # Parallel dispatch: p/d had the racing requests with their items pending; the
+    # encoder's failure made the proxy send them again without the marks (else they
+    # would have waited out the consumer's promised_wait_s), and each answered once.
+    assert (stack.proxy_metrics().get(P + "pd_resends_total") or 0) >= 1
 
     # After the death: new images are encoded by the consumer itself...
     before_proxy = stack.proxy_metrics()
