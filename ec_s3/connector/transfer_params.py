@@ -7,6 +7,10 @@ them: an entry is a :class:`Promise` only if its key is exactly the key this con
 derives for that item (same model namespace, same cache salt) and its shape, dtype and
 size agree with what the model expects.
 
+An entry marked pending (``ec_s3_pending``: ``ec-s3 proxy``'s parallel dispatch sent
+the request while an encoder still encodes the item) is a promise of the consumer's own
+key for that item, without a size.
+
 Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtype``,
 ``shape``, ``size_bytes``) and its checks. Does not own when a promise is waited for
 (:mod:`ec_s3.connector.scheduler`), keys (:mod:`ec_s3.blob.keys`) or the blob layout

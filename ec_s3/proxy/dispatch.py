@@ -21,6 +21,8 @@ p/d's answer no longer waits on anyone. So the client sees one answer, one strea
 Resends are at most one per item. An encoder failure that comes after a *non-streamed*
 answer's generation has begun still resends (p/d's progress is invisible until its
 body is complete): the client waits that much longer, and still gets one answer.
+Encoder requests still running once p/d's answer has begun run on (their uploads serve
+later requests; the proxy cancels them at stop); a client that leaves cancels them all.
 
 Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
 (:mod:`.naming`) or body rewriting (:mod:`.media`).
