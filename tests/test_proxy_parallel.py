@@ -155,6 +155,8 @@ def test_encoder_failure_resends_pd_without_its_mark_and_the_client_sees_one_ans
                 assert json.loads(raw)["choices"][0]["message"]["content"] == "pd0: 1 pending"
             assert r.metric("ec_s3_proxy_pd_resends_total") == 1
             assert r.metric("ec_s3_proxy_items_without_params_total") == 1
+            async with r.session.get(f"{r.url}/metrics") as resp:  # rendered, not only counted
+                assert "\nec_s3_proxy_pd_resends_total 1\n" in await resp.text()
             assert took < PROMISED_WAIT_S - 2
 
     run(scenario(), timeout=60)

@@ -24,6 +24,8 @@ class ProxyMetrics:
         "ec_s3_proxy_encoder_seconds_total": ("counter", "Time spent in encoder requests."),
         "ec_s3_proxy_pd_responses_total": ("counter", "PD answers relayed, by upstream and HTTP status."),
         "ec_s3_proxy_pd_failures_total": ("counter", "PD exchanges that failed below HTTP, by reason."),
+        "ec_s3_proxy_pd_resends_total": (
+            "counter", "PD requests cancelled and sent again without a failed encoder's pending marks."),
         "ec_s3_proxy_client_disconnects_total": ("counter", "Clients gone before their answer was relayed."),
         "ec_s3_proxy_rejected_total": ("counter", "Chat requests answered 4xx/503 by the proxy itself, by reason."),
         "ec_s3_proxy_internal_errors_total": ("counter", "Requests that hit a bug in the proxy (answered 500)."),
@@ -36,11 +38,18 @@ class ProxyMetrics:
         self._values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        self._known(name)
         key = (name, tuple(sorted(labels.items())))
         self._values[key] = self._values.get(key, 0.0) + value
 
     def set(self, name: str, value: float, **labels: str) -> None:
+        self._known(name)
         self._values[(name, tuple(sorted(labels.items())))] = value
+
+    def _known(self, name: str) -> None:
+        # A series without a help text would be counted but never rendered on /metrics.
+        if name not in self._HELP:
+            raise KeyError(f"unregistered proxy metric {name!r}")
 
     def get(self, name: str, **labels: str) -> float:
         """Sum of every series of ``name`` whose labels include ``labels``."""

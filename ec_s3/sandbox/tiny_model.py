@@ -15,7 +15,9 @@ No model hub is reachable in CI, so the model is written from scratch:
   depend on the image (vLLM's ``load_format="dummy"`` weights make the image
   invisible).
 
-:class:`TinyShape` makes a bigger model of the same layout (benchmarks: the encoder
+:data:`HEAVY_VISION` is the default model with a heavier vision tower (more layers,
+larger image and width) for measuring where EPD pays. :class:`TinyShape` makes a bigger
+model of the same layout (benchmarks: the encoder
 output, one blob, is ``image tokens x text hidden`` bf16 values, 4 KiB by default):
 ``TinyShape(image_size=448, text_hidden=512)`` gives 1024 tokens x 512 = 1 MiB.
 
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
 
 __all__ = [
+    "HEAVY_VISION",
     "IMAGE_SIZE",
     "IMAGE_TOKEN",
     "NUM_IMAGE_TOKENS",
@@ -54,6 +57,7 @@ __all__ = [
     "make_test_image",
     "reseed_vision_weights",
     "read_manifest",
+    "time_vision_tower",
 ]
 
 # Bump when the produced directory changes, so stale builds are rebuilt.
@@ -91,6 +95,10 @@ class TinyShape:
     text_hidden: int = TEXT_HIDDEN
     text_layers: int = TEXT_LAYERS
     text_intermediate: int = 2 * TEXT_HIDDEN
+    # The CLIP vision tower: :data:`HEAVY_VISION` makes encoding cost what a real
+    # encoder costs relative to the language model (attention heads of 32).
+    vision_hidden: int = VISION_HIDDEN
+    vision_layers: int = VISION_LAYERS
 
     def __post_init__(self) -> None:
         if self.image_size <= 0 or self.image_size % PATCH_SIZE:
@@ -99,6 +107,8 @@ class TinyShape:
             raise ValueError(f"text_hidden: {self.text_hidden} is not a positive multiple of 32")
         if self.text_layers <= 0 or self.text_intermediate <= 0:
             raise ValueError("text_layers and text_intermediate must be positive")
+        if self.vision_hidden <= 0 or self.vision_hidden % 32 or self.vision_layers <= 0:
+            raise ValueError("vision_hidden must be a positive multiple of 32 and vision_layers positive")
 
     @property
     def num_image_tokens(self) -> int:
@@ -130,6 +140,11 @@ class TinyShape:
 
 
 DEFAULT_SHAPE = TinyShape()
+#: A stand-in whose encoder costs what a real one costs relative to its language model:
+#: a 112x112 image (64 image tokens) through 8 CLIP layers of width 128 (MLP 512), sized
+#: for tens of milliseconds of CPU per image on one core, while the text model stays as
+#: small as the default's (``python -m ec_s3.sandbox.tiny_model --time`` measures it).
+HEAVY_VISION = TinyShape(image_size=112, vision_hidden=128, vision_layers=8)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -241,11 +256,11 @@ def _configs(vocab_size: int, image_token_id: int, shape: TinyShape = DEFAULT_SH
         tie_word_embeddings=False,
     )
     vision = CLIPVisionConfig(
-        hidden_size=VISION_HIDDEN,
-        intermediate_size=2 * VISION_HIDDEN,
-        projection_dim=VISION_HIDDEN,
-        num_hidden_layers=VISION_LAYERS,
-        num_attention_heads=2,
+        hidden_size=shape.vision_hidden,
+        intermediate_size=(2 if shape.vision_hidden == VISION_HIDDEN else 4) * shape.vision_hidden,
+        projection_dim=shape.vision_hidden,
+        num_hidden_layers=shape.vision_layers,
+        num_attention_heads=2 if shape.vision_hidden == VISION_HIDDEN else shape.vision_hidden // 32,
         image_size=shape.image_size,
         patch_size=PATCH_SIZE,
         num_channels=3,
@@ -465,3 +480,37 @@ def make_test_image(seed: int, size: int = IMAGE_SIZE) -> "Image.Image":
     noise = rng.normal(0, 0.08, size=(size, size, 3)).astype(np.float32)
     img = np.clip(0.5 * base + 0.5 * blocks + noise, 0, 1)
     return Image.fromarray((img * 255).round().astype(np.uint8), mode="RGB")
+
+
+def time_vision_tower(model_dir: Path, repeats: int = 10, threads: int = 1) -> float:
+    """Seconds one image takes through the vision tower and projector of the model at
+    ``model_dir`` (eager transformers, bf16, ``threads`` CPU threads): what choosing a
+    :class:`TinyShape` for an encoder's cost needs."""
+    import time
+
+    import torch
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    torch.set_num_threads(threads)
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    size = int((read_manifest(model_dir) or {}).get("image_size", IMAGE_SIZE))
+    pixels = AutoProcessor.from_pretrained(model_dir).image_processor(
+        make_test_image(1, size), return_tensors="pt")["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad():
+        model.get_image_features(pixel_values=pixels)  # warm-up
+        started = time.perf_counter()
+        for _ in range(repeats):
+            model.get_image_features(pixel_values=pixels)
+    return (time.perf_counter() - started) / repeats
+
+
+if __name__ == "__main__":  # python -m ec_s3.sandbox.tiny_model --time
+    import sys
+    import tempfile
+
+    if sys.argv[1:] != ["--time"]:
+        raise SystemExit("usage: python -m ec_s3.sandbox.tiny_model --time")
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, shape in (("default", DEFAULT_SHAPE), ("HEAVY_VISION", HEAVY_VISION)):
+            seconds = time_vision_tower(build_tiny_llava(Path(tmp) / label, shape=shape))
+            print(f"{label}: {seconds * 1e3:.1f} ms per image through the vision tower (1 thread)")
