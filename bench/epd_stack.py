@@ -82,14 +82,14 @@ class ProxyProc:
     url: str
 
     @classmethod
-    def start(cls, encoder_url: str, pd_url: str, log_path: Path) -> ProxyProc:
+    def start(cls, encoder_url: str, pd_url: str, log_path: Path, dispatch: str = "serial") -> ProxyProc:
         from ec_s3.sandbox.net import LOOPBACK, free_port, http_get
 
         port = free_port()
         log = log_path.open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
-             "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING"],
+             "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
             stdout=log, stderr=subprocess.STDOUT, cwd=bl.REPO, env={**os.environ, "PYTHONPATH": str(bl.REPO)},
         )
         log.close()
