@@ -157,7 +157,11 @@ async def dispatch_parallel(
     encodes = _encode_tasks(proxy, body, items, headers)
     # One turn of the loop: every encoder request has picked its encoder, and those
     # that found none (all down) are done already: their items are never marked.
-    await asyncio.sleep(0)
+    try:
+        await asyncio.sleep(0)
+    except BaseException:  # the client left already
+        await _stop(encodes)
+        raise
     marked = {n for n, task in enumerate(encodes) if not task.done() or _kept(task.result())}
     unmarked = len(items) - len(marked)
     if unmarked:
