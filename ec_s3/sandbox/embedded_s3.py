@@ -14,7 +14,6 @@ the reaper (:mod:`ec_s3.sandbox.procgroup`), nor buckets (callers create them).
 from __future__ import annotations
 
 import atexit
-import http.client
 import json
 import os
 import secrets
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-from ec_s3.sandbox.net import LOOPBACK
+from ec_s3.sandbox.net import LOOPBACK, wait_answering
 from ec_s3.sandbox.procgroup import ProcessGroup, log_tail
 
 __all__ = [
@@ -358,24 +357,7 @@ class EmbeddedS3Server:
     def _wait_ready(self) -> str | None:
         """Return None once S3 answers HTTP, else why it never will."""
         assert self._group is not None
-        deadline = time.monotonic() + self._startup_timeout_s
-        port = self._port("s3.port")
-        while True:
-            code = self._group.poll()
-            if code is not None:
-                return f"weed exited with status {code}"
-            conn = http.client.HTTPConnection(LOOPBACK, port, timeout=1.0)
-            try:
-                conn.request("GET", "/")
-                conn.getresponse().read()
-                return None  # 403 without credentials is the usual answer
-            except OSError:
-                pass
-            finally:
-                conn.close()
-            if time.monotonic() > deadline:
-                return f"S3 port {port} not answering after {self._startup_timeout_s:.0f} s"
-            time.sleep(0.05)
+        return wait_answering(self._port("s3.port"), self._group.poll, self._startup_timeout_s, "weed")
 
     def _kill_process(self, timeout_s: float = 10.0) -> None:
         group, self._group = self._group, None

@@ -1,0 +1,221 @@
+"""A throw-away single-node Ceph RGW on loopback, the third S3 implementation in the tests.
+
+Owns the node's bootstrap (a monitor, one memstore OSD, radosgw with the beast frontend,
+one S3 user), its ``ceph.conf``, ports, credentials and readiness. Everything lives in one
+temp dir and runs in one process group (:class:`ec_s3.sandbox.procgroup.ProcessGroup`):
+a bash leader that bootstraps and then waits, so :meth:`RgwServer.stop` (or the reaper
+when the test process dies) takes every daemon down at once. Does not own buckets
+(callers create them) nor installing Ceph (Debian's ``radosgw ceph-mon ceph-osd
+ceph-common``; :meth:`RgwServer.unavailable_reason` says what is missing).
+
+The settings that matter, and why, are in ``/work/shared/NOTES.md`` ("More S3 servers");
+each one carries its reason below too.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from ec_s3.sandbox.embedded_s3 import S3Credentials
+from ec_s3.sandbox.net import LOOPBACK, free_port, wait_answering
+from ec_s3.sandbox.procgroup import ProcessGroup, log_tail
+
+__all__ = ["RgwError", "RgwServer"]
+
+_BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph-authtool", "ceph")
+_INSTALL_HINT = "apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd ceph-common"
+
+
+class RgwError(RuntimeError):
+    """The node could not be bootstrapped or started."""
+
+
+def _ceph_conf(d: Path, fsid: str, mon_port: int, rgw_port: int) -> str:
+    return f"""[global]
+fsid = {fsid}
+# msgr2 only: one port, and no v1 listener to collide with
+mon_host = [v2:{LOOPBACK}:{mon_port}]
+ms_bind_msgr1 = false
+public_addr = {LOOPBACK}
+# no cephx: a throw-away node on loopback; radosgw's default 'secure' mon mode then
+# loops on EACCES, so the mon link is crc
+auth_cluster_required = none
+auth_service_required = none
+auth_client_required = none
+ms_mon_client_mode = crc
+# data in RAM, one replica
+osd_objectstore = memstore
+osd_pool_default_size = 1
+osd_pool_default_min_size = 1
+mon_allow_pool_size_one = true
+osd_pool_default_pg_autoscale_mode = off
+mon_warn_on_pool_no_redundancy = false
+# the default 1 s makes radosgw's first start (it creates its pools) take ~13 s
+paxos_propose_interval = 0.05
+run_dir = {d}/run
+admin_socket = {d}/run/$name.asok
+pid_file = {d}/run/$name.pid
+log_file = {d}/log/$name.log
+mon_data = {d}/mon/$name
+osd_data = {d}/osd/$name
+keyring = {d}/keyring
+crash_dir = {d}/crash
+exec_dir = {d}/run
+
+[client.rgw]
+rgw_frontends = beast endpoint={LOOPBACK}:{rgw_port}
+rgw_dns_name = {LOOPBACK}
+# deleted data otherwise stays in the OSD's RAM for 2 h
+rgw_gc_obj_min_wait = 60
+rgw_gc_processor_period = 60
+# a lifecycle "day" is 10 s, so a test can see a rule act
+rgw_lc_debug_interval = 10
+"""
+
+
+# The leader: bootstrap, then start the daemons in the foreground of this process group
+# and wait on them. Any daemon exiting ends the leader, which readiness polling sees.
+_BOOTSTRAP = r"""
+set -eu
+C="-c $D/ceph.conf"
+mkdir -p "$D/run" "$D/log" "$D/mon/mon.a" "$D/osd/osd.0" "$D/crash"
+monmaptool --create --clobber --fsid "$FSID" --addv a "[v2:127.0.0.1:$MON_PORT]" "$D/monmap" >/dev/null
+ceph-authtool --create-keyring "$D/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
+ceph-mon $C --mkfs -i a --monmap "$D/monmap" --keyring "$D/keyring"
+ceph-mon $C -f -i a &
+OSD_UUID=$(cat /proc/sys/kernel/random/uuid)
+OSD_ID=$(ceph $C --connect-timeout 30 osd new "$OSD_UUID")
+# the mon ignores an OSD's boot unless its fsid is the one 'osd new' registered
+ceph-osd $C -i "$OSD_ID" --mkfs --osd-uuid "$OSD_UUID" >/dev/null 2>&1
+ceph-osd $C -f -i "$OSD_ID" &
+radosgw-admin $C -n client.rgw user create --uid=ecs3 --display-name=ecs3 \
+    --access-key="$RGW_ACCESS_KEY" --secret-key="$RGW_SECRET_KEY" >/dev/null
+radosgw $C -n client.rgw -f &
+echo "=== rgw bootstrap done"
+wait -n
+echo "=== a ceph daemon exited"
+"""
+
+
+class RgwServer:
+    """One Ceph RGW node serving S3 on 127.0.0.1 with enforced SigV4 credentials.
+
+    Same interface as :class:`ec_s3.sandbox.embedded_s3.EmbeddedS3Server`: :meth:`start`,
+    :attr:`endpoint_url`, :attr:`credentials`, :meth:`stop`.
+    """
+
+    def __init__(self, credentials: S3Credentials | None = None, startup_timeout_s: float = 60.0) -> None:
+        self._credentials = credentials or S3Credentials.generate()
+        self._startup_timeout_s = startup_timeout_s
+        self._lock = threading.RLock()
+        self._group: ProcessGroup | None = None
+        self._dir: Path | None = None
+        self._port: int | None = None
+        self.startup_seconds: float | None = None
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        """None when every Ceph binary the node needs is on PATH, else what to install."""
+        missing = [b for b in _BINARIES if shutil.which(b) is None]
+        if not missing:
+            return None
+        return f"Ceph RGW not installed (missing {', '.join(missing)}): {_INSTALL_HINT}"
+
+    @property
+    def endpoint_url(self) -> str:
+        if self._port is None:
+            raise RgwError("server not started")
+        return f"http://{LOOPBACK}:{self._port}"
+
+    @property
+    def credentials(self) -> S3Credentials:
+        return self._credentials
+
+    @property
+    def log_dir(self) -> Path:
+        if self._dir is None:
+            raise RgwError("server not started")
+        return self._dir / "log"
+
+    def start(self) -> RgwServer:
+        """Bootstrap the node and wait until radosgw answers HTTP."""
+        with self._lock:
+            if self._group is not None:
+                raise RgwError("server already started")
+            reason = self.unavailable_reason()
+            if reason is not None:
+                raise RgwError(reason)
+            t0 = time.monotonic()
+            # Short path: the daemons' admin sockets live in it (108-byte limit).
+            self._dir = Path(tempfile.mkdtemp(prefix="ec-s3-rgw-"))
+            atexit.register(self.stop)
+            try:
+                self._spawn()
+                error = self._wait_ready()
+                if error is not None:
+                    raise RgwError(f"RGW failed to start ({error}); {self._logs()}")
+                self.startup_seconds = time.monotonic() - t0
+                return self
+            except BaseException:
+                self.stop()
+                raise
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Take the whole process group down and remove the temp dir. Idempotent."""
+        with self._lock:
+            atexit.unregister(self.stop)
+            group, self._group = self._group, None
+            if group is not None:
+                # memstore keeps nothing worth a clean shutdown: the group goes at once
+                group.stop(min(timeout_s, 0.5))
+            if self._dir is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+
+    def __enter__(self) -> RgwServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.endpoint_url if self._port is not None else "not started"
+        return f"RgwServer({where}, {self._credentials!r})"
+
+    def _spawn(self) -> None:
+        assert self._dir is not None
+        d = self._dir
+        mon_port, self._port = free_port(), free_port()
+        fsid = str(uuid.uuid4())
+        (d / "ceph.conf").write_text(_ceph_conf(d, fsid, mon_port, self._port))
+        env = {
+            "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": str(d),
+            "D": str(d),
+            "FSID": fsid,
+            "MON_PORT": str(mon_port),
+            "RGW_ACCESS_KEY": self._credentials.access_key_id,
+            "RGW_SECRET_KEY": self._credentials.secret_access_key,
+        }
+        # The secret travels in the environment, never on the leader's command line.
+        self._group = ProcessGroup(["bash", "-c", _BOOTSTRAP], log_path=d / "bootstrap.log", env=env,
+                                   label="rgw", cwd=d, reaper_grace_s=2.0, scratch=d)
+
+    def _wait_ready(self) -> str | None:
+        assert self._group is not None and self._port is not None
+        return wait_answering(self._port, self._group.poll, self._startup_timeout_s, "bootstrap")
+
+    def _logs(self) -> str:
+        assert self._dir is not None
+        parts = [f"bootstrap log:\n{log_tail(self._dir / 'bootstrap.log', 2000)}"]
+        for name in ("mon.a", "osd.0", "client.rgw"):
+            path = self._dir / "log" / f"{name}.log"
+            if path.exists():
+                parts.append(f"{name}:\n{log_tail(path, 1500)}")
+        return "\n".join(parts)
