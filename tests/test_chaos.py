@@ -3,10 +3,11 @@ worker-side connector run like the model runner, serve a few hundred requests wh
 the store misbehaves at random (fixed seed), then the faults stop and hits must return.
 
 Faults: 503 storms, connection resets, stalls past the timeouts, a slow store, revoked
-credentials (the fault proxy rewrites the SigV4 access key, so SeaweedFS itself answers
+credentials (the fault proxy rewrites the SigV4 access key, so the server itself answers
 403 InvalidAccessKeyId), the S3 server SIGKILLed and restarted (a real restart: same
 data dir and credentials; ``EmbeddedS3Server`` picks new ports, so the clients' fixed
-address is the fault proxy, re-pointed at it), GET bodies corrupted (checksums on) or
+address is the fault proxy, re-pointed at it; on Ceph RGW the gateway alone dies and
+comes back in front of the same cluster), GET bodies corrupted (checksums on) or
 cut short, answers lost after the request landed, blobs deleted by a "gc" right after
 the producer promised them, a tiny staging area
 (one consumer has the minimum ``staging_bytes``), staged files removed just before
@@ -70,6 +71,7 @@ from support.chaos import (
     tree_bytes,
 )
 from support.faultproxy import FaultProxy
+from support.rgw import RgwServer
 from support.vllm_rig import fake_encoder_output
 
 MiB = 1 << 20
@@ -180,7 +182,7 @@ class Job:
 class Soak:
     """The scenario: its nodes, its requests in flight, its phases."""
 
-    def __init__(self, model_dir: Path, tmp_path: Path) -> None:
+    def __init__(self, model_dir: Path, tmp_path: Path, server_kind: str = "seaweedfs") -> None:
         self.rng = random.Random(SEED)
         self.ledger = Ledger()
         self.model_dir = model_dir
@@ -189,7 +191,7 @@ class Soak:
         self.iteration = 0
         self.proxy = FaultProxy("http://127.0.0.1:9", seed=SEED)  # pointed at the server once it runs
         self.admin_proxy = FaultProxy("http://127.0.0.1:9")  # never faulty: the gc's and the audit's way in
-        self.server = RestartableServer(tmp_path / "s3", [self.proxy, self.admin_proxy])
+        self.server = RestartableServer(tmp_path / "s3", [self.proxy, self.admin_proxy], kind=server_kind)
         self.logs = LogWatch()
         self.episodes = FaultEpisodes(self.proxy, self.server, error_rate=ERROR_RATE_503, reset_rate=RESET_RATE,
                                       latency_s=SLOW_LATENCY_S)
@@ -837,11 +839,16 @@ class Soak:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-@pytest.mark.slow  # about 2 minutes; the default `pytest -q` still runs it
+@pytest.mark.slow  # about 2 minutes per server; the default `pytest -q` still runs it
 @pytest.mark.timeout(600)
-def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("server_kind", ["seaweedfs", "rgw"])
+def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path, server_kind: str) -> None:
+    """The soak on SeaweedFS and on Ceph RGW (its own node; skipped where Ceph is not
+    installed): two independent servers under the same faults and invariants."""
+    if server_kind == "rgw" and (reason := RgwServer.unavailable_reason()) is not None:
+        pytest.skip(reason)
     started = time.monotonic()
-    soak = Soak(tiny_model_dir, tmp_path)
+    soak = Soak(tiny_model_dir, tmp_path, server_kind)
     try:
         soak.start()
         soak.soak()
@@ -851,7 +858,7 @@ def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path) -> None:
         soak.audit()
     finally:
         report = soak.ledger.render(dataclasses.asdict(soak.proxy.counters), soak.counters)
-        report += f"\ntotal {time.monotonic() - started:.1f}s, seed {SEED}\n"
+        report += f"\ntotal {time.monotonic() - started:.1f}s, seed {SEED}, server {server_kind}\n"
         (tmp_path / "chaos-report.txt").write_text(report)
         print(report)
         print(f"(report also in {tmp_path / 'chaos-report.txt'})")

@@ -1,5 +1,6 @@
 """Consumer role: vLLM's real Scheduler + worker-role ECS3Connector against the real
-S3 server, stepped like EngineCore (idle steps skip the worker connector)."""
+S3 server, stepped like EngineCore (idle steps skip the worker connector). The round
+trips (producer -> S3 -> consumer) run on SeaweedFS and on Ceph RGW (``s3_matrix``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from ec_s3.blob.keys import KeySpace
 from ec_s3.store.client import S3Store
 from support.ec_harness import Node, blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
+from support.s3_matrix import s3_matrix
 from support.vllm_rig import fake_encoder_output
 
 ROWS, WIDTH = 16, 128
@@ -50,6 +52,7 @@ def _deferred_steps(node: Node, req_id: str) -> int:
     return sum(1 for st in node.driver.steps if req_id not in st.scheduler_output.num_scheduled_tokens)
 
 
+@s3_matrix("seaweedfs", "rgw")
 def test_a_promised_item_is_loaded_not_encoded(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
     params = produce(tiny_model_dir, extra_config(), ["img-a", "img-b"])
     node = make_node(tiny_model_dir, "ec_consumer", extra_config())
@@ -68,6 +71,7 @@ def test_a_promised_item_is_loaded_not_encoded(tiny_model_dir: Path, extra_confi
         node.close()
 
 
+@s3_matrix("seaweedfs", "rgw")
 def test_b_late_upload_is_waited_for(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
 ) -> None:
@@ -157,6 +161,7 @@ def test_d_invalid_blobs_are_never_loaded(
         node.close()
 
 
+@s3_matrix("seaweedfs", "rgw")
 def test_e_lookup_always_reuses_blob_from_earlier_run(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
 ) -> None:

@@ -170,6 +170,61 @@ def test_wrong_checksum_on_upload(make_store: Callable[..., S3Store], s3: S3Endp
     assert bytes(store.run(store.get_async("good"), timeout=30)) == body
 
 
+def test_wrong_content_md5_on_upload(s3: S3Endpoint, bucket: str) -> None:
+    """Raw probe: Content-MD5 is the older integrity header; moto 5.2 does not check it."""
+    assert s3.quirks is not None
+    raw = _raw(s3)
+    try:
+        raw.put_object(Bucket=bucket, Key="m", Body=b"zz", ContentMD5="AAAAAAAAAAAAAAAAAAAAAA==")
+        refused = False
+    except botocore.exceptions.ClientError as exc:
+        assert (_status(exc), exc.response["Error"]["Code"]) == (400, "BadDigest")
+        refused = True
+    assert refused is s3.quirks.verifies_md5
+
+
+def test_chunked_answers_are_read(make_store: Callable[..., S3Store], s3: S3Endpoint, bucket: str) -> None:
+    """RGW frames its LIST and DeleteObjects answers with Transfer-Encoding: chunked
+    (object answers carry Content-Length everywhere); ec-s3 reads both framings."""
+    assert s3.quirks is not None
+    raw = _raw(s3)
+    raw.put_object(Bucket=bucket, Key="x/1", Body=b"1")
+    listing = raw.list_objects_v2(Bucket=bucket, Prefix="x/")["ResponseMetadata"]["HTTPHeaders"]
+    deleted = raw.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": "x/none"}]})["ResponseMetadata"]
+    chunked = [h.get("transfer-encoding") == "chunked" for h in (listing, deleted["HTTPHeaders"])]
+    assert chunked == [s3.quirks.chunked_listing] * 2
+    got = raw.get_object(Bucket=bucket, Key="x/1", Range="bytes=0-0")["ResponseMetadata"]["HTTPHeaders"]
+    assert "transfer-encoding" not in got and got["content-length"] == "1"
+    store = make_store()
+
+    async def listing_keys() -> list[str]:
+        return [o.key async for o in store.list_async("x/")]
+
+    assert store.run(listing_keys()) == ["x/1"]
+    assert store.run(store.delete_many_async(["x/1"])) == 1
+
+
+def test_lifecycle_rule_with_abort_incomplete_uploads(s3: S3Endpoint, bucket: str) -> None:
+    """Raw probe: every server of the matrix stores an expiration rule together with
+    AbortIncompleteMultipartUpload and gives both back."""
+    raw = _raw(s3)
+    rule = {"ID": "ec-s3", "Status": "Enabled", "Filter": {"Prefix": "ec-cache/"}, "Expiration": {"Days": 7},
+            "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 1}}
+    raw.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration={"Rules": [rule]})
+    (got,) = raw.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert got["Expiration"] == {"Days": 7}
+    assert got["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
+
+
+def test_signing_region_is_not_checked(make_store: Callable[..., S3Store]) -> None:
+    """None of the three single-region servers refuses a signature made for another
+    region (AWS does: AuthorizationHeaderMalformed), so ``region`` matters only on AWS
+    and multi-region gateways."""
+    store = make_store(region="eu-west-1")
+    assert store.run(store.put_async("k", bytearray(b"v")), timeout=30) is PutOutcome.CREATED
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == b"v"
+
+
 def test_list_delete_and_delete_many(make_store: Callable[..., S3Store]) -> None:
     store = make_store()
     for i in range(5):

@@ -3,7 +3,8 @@
 Owns: a vLLM instance's worth of ECS3Connector around vLLM's real Scheduler with
 every connector call watched (how long it took, what it raised, whether a loaded
 tensor is bit-equal to what the producer encoded), the fault episodes (fault proxy
-rules; a SeaweedFS server SIGKILLed and restarted on the same data dir), process
+rules; the S3 server SIGKILLed and restarted: SeaweedFS on the same data dir, or Ceph
+RGW's gateway in front of the same cluster), process
 resource probes, and the ledger of faults, outcomes and broken invariants that the
 soak prints. Does not own: the scenario (which requests, which faults, the bounds:
 ``tests/test_chaos.py``), the fault proxy (``support.faultproxy``), the rig that
@@ -33,6 +34,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 from .faultproxy import FaultProxy
+from .rgw import RgwServer
 from .vllm_rig import ECWorkerSim, SchedulerDriver, make_scheduler, make_vllm_config
 
 __all__ = [
@@ -194,35 +196,17 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- server
 
 
-class RestartableServer:
-    """The soak's own SeaweedFS, reachable only through fault proxies with a fixed
-    address. A kill is a SIGKILL of its process group (no clean shutdown); a restart
-    starts a new server on the same data dir and credentials. ``EmbeddedS3Server``
-    picks fresh ports on each start, so the proxies are re-pointed at it: clients
-    keep their endpoint, as they would behind a load balancer."""
+class _Weed:
+    """SeaweedFS: a kill is a SIGKILL of its process group (no clean shutdown); a restart
+    is a new server on the same data dir and credentials, on fresh ports."""
 
-    def __init__(self, data_dir: Path, proxies: list[FaultProxy]) -> None:
-        self.data_dir = data_dir
-        self.credentials = S3Credentials.generate()
-        self.proxies = proxies
+    def __init__(self, data_dir: Path, credentials: S3Credentials) -> None:
+        self.data_dir, self.credentials = data_dir, credentials
         self._server: EmbeddedS3Server | None = None
-        self._restart: threading.Thread | None = None
-        self._restart_error: BaseException | None = None
-        self.restarts = 0
-        self.restart_seconds: list[float] = []
 
     def start(self) -> str:
         self._server = EmbeddedS3Server(data_dir=self.data_dir, credentials=self.credentials).start()
         return self._server.endpoint_url
-
-    @property
-    def is_up(self) -> bool:
-        return self._server is not None and self._restart is None
-
-    @property
-    def is_killed(self) -> bool:
-        """Down and no restart begun yet."""
-        return self._server is None and self._restart is None
 
     def kill(self) -> None:
         server, self._server = self._server, None
@@ -236,6 +220,72 @@ class RestartableServer:
                 pass
         server.stop(timeout_s=5.0)  # reaps it and its reaper; the data dir stays
 
+    restart = start
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+class _Rgw:
+    """Ceph RGW: a kill is a SIGKILL of radosgw alone, a restart starts it again on the
+    same port; the cluster behind it (and its data, in the OSD's RAM) stays up, as the
+    storage behind a gateway does."""
+
+    def __init__(self, data_dir: Path, credentials: S3Credentials) -> None:
+        self._node = RgwServer(credentials=credentials)
+
+    def start(self) -> str:
+        self._node.start()
+        return self._node.endpoint_url
+
+    def kill(self) -> None:
+        self._node.kill_gateway()
+
+    def restart(self) -> str:
+        self._node.start_gateway()
+        return self._node.endpoint_url
+
+    def stop(self) -> None:
+        self._node.stop()
+
+
+class RestartableServer:
+    """The soak's own S3 server (``kind``: ``seaweedfs`` or ``rgw``), reachable only
+    through fault proxies with a fixed address, killed and restarted by the soak. A
+    restarted server may listen on new ports, so the proxies are re-pointed at it:
+    clients keep their endpoint, as they would behind a load balancer."""
+
+    def __init__(self, data_dir: Path, proxies: list[FaultProxy], kind: str = "seaweedfs") -> None:
+        self.credentials = S3Credentials.generate()
+        self.proxies = proxies
+        self._backend = {"seaweedfs": _Weed, "rgw": _Rgw}[kind](data_dir, self.credentials)
+        self._up = False
+        self._restart: threading.Thread | None = None
+        self._restart_error: BaseException | None = None
+        self.restarts = 0
+        self.restart_seconds: list[float] = []
+
+    def start(self) -> str:
+        url = self._backend.start()
+        self._up = True
+        return url
+
+    @property
+    def is_up(self) -> bool:
+        return self._up and self._restart is None
+
+    @property
+    def is_killed(self) -> bool:
+        """Down and no restart begun yet."""
+        return not self._up and self._restart is None
+
+    def kill(self) -> None:
+        if self._up:
+            self._up = False
+            self._backend.kill()
+
     def restart_in_background(self) -> None:
         """Start the server again on a thread, so the engines keep stepping meanwhile."""
         if self._restart is not None:
@@ -244,13 +294,13 @@ class RestartableServer:
         def run() -> None:
             started = time.monotonic()
             try:
-                server = EmbeddedS3Server(data_dir=self.data_dir, credentials=self.credentials).start()
+                url = self._backend.restart()
             except BaseException as exc:  # reported by restart_done()
                 self._restart_error = exc
                 return
             for proxy in self.proxies:
-                proxy.set_upstream(server.endpoint_url)
-            self._server = server
+                proxy.set_upstream(url)
+            self._up = True
             self.restarts += 1
             self.restart_seconds.append(time.monotonic() - started)
 
@@ -276,7 +326,7 @@ class RestartableServer:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"S3 server not restarted within {timeout_s}s")
             time.sleep(0.05)
-        if self._server is None:
+        if not self._up:
             self.restart_in_background()
             self.wait_up(max(1.0, deadline - time.monotonic()))
 
@@ -284,9 +334,8 @@ class RestartableServer:
         if self._restart is not None:
             self._restart.join(60)
             self._restart = None
-        if self._server is not None:
-            self._server.stop()
-            self._server = None
+        self._backend.stop()
+        self._up = False
 
 
 # --------------------------------------------------------------------------- faults

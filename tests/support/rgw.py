@@ -1,10 +1,11 @@
 """A throw-away single-node Ceph RGW on loopback, the third S3 implementation in the tests.
 
 Owns the node's bootstrap (a monitor, one memstore OSD, radosgw with the beast frontend,
-one S3 user), its ``ceph.conf``, ports, credentials and readiness. Everything lives in one
-temp dir and runs in one process group (:class:`ec_s3.sandbox.procgroup.ProcessGroup`):
-a bash leader that bootstraps and then waits, so :meth:`RgwServer.stop` (or the reaper
-when the test process dies) takes every daemon down at once. Does not own buckets
+one S3 user), its ``ceph.conf``, ports, credentials, readiness, and killing/restarting
+the gateway alone. Everything lives in one temp dir and runs in one process group
+(:class:`ec_s3.sandbox.procgroup.ProcessGroup`): a bash leader that bootstraps and then
+waits, with radosgw joined to its group, so :meth:`RgwServer.stop` (or the reaper when
+the test process dies) takes every daemon down at once. Does not own buckets
 (callers create them) nor installing Ceph (Debian's ``radosgw ceph-mon ceph-osd
 ceph-common``; :meth:`RgwServer.unavailable_reason` says what is missing).
 
@@ -15,7 +16,10 @@ each one carries its reason below too.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -79,26 +83,41 @@ rgw_lc_debug_interval = 10
 """
 
 
-# The leader: bootstrap, then start the daemons in the foreground of this process group
-# and wait on them. Any daemon exiting ends the leader, which readiness polling sees.
+# The leader: bootstrap the cluster (monitor, OSD, S3 user), then run radosgw each time
+# RgwServer asks (a file "gw.go"), so that a test can kill the gateway alone and start it
+# again (the soak's "server restart": the storage behind a gateway keeps its data). It
+# ends when the monitor or the OSD does. Everything stays in its process group (another
+# session's process may not join it, so RgwServer cannot start radosgw itself).
 _BOOTSTRAP = r"""
 set -eu
 C="-c $D/ceph.conf"
 mkdir -p "$D/run" "$D/log" "$D/mon/mon.a" "$D/osd/osd.0" "$D/crash"
+touch "$D/gw.go"  # radosgw starts as soon as the cluster is up
 monmaptool --create --clobber --fsid "$FSID" --addv a "[v2:127.0.0.1:$MON_PORT]" "$D/monmap" >/dev/null
 ceph-authtool --create-keyring "$D/keyring" --gen-key -n mon. --cap mon 'allow *' >/dev/null
 ceph-mon $C --mkfs -i a --monmap "$D/monmap" --keyring "$D/keyring"
 ceph-mon $C -f -i a &
+MON=$!
 OSD_UUID=$(cat /proc/sys/kernel/random/uuid)
 OSD_ID=$(ceph $C --connect-timeout 30 osd new "$OSD_UUID")
 # the mon ignores an OSD's boot unless its fsid is the one 'osd new' registered
 ceph-osd $C -i "$OSD_ID" --mkfs --osd-uuid "$OSD_UUID" >/dev/null 2>&1
 ceph-osd $C -f -i "$OSD_ID" &
+OSD=$!
 radosgw-admin $C -n client.rgw user create --uid=ecs3 --display-name=ecs3 \
     --access-key="$RGW_ACCESS_KEY" --secret-key="$RGW_SECRET_KEY" >/dev/null
-radosgw $C -n client.rgw -f &
-echo "=== rgw bootstrap done"
-wait -n
+touch "$D/bootstrapped"
+alive() { kill -0 "$MON" 2>/dev/null && kill -0 "$OSD" 2>/dev/null; }
+while alive; do
+    if [ -e "$D/gw.go" ]; then
+        rm -f "$D/gw.go"
+        radosgw $C -n client.rgw -f >>"$D/gateway.log" 2>&1 &
+        echo $! >"$D/gw.pid"
+        wait $! || true
+        rm -f "$D/gw.pid"
+    fi
+    sleep 0.05
+done
 echo "=== a ceph daemon exited"
 """
 
@@ -117,6 +136,7 @@ class RgwServer:
         self._group: ProcessGroup | None = None
         self._dir: Path | None = None
         self._port: int | None = None
+        self._env: dict[str, str] = {}
         self.startup_seconds: float | None = None
 
     @staticmethod
@@ -157,11 +177,12 @@ class RgwServer:
             atexit.register(self.stop)
             try:
                 self._spawn()
-                error = self._wait_ready()
-                if error is not None:
-                    raise RgwError(f"RGW failed to start ({error}); {self._logs()}")
-                self.startup_seconds = time.monotonic() - t0
-                return self
+                error = self._wait_bootstrapped()
+                if error is None:
+                    self._wait_gateway()
+                    self.startup_seconds = time.monotonic() - t0
+                    return self
+                raise RgwError(f"RGW failed to start ({error}); {self._logs()}")
             except BaseException:
                 self.stop()
                 raise
@@ -177,6 +198,40 @@ class RgwServer:
             if self._dir is not None:
                 shutil.rmtree(self._dir, ignore_errors=True)
                 self._dir = None
+
+    def kill_gateway(self) -> None:
+        """SIGKILL radosgw alone (no clean shutdown) and wait until it is gone; the
+        cluster and its data stay."""
+        with self._lock:
+            pid = self._gateway_pid()
+            if pid is None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while self._gateway_pid() == pid and time.monotonic() < deadline:
+                time.sleep(0.02)  # the leader reaps it and removes gw.pid
+
+    def start_gateway(self) -> None:
+        """Start radosgw again on the node's port and wait until it answers."""
+        with self._lock:
+            if self._group is None or self._dir is None or self._port is None:
+                raise RgwError("server not started")
+            (self._dir / "gw.go").touch()
+            self._wait_gateway()
+
+    def _wait_gateway(self) -> None:
+        assert self._group is not None and self._port is not None
+        error = wait_answering(self._port, self._group.poll, self._startup_timeout_s, "the node")
+        if error is not None:
+            raise RgwError(f"radosgw failed to start ({error}); {self._logs()}")
+
+    def _gateway_pid(self) -> int | None:
+        assert self._dir is not None
+        try:
+            return int((self._dir / "gw.pid").read_text())
+        except (OSError, ValueError):
+            return None
 
     def __enter__(self) -> RgwServer:
         return self.start()
@@ -194,7 +249,7 @@ class RgwServer:
         mon_port, self._port = free_port(), free_port()
         fsid = str(uuid.uuid4())
         (d / "ceph.conf").write_text(_ceph_conf(d, fsid, mon_port, self._port))
-        env = {
+        self._env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(d),
             "D": str(d),
@@ -204,16 +259,25 @@ class RgwServer:
             "RGW_SECRET_KEY": self._credentials.secret_access_key,
         }
         # The secret travels in the environment, never on the leader's command line.
-        self._group = ProcessGroup(["bash", "-c", _BOOTSTRAP], log_path=d / "bootstrap.log", env=env,
+        self._group = ProcessGroup(["bash", "-c", _BOOTSTRAP], log_path=d / "bootstrap.log", env=self._env,
                                    label="rgw", cwd=d, reaper_grace_s=2.0, scratch=d)
 
-    def _wait_ready(self) -> str | None:
-        assert self._group is not None and self._port is not None
-        return wait_answering(self._port, self._group.poll, self._startup_timeout_s, "bootstrap")
+    def _wait_bootstrapped(self) -> str | None:
+        assert self._group is not None and self._dir is not None
+        deadline = time.monotonic() + self._startup_timeout_s
+        while not (self._dir / "bootstrapped").exists():
+            code = self._group.poll()
+            if code is not None:
+                return f"bootstrap exited with status {code}"
+            if time.monotonic() > deadline:
+                return f"not bootstrapped after {self._startup_timeout_s:.0f} s"
+            time.sleep(0.05)
+        return None
 
     def _logs(self) -> str:
         assert self._dir is not None
         parts = [f"bootstrap log:\n{log_tail(self._dir / 'bootstrap.log', 2000)}"]
+        parts.append(f"gateway log:\n{log_tail(self._dir / 'gateway.log', 1500)}")
         for name in ("mon.a", "osd.0", "client.rgw"):
             path = self._dir / "log" / f"{name}.log"
             if path.exists():

@@ -41,12 +41,19 @@ class Quirks:
     conditional_complete: Literal["atomic", "racy", "ignored"]
     # a wrong x-amz-checksum-crc32 on PUT is refused (400) rather than stored
     verifies_checksum: bool
+    # a wrong Content-MD5 on PUT is refused (400 BadDigest) rather than stored
+    verifies_md5: bool
+    # ListObjectsV2 and DeleteObjects answer with Transfer-Encoding: chunked
+    chunked_listing: bool
 
 
 QUIRKS: dict[str, Quirks] = {
-    "seaweedfs": Quirks(enforces_credentials=True, conditional_complete="atomic", verifies_checksum=True),
-    "moto": Quirks(enforces_credentials=False, conditional_complete="racy", verifies_checksum=False),
-    "rgw": Quirks(enforces_credentials=True, conditional_complete="ignored", verifies_checksum=False),
+    "seaweedfs": Quirks(enforces_credentials=True, conditional_complete="atomic", verifies_checksum=True,
+                        verifies_md5=True, chunked_listing=False),
+    "moto": Quirks(enforces_credentials=False, conditional_complete="racy", verifies_checksum=False,
+                   verifies_md5=False, chunked_listing=False),
+    "rgw": Quirks(enforces_credentials=True, conditional_complete="ignored", verifies_checksum=False,
+                  verifies_md5=True, chunked_listing=True),
 }
 
 
