@@ -205,9 +205,11 @@ class ECS3Config:
     checksum_algorithm: ChecksumAlgorithm = dataclasses.field(
         default="none",
         metadata=_doc(
-            "End-to-end integrity (`none`, `CRC32`, `CRC32C`, `SHA256`): S3 verifies this checksum on every "
-            "upload, and ec-s3 stores a CRC32 of the blob in its metadata and verifies it after every GET "
-            "(multipart and ranged too); a mismatch is a miss, never a tensor. `CRC32C` needs `awscrt`."
+            "End-to-end integrity (`none`, `CRC32`, `CRC32C`, `SHA256`): every upload carries this checksum, "
+            "which servers that verify it refuse on a mismatch (AWS S3, SeaweedFS; Ceph RGW 16.2 and moto store it "
+            "unchecked: docs/compatibility.md), and ec-s3 stores a CRC32 of the blob in its metadata and verifies it "
+            "after every GET (multipart and ranged too), on every server; a mismatch is a miss, never a tensor. "
+            "`CRC32C` needs `awscrt`."
         ),
     )
     breaker_threshold: int = dataclasses.field(
