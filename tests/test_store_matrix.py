@@ -6,6 +6,8 @@ multipart PUT (create, parts, conditional complete, abort), ranged GET (206 +
 Content-Range, parallel parts), LIST with a prefix, DELETE, DeleteObjects, a 503 and a
 truncated body retried, and wrong credentials. Where servers differ (``Quirks``), a raw
 probe pins the server's behaviour and the test asserts what ec-s3 does about it.
+The PUT/GET/HEAD/multipart and LIST/DELETE tests also run over https (``s3_matrix(https=True)``:
+SeaweedFS and RGW behind a TLS front signed by a private CA) once that front exists.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from support.s3_matrix import S3Endpoint, s3_matrix
 MiB = 1 << 20
 PART = 5 * MiB  # the smallest part S3 allows: multipart at 11 MiB is three parts
 
-pytestmark = s3_matrix()
-
 
 @pytest.fixture(params=["direct", "botocore"])
 def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
@@ -45,7 +45,7 @@ def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3C
 def _raw(s3: S3Endpoint) -> Any:
     """A plain boto3 client: the probe of what the server itself does."""
     return boto3.client(
-        "s3", endpoint_url=s3.url, region_name="us-east-1",
+        "s3", endpoint_url=s3.url, region_name="us-east-1", verify=str(s3.ca_bundle) if s3.ca_bundle else None,
         aws_access_key_id=s3.credentials.access_key_id, aws_secret_access_key=s3.credentials.secret_access_key,
         config=botocore.config.Config(
             retries={"max_attempts": 1}, request_checksum_calculation="when_required",
@@ -63,6 +63,7 @@ def _status(exc: botocore.exceptions.ClientError) -> int:
 
 
 @pytest.mark.parametrize("size", [1000, 11 * MiB])
+@s3_matrix()
 def test_round_trip(make_store: Callable[..., S3Store], fault_proxy: FaultProxy, size: int) -> None:
     """One PUT, or multipart (HEAD, create, 3 parts, complete); GET is one ranged request
     per part, each a 206 whose Content-Range ec-s3 checks; HEAD reports the size."""
@@ -80,6 +81,7 @@ def test_round_trip(make_store: Callable[..., S3Store], fault_proxy: FaultProxy,
     assert store.run(store.head_async("no/such/key")) is None
 
 
+@s3_matrix()
 def test_ranged_get_answers_206_with_its_range(s3: S3Endpoint, bucket: str) -> None:
     """The server fact the GET path relies on (``Range`` -> 206 + exact Content-Range)."""
     raw = _raw(s3)
@@ -91,6 +93,7 @@ def test_ranged_get_answers_206_with_its_range(s3: S3Endpoint, bucket: str) -> N
 
 
 @pytest.mark.parametrize("size", [1000, 11 * MiB])
+@s3_matrix(https=True)
 def test_conditional_put_keeps_the_first_blob(make_store: Callable[..., S3Store], size: int) -> None:
     """A second PUT of a key is ALREADY_EXISTS and the stored bytes stay the first ones
     (PUT: every server answers If-None-Match with 412; multipart: ec-s3's HEAD first)."""
@@ -101,6 +104,7 @@ def test_conditional_put_keeps_the_first_blob(make_store: Callable[..., S3Store]
     assert bytes(store.run(store.get_async("k"), timeout=60)) == first
 
 
+@s3_matrix()
 def test_if_none_match_on_complete_is_what_the_table_says(s3: S3Endpoint, bucket: str) -> None:
     """Raw probe: CompleteMultipartUpload with If-None-Match: * onto an existing key."""
     assert s3.quirks is not None
@@ -120,6 +124,7 @@ def test_if_none_match_on_complete_is_what_the_table_says(s3: S3Endpoint, bucket
     assert raw.get_object(Bucket=bucket, Key="c")["Body"].read() == (b"first" if refused else b"second")
 
 
+@s3_matrix()
 def test_racing_multipart_puts_leave_one_intact_blob(make_store: Callable[..., S3Store], fault_proxy: FaultProxy,
                                                      s3: S3Endpoint) -> None:
     """Two writers of one content-keyed blob both pass the HEAD (the proxy slows every
@@ -145,6 +150,7 @@ def test_racing_multipart_puts_leave_one_intact_blob(make_store: Callable[..., S
     assert _raw(s3).list_multipart_uploads(Bucket=a.bucket).get("Uploads", []) == []
 
 
+@s3_matrix()
 def test_wrong_checksum_on_upload(make_store: Callable[..., S3Store], s3: S3Endpoint, bucket: str) -> None:
     """Raw probe: a PUT whose x-amz-checksum-crc32 does not match its body. SeaweedFS
     refuses it (400); moto 5.2 and RGW 16.2 store it. What ec-s3 does about a server that does
@@ -170,6 +176,7 @@ def test_wrong_checksum_on_upload(make_store: Callable[..., S3Store], s3: S3Endp
     assert bytes(store.run(store.get_async("good"), timeout=30)) == body
 
 
+@s3_matrix()
 def test_wrong_content_md5_on_upload(s3: S3Endpoint, bucket: str) -> None:
     """Raw probe: Content-MD5 is the older integrity header; moto 5.2 does not check it."""
     assert s3.quirks is not None
@@ -183,6 +190,7 @@ def test_wrong_content_md5_on_upload(s3: S3Endpoint, bucket: str) -> None:
     assert refused is s3.quirks.verifies_md5
 
 
+@s3_matrix()
 def test_chunked_answers_are_read(make_store: Callable[..., S3Store], s3: S3Endpoint, bucket: str) -> None:
     """RGW frames its LIST and DeleteObjects answers with Transfer-Encoding: chunked
     (object answers carry Content-Length everywhere); ec-s3 reads both framings."""
@@ -204,6 +212,7 @@ def test_chunked_answers_are_read(make_store: Callable[..., S3Store], s3: S3Endp
     assert store.run(store.delete_many_async(["x/1"])) == 1
 
 
+@s3_matrix()
 def test_lifecycle_rule_with_abort_incomplete_uploads(s3: S3Endpoint, bucket: str) -> None:
     """Raw probe: every server of the matrix stores an expiration rule together with
     AbortIncompleteMultipartUpload and gives both back."""
@@ -216,6 +225,7 @@ def test_lifecycle_rule_with_abort_incomplete_uploads(s3: S3Endpoint, bucket: st
     assert got["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}
 
 
+@s3_matrix()
 def test_signing_region_is_not_checked(make_store: Callable[..., S3Store]) -> None:
     """None of the three single-region servers refuses a signature made for another
     region (AWS does: AuthorizationHeaderMalformed), so ``region`` matters only on AWS
@@ -225,6 +235,7 @@ def test_signing_region_is_not_checked(make_store: Callable[..., S3Store]) -> No
     assert bytes(store.run(store.get_async("k"), timeout=30)) == b"v"
 
 
+@s3_matrix(https=True)
 def test_list_delete_and_delete_many(make_store: Callable[..., S3Store]) -> None:
     store = make_store()
     for i in range(5):
@@ -241,12 +252,14 @@ def test_list_delete_and_delete_many(make_store: Callable[..., S3Store]) -> None
     assert [k for k, _ in store.run(listing("p/"))] == ["p/a/4", "p/b/0"]
 
 
+@s3_matrix()
 def test_create_bucket_twice_is_fine(make_store: Callable[..., S3Store]) -> None:
     store = make_store()
     store.run(store.create_bucket_async(), timeout=30)  # the fixture made it already
     assert store.run(store.put_async("k", bytearray(b"v"))) is PutOutcome.CREATED
 
 
+@s3_matrix()
 def test_503_and_truncated_body_are_retried(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
     store = make_store(fault_proxy.endpoint_url, max_attempts=4)
     fault_proxy.error_next(2, 503, methods=["PUT"])
@@ -258,6 +271,7 @@ def test_503_and_truncated_body_are_retried(make_store: Callable[..., S3Store], 
     assert store.stats.retries >= 3
 
 
+@s3_matrix()
 def test_wrong_credentials(make_store: Callable[..., S3Store], s3: S3Endpoint) -> None:
     """AccessDenied without a retry where the server checks signatures; moto does not,
     and then the request simply succeeds (here: a HEAD of a missing key)."""
@@ -271,6 +285,7 @@ def test_wrong_credentials(make_store: Callable[..., S3Store], s3: S3Endpoint) -
     assert store.stats.retries == 0
 
 
+@s3_matrix()
 def test_concurrent_single_puts_one_winner(make_store: Callable[..., S3Store]) -> None:
     """Four racing single PUTs of one key: exactly one CREATED (If-None-Match on PUT)."""
     stores = [make_store() for _ in range(4)]
