@@ -13,8 +13,11 @@ CI's time for little (most tests exercise ec-s3's own logic, not the server).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import pytest
