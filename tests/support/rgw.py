@@ -15,29 +15,23 @@ each one carries its reason below too.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import shutil
 import signal
-import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
 
-from ec_s3.sandbox.embedded_s3 import S3Credentials
 from ec_s3.sandbox.net import LOOPBACK, free_port, wait_answering
 from ec_s3.sandbox.procgroup import ProcessGroup, log_tail
 
-__all__ = ["RgwError", "RgwServer"]
+from .loopback_server import LoopbackServer, ServerError
+
+__all__ = ["RgwServer"]
 
 _BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph-authtool", "ceph")
 _INSTALL_HINT = "apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd ceph-common"
-
-
-class RgwError(RuntimeError):
-    """The node could not be bootstrapped or started."""
 
 
 def _ceph_conf(d: Path, fsid: str, mon_port: int, rgw_port: int) -> str:
@@ -122,22 +116,11 @@ echo "=== a ceph daemon exited"
 """
 
 
-class RgwServer:
-    """One Ceph RGW node serving S3 on 127.0.0.1 with enforced SigV4 credentials.
+class RgwServer(LoopbackServer):
+    """One Ceph RGW node serving S3 on 127.0.0.1 with enforced SigV4 credentials."""
 
-    Same interface as :class:`ec_s3.sandbox.embedded_s3.EmbeddedS3Server`: :meth:`start`,
-    :attr:`endpoint_url`, :attr:`credentials`, :meth:`stop`.
-    """
-
-    def __init__(self, credentials: S3Credentials | None = None, startup_timeout_s: float = 60.0) -> None:
-        self._credentials = credentials or S3Credentials.generate()
-        self._startup_timeout_s = startup_timeout_s
-        self._lock = threading.RLock()
-        self._group: ProcessGroup | None = None
-        self._dir: Path | None = None
-        self._port: int | None = None
-        self._env: dict[str, str] = {}
-        self.startup_seconds: float | None = None
+    _dir_prefix = "ec-s3-rgw-"
+    _stop_grace_s = 0.5  # memstore keeps nothing worth a clean shutdown: the group goes at once
 
     @staticmethod
     def unavailable_reason() -> str | None:
@@ -147,57 +130,13 @@ class RgwServer:
             return None
         return f"Ceph RGW not installed (missing {', '.join(missing)}): {_INSTALL_HINT}"
 
-    @property
-    def endpoint_url(self) -> str:
-        if self._port is None:
-            raise RgwError("server not started")
-        return f"http://{LOOPBACK}:{self._port}"
-
-    @property
-    def credentials(self) -> S3Credentials:
-        return self._credentials
-
-    @property
-    def log_dir(self) -> Path:
-        if self._dir is None:
-            raise RgwError("server not started")
-        return self._dir / "log"
-
-    def start(self) -> RgwServer:
+    def _launch(self, scratch: Path) -> None:
         """Bootstrap the node and wait until radosgw answers HTTP."""
-        with self._lock:
-            if self._group is not None:
-                raise RgwError("server already started")
-            reason = self.unavailable_reason()
-            if reason is not None:
-                raise RgwError(reason)
-            t0 = time.monotonic()
-            # Short path: the daemons' admin sockets live in it (108-byte limit).
-            self._dir = Path(tempfile.mkdtemp(prefix="ec-s3-rgw-"))
-            atexit.register(self.stop)
-            try:
-                self._spawn()
-                error = self._wait_bootstrapped()
-                if error is None:
-                    self._wait_gateway()
-                    self.startup_seconds = time.monotonic() - t0
-                    return self
-                raise RgwError(f"RGW failed to start ({error}); {self._logs()}")
-            except BaseException:
-                self.stop()
-                raise
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Take the whole process group down and remove the temp dir. Idempotent."""
-        with self._lock:
-            atexit.unregister(self.stop)
-            group, self._group = self._group, None
-            if group is not None:
-                # memstore keeps nothing worth a clean shutdown: the group goes at once
-                group.stop(min(timeout_s, 0.5))
-            if self._dir is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
+        self._spawn(scratch)
+        error = self._wait_bootstrapped()
+        if error is not None:
+            raise ServerError(f"RGW failed to start ({error}); {self._logs()}")
+        self._wait_gateway()
 
     def kill_gateway(self) -> None:
         """SIGKILL radosgw alone (no clean shutdown) and wait until it is gone; the
@@ -216,7 +155,7 @@ class RgwServer:
         """Start radosgw again on the node's port and wait until it answers."""
         with self._lock:
             if self._group is None or self._dir is None or self._port is None:
-                raise RgwError("server not started")
+                raise ServerError("server not started")
             (self._dir / "gw.go").touch()
             self._wait_gateway()
 
@@ -224,7 +163,7 @@ class RgwServer:
         assert self._group is not None and self._port is not None
         error = wait_answering(self._port, self._group.poll, self._startup_timeout_s, "the node")
         if error is not None:
-            raise RgwError(f"radosgw failed to start ({error}); {self._logs()}")
+            raise ServerError(f"radosgw failed to start ({error}); {self._logs()}")
 
     def _gateway_pid(self) -> int | None:
         assert self._dir is not None
@@ -233,23 +172,11 @@ class RgwServer:
         except (OSError, ValueError):
             return None
 
-    def __enter__(self) -> RgwServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        where = self.endpoint_url if self._port is not None else "not started"
-        return f"RgwServer({where}, {self._credentials!r})"
-
-    def _spawn(self) -> None:
-        assert self._dir is not None
-        d = self._dir
+    def _spawn(self, d: Path) -> None:
         mon_port, self._port = free_port(), free_port()
         fsid = str(uuid.uuid4())
         (d / "ceph.conf").write_text(_ceph_conf(d, fsid, mon_port, self._port))
-        self._env = {
+        env = {
             "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(d),
             "D": str(d),
@@ -259,7 +186,7 @@ class RgwServer:
             "RGW_SECRET_KEY": self._credentials.secret_access_key,
         }
         # The secret travels in the environment, never on the leader's command line.
-        self._group = ProcessGroup(["bash", "-c", _BOOTSTRAP], log_path=d / "bootstrap.log", env=self._env,
+        self._group = ProcessGroup(["bash", "-c", _BOOTSTRAP], log_path=d / "bootstrap.log", env=env,
                                    label="rgw", cwd=d, reaper_grace_s=2.0, scratch=d)
 
     def _wait_bootstrapped(self) -> str | None:
