@@ -7,7 +7,7 @@ Content-Range, parallel parts), LIST with a prefix, DELETE, DeleteObjects, a 503
 truncated body retried, and wrong credentials. Where servers differ (``Quirks``), a raw
 probe pins the server's behaviour and the test asserts what ec-s3 does about it.
 The PUT/GET/HEAD/multipart and LIST/DELETE tests also run over https (``s3_matrix(https=True)``:
-SeaweedFS and RGW behind a TLS front signed by a private CA) once that front exists.
+SeaweedFS and RGW behind a TLS front whose certificate a private CA signed).
 """
 
 from __future__ import annotations

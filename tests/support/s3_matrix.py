@@ -13,7 +13,6 @@ CI's time for little (most tests exercise ec-s3's own logic, not the server).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,11 +21,11 @@ from typing import Any, Literal
 
 import pytest
 
-from ec_s3.config import ECS3Config
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 
 from .moto_s3 import MotoServer
 from .rgw import RgwServer
+from .tls import TLSFront, make_private_ca
 
 __all__ = ["SERVERS", "Quirks", "S3Endpoint", "S3Servers", "s3_matrix"]
 
@@ -87,9 +86,8 @@ class S3Endpoint:
 
 
 # The matrix's https entries (``<server>+https``: the server behind a TLS front whose
-# certificate a private CA signed; the store trusts it through ``ca_bundle``). They need
-# tests/support/tls.py and the ``ca_bundle`` config key (issue 18 item 1); until both are
-# there, they skip and say so.
+# certificate a private CA signed, :mod:`support.tls`; the store trusts it through
+# ``ca_bundle``).
 HTTPS_SERVERS = ("seaweedfs", "rgw")
 
 
@@ -134,14 +132,6 @@ class S3Servers:
             return self._endpoints[name]
 
     def _start_https(self, name: str, session_seaweedfs: Callable[[], S3Endpoint] | None) -> None:
-        try:
-            from .tls import TLSFront, make_private_ca  # helper tls's tests/support/tls.py
-        except ImportError:
-            self._failed[name] = "https entries need tests/support/tls.py (a TLS front and a private CA)"
-            return
-        if "ca_bundle" not in {f.name for f in dataclasses.fields(ECS3Config)}:
-            self._failed[name] = "https entries need the ca_bundle config key (issue 18 item 1)"
-            return
         plain = self.get(name.removesuffix("+https"), session_seaweedfs)
         ca = make_private_ca(self._tmp_dir / name)
         front = TLSFront(plain.url, ca.server_context()).start()
