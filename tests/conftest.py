@@ -85,7 +85,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def bucket(s3: S3Endpoint) -> str:
     """A fresh, empty bucket for this test."""
     name = f"t-{secrets.token_hex(6)}"
-    store = S3Store(_config(s3.url, s3.credentials, name, s3.ca_bundle))
+    store = S3Store(_config(s3.url, s3.credentials, name, **_trust(s3)))
     try:
         store.run(store.create_bucket_async(), timeout=30)
     finally:
@@ -93,10 +93,13 @@ def bucket(s3: S3Endpoint) -> str:
     return name
 
 
-def _config(url: str, creds: S3Credentials, bucket: str, ca_bundle: Path | None = None,
-            **overrides: Any) -> ECS3Config:
-    extra: dict[str, Any] = {} if ca_bundle is None else {"ca_bundle": str(ca_bundle)}
-    extra |= {
+def _trust(s3: S3Endpoint) -> dict[str, Any]:
+    """The config an https entry of the matrix needs: its private CA."""
+    return {} if s3.ca_bundle is None else {"ca_bundle": str(s3.ca_bundle)}
+
+
+def _config(url: str, creds: S3Credentials, bucket: str, **overrides: Any) -> ECS3Config:
+    extra: dict[str, Any] = {
         "bucket": bucket,
         "endpoint_url": url,
         "access_key_id": creds.access_key_id,
@@ -115,7 +118,7 @@ def make_config(s3: S3Endpoint, bucket: str) -> Callable[..., ECS3Config]:
     """``make_config(endpoint_url=None, **overrides)``: a config for this test's bucket."""
 
     def make(endpoint_url: str | None = None, **overrides: Any) -> ECS3Config:
-        return _config(endpoint_url or s3.url, s3.credentials, bucket, s3.ca_bundle, **overrides)
+        return _config(endpoint_url or s3.url, s3.credentials, bucket, **{**_trust(s3), **overrides})
 
     return make
 
@@ -130,7 +133,7 @@ def extra_config(s3: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
             "endpoint_url": endpoint_url or s3.url,
             "access_key_id": s3.credentials.access_key_id,
             "secret_access_key": s3.credentials.secret_access_key,
-            **({} if s3.ca_bundle is None else {"ca_bundle": str(s3.ca_bundle)}),
+            **_trust(s3),
             "retry_base_delay_s": 0.01,
             "retry_max_delay_s": 0.2,
         }
