@@ -4,13 +4,13 @@ without vLLM.
 Owns: one script that runs on a CUDA host that has torch and this repository but no
 vLLM, no network and no package registry, and checks four things through ec-s3's own
 code (``BlobPublisher``, the blob codec, ``StagingArea`` and the worker's staged-load
-code), each against a baseline measured in the same run:
+code, ``DeviceLoader``), each against a baseline measured in the same run:
 
 1. step slowdown: a matmul "model step" loop (encoder output made, then matmuls on the
    current stream, then a host sync as a real step ends) alone vs. with every step
    publishing its encoder output (device->pinned copy on a side stream, then upload),
    interleaved repeats, ratio of medians. Goal <= 1.02x;
-2. host->device load of a staged blob: the worker's ``_load_staged`` (pageable->pinned,
+2. host->device load of a staged blob: the worker's ``load_staged`` (pageable->pinned,
    ``non_blocking`` copy on a side stream, the current stream waits on an event) vs a
    plain ``tensor.to(device)`` of the same mapped file: time until the call returns
    (what the step pays) and until the data is on the device;
@@ -25,12 +25,11 @@ blob into a ``StagingArea`` slot on /dev/shm, the file the consumer would map; w
 ``--endpoint-url`` or ``--embedded-s3`` the real ``S3Store``, and the consumer side then
 fetches through the real ``ItemFetcher``), nor vLLM's own copies.
 
-Without vLLM the worker module cannot be imported (its messages subclass vLLM's), so
-the worker's ``_load_staged``/``_to_device`` are compiled from
-``ec_s3/connector/worker.py`` itself (its source, not a copy) and bound to a small shim.
-If S3 client libraries are missing, ``ec_s3.transfer.publisher`` cannot be imported
-either (it imports ``ec_s3.store.client`` at module level): the missing modules are then
-replaced by inert stand-ins, said so in the output, and only the /dev/shm store is used.
+The device copies live in :mod:`ec_s3.transfer.device` (vLLM-free, what the worker and
+the publisher call), so this script imports the connector's own code. If S3 client
+libraries are missing, the S3 side (``ec_s3.store.client``, ``ec_s3.transfer.fetcher``)
+cannot be imported: the missing modules are then replaced by inert stand-ins, said so
+in the output, and only the /dev/shm store is used.
 
 Without CUDA (or with ``--dry-run-cpu``) the same script runs every step on the CPU:
 the CUDA branches of ec-s3 are not exercised and the timings mean nothing; the output
@@ -43,9 +42,7 @@ an ec-s3 call site), 2 a check could not run or proved nothing.
 
 from __future__ import annotations
 
-import __future__
 import argparse
-import ast
 import contextlib
 import dataclasses
 import hashlib
@@ -65,10 +62,9 @@ from typing import Any
 from bench import benchlib as bl
 
 REPO = bl.REPO
-WORKER_PY = REPO / "ec_s3" / "connector" / "worker.py"
-WORKER_METHODS = ("_load_staged", "_to_device")
 DATA_PATH = (
     "ec_s3.config", "ec_s3.loop", "ec_s3.blob.codec", "ec_s3.transfer.counters", "ec_s3.transfer.staging",
+    "ec_s3.transfer.device",
     "ec_s3.store.client", "ec_s3.transfer.publisher", "ec_s3.transfer.fetcher",
 )
 # What --simulate-bare-host hides: vLLM and every third-party module the store needs.
@@ -76,10 +72,6 @@ BARE_HOST_HIDDEN = ("vllm", "aioboto3", "aiobotocore", "botocore", "boto3", "aio
 NAMESPACE = "gpu-check"
 WIDTH = 4096
 STEP_GOAL = 1.02
-
-
-class CheckUnavailable(Exception):
-    """A check could not run (exit status 2), as opposed to one that failed (1)."""
 
 
 # --------------------------------------------------------------------------- imports
@@ -144,45 +136,12 @@ def hide_modules(names: tuple[str, ...]) -> None:
         sys.modules[name] = None  # type: ignore[assignment]
 
 
-class WorkerShim:
-    """``self`` for the worker's load methods: the one attribute they keep."""
+def device_loader() -> Any:
+    """The worker's own load code (:class:`ec_s3.transfer.device.DeviceLoader`, what
+    ``ECS3Worker`` calls), fresh: its first CUDA load creates the side stream."""
+    from ec_s3.transfer.device import DeviceLoader
 
-    def __init__(self) -> None:
-        self._load_stream: Any = None
-
-    def __getattr__(self, name: str) -> Any:
-        raise CheckUnavailable(
-            f"ECS3Worker's load code now uses self.{name}: give bench/gpu_check.py:WorkerShim that attribute"
-        )
-
-
-def worker_h2d() -> WorkerShim:
-    """The worker's own ``_load_staged`` and ``_to_device``, compiled from worker.py's
-    source and bound to :class:`WorkerShim`, so the bench runs the code vLLM runs
-    without importing vLLM. Module-level imports of worker.py that do not need vLLM
-    (or ``ec_s3.connector``) provide the functions' globals."""
-    text = WORKER_PY.read_text()
-    tree = ast.parse(text, str(WORKER_PY))
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ECS3Worker"), None)
-    methods = {n.name: n for n in (cls.body if cls else []) if isinstance(n, ast.FunctionDef)}
-    missing = [m for m in WORKER_METHODS if m not in methods]
-    if missing:
-        raise CheckUnavailable(f"ECS3Worker in {WORKER_PY} has no {missing}: update bench/gpu_check.py:WORKER_METHODS")
-    namespace: dict[str, Any] = {"__name__": "ec_s3_worker_load_code"}
-    for node in tree.body:
-        if not isinstance(node, (ast.Import, ast.ImportFrom)):
-            continue
-        module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-        if not module or module == "__future__" or module.startswith(("vllm", "ec_s3.connector")):
-            continue
-        with contextlib.suppress(ImportError):
-            exec(compile(ast.Module(body=[node], type_ignores=[]), str(WORKER_PY), "exec"), namespace)  # noqa: S102
-    flags = __future__.annotations.compiler_flag
-    for name in WORKER_METHODS:
-        module_ast = ast.Module(body=[methods[name]], type_ignores=[])
-        exec(compile(module_ast, str(WORKER_PY), "exec", flags=flags, dont_inherit=True), namespace)  # noqa: S102
-        setattr(WorkerShim, name, namespace[name])
-    return WorkerShim()
+    return DeviceLoader()
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -240,7 +199,8 @@ class ShmStore:
         self._exists = put_outcome.ALREADY_EXISTS
 
     async def put_async(self, key: str, body: Any, *, metadata: dict[str, str] | None = None) -> Any:
-        from ec_s3.store.client import BufferChain, StoreUnavailable
+        from ec_s3.store.body import BufferChain
+        from ec_s3.store.errors import StoreUnavailable
 
         if key in self.slots:
             return self._exists
@@ -275,7 +235,7 @@ class ShmStore:
 
 @dataclasses.dataclass
 class StagedItem:
-    spec: Any  # what the worker's _load_staged reads: path, nbytes, data_offset, dtype, shape
+    spec: Any  # what the worker's load_staged reads: path, nbytes, data_offset, dtype, shape
     slot: Any
     area: Any
 
@@ -286,7 +246,7 @@ class DataPath:
     def __init__(self, d: Device, store_kind: str, staging_root: str, endpoint: bl.Endpoint | None) -> None:
         from ec_s3.config import ECS3Config
         from ec_s3.loop import BackgroundLoop
-        from ec_s3.store.client import PutOutcome
+        from ec_s3.store.errors import PutOutcome
         from ec_s3.transfer.counters import Counters
         from ec_s3.transfer.staging import StagingArea
 
@@ -409,7 +369,7 @@ class DataPath:
 # --------------------------------------------------------------------------- 4. round trips
 
 
-def round_trips(d: Device, dp: DataPath, h2d: WorkerShim, sizes: list[int]) -> list[dict[str, Any]]:
+def round_trips(d: Device, dp: DataPath, h2d: Any, sizes: list[int]) -> list[dict[str, Any]]:
     torch = d.torch
     rows = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -421,14 +381,12 @@ def round_trips(d: Device, dp: DataPath, h2d: WorkerShim, sizes: list[int]) -> l
                 src = random_tensor(d, dtype, size)
                 item = dp.publish_and_stage(ident, src)
                 try:
-                    out = h2d._load_staged(item.spec, d.dev)
+                    out = h2d.load_staged(item.spec, d.dev)
                     d.sync()
                     row["device"] = str(out.device)
                     row["bit_exact"] = bytes_equal(torch, out, src)
                 finally:
                     dp.release(item)
-            except CheckUnavailable:
-                raise
             except Exception as exc:  # noqa: BLE001 - reported as a failed round trip
                 row["bit_exact"] = False
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -465,10 +423,10 @@ def _under_sync_error(d: Device, fn: Callable[[], Any]) -> tuple[Any, str | None
         logger.removeHandler(captured)
 
 
-def sync_checks(d: Device, dp: DataPath, h2d: WorkerShim) -> list[dict[str, Any]]:
+def sync_checks(d: Device, dp: DataPath, h2d: Any) -> list[dict[str, Any]]:
     if not d.cuda:
         return [{"site": s, "result": "n/a (no CUDA)", "ok": None}
-                for s in ("BlobPublisher.publish (cold)", "BlobPublisher.publish (warm)", "worker _load_staged",
+                for s in ("BlobPublisher.publish (cold)", "BlobPublisher.publish (warm)", "worker load_staged",
                           "control: tensor.to(device) from pageable")]
     torch = d.torch
     out: list[dict[str, Any]] = []
@@ -490,11 +448,11 @@ def sync_checks(d: Device, dp: DataPath, h2d: WorkerShim) -> list[dict[str, Any]
     src = random_tensor(d, torch.bfloat16, 8)
     item = dp.publish_and_stage(f"sync-load-{secrets.token_hex(4)}", src)
     try:
-        loaded, err, _ = _under_sync_error(d, lambda: h2d._load_staged(item.spec, d.dev))
+        loaded, err, _ = _under_sync_error(d, lambda: h2d.load_staged(item.spec, d.dev))
         d.sync()
         exact = loaded is not None and bytes_equal(torch, loaded, src)
         ok = err is None and exact
-        out.append({"site": "worker _load_staged", "ok": ok,
+        out.append({"site": "worker load_staged", "ok": ok,
                     "result": "pass" if ok else f"FAIL: {err or 'wrong tensor'}"})
         _, err, _ = _under_sync_error(d, lambda: _plain_load(d, item.spec))
         out.append({"site": "control: tensor.to(device) from pageable", "ok": None, "control_flagged": err is not None,
@@ -522,14 +480,14 @@ def _plain_load(d: Device, spec: Any) -> Any:
             mm.close()
 
 
-def h2d_loads(d: Device, dp: DataPath, h2d: WorkerShim, sizes: list[int], samples: int) -> list[dict[str, Any]]:
+def h2d_loads(d: Device, dp: DataPath, h2d: Any, sizes: list[int], samples: int) -> list[dict[str, Any]]:
     torch = d.torch
     rows = []
     for size in sizes:
         src = random_tensor(d, torch.bfloat16, size)
         item = dp.publish_and_stage(f"h2d-{size}-{secrets.token_hex(4)}", src)
         variants: dict[str, Callable[[], Any]] = {
-            "worker": lambda: h2d._load_staged(item.spec, d.dev),  # noqa: B023
+            "worker": lambda: h2d.load_staged(item.spec, d.dev),  # noqa: B023
             "plain": lambda: _plain_load(d, item.spec),  # noqa: B023
         }
         call: dict[str, list[float]] = {k: [] for k in variants}
@@ -725,21 +683,11 @@ def main() -> int:
             endpoint = stack.enter_context(bl.s3_endpoint("gpucheck"))
         dp = DataPath(d, store_kind, root, endpoint)
         stack.callback(dp.close)
-        try:
-            h2d: WorkerShim | None = worker_h2d()
-            result["h2d_code"] = f"{WORKER_PY.relative_to(REPO)}: ECS3Worker.{'/'.join(WORKER_METHODS)} (compiled from source)"
-        except (CheckUnavailable, SyntaxError) as exc:
-            h2d = None
-            problems.append(f"worker load code unavailable: {exc}")
-            unavailable = True
-        if h2d is not None:
-            try:
-                result["round_trips"] = round_trips(d, dp, h2d, args.sizes_mib)
-                result["sync_checks"] = sync_checks(d, dp, h2d)
-                result["h2d"] = h2d_loads(d, dp, h2d, args.sizes_mib, samples)
-            except CheckUnavailable as exc:
-                problems.append(str(exc))
-                unavailable = True
+        h2d = device_loader()
+        result["h2d_code"] = "ec_s3/transfer/device.py: DeviceLoader.load_staged (ECS3Worker's load code)"
+        result["round_trips"] = round_trips(d, dp, h2d, args.sizes_mib)
+        result["sync_checks"] = sync_checks(d, dp, h2d)
+        result["h2d"] = h2d_loads(d, dp, h2d, args.sizes_mib, samples)
         loop = StepLoop(d, args.step_ms or (20.0 if cuda else 10.0))
         result["step_loop"] = {"matmul_s": loop.mm_s, "matmuls_per_step": loop.n_mm}
         result["steps"] = [step_slowdown(d, dp, loop, s, reps, steps) for s in args.sizes_mib]

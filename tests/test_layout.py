@@ -7,6 +7,9 @@ cannot be broken by a lazy import either:
 * ``store/`` and ``blob/`` import neither vLLM nor anything of ec-s3 above them;
   ``store/`` does not import torch, and ``blob/format`` and ``blob/keys`` do not either;
 * ``transfer/`` imports no vLLM;
+* what a GPU host with torch alone runs (the device copies, the publisher, the store's
+  plain error types: ``python -m bench.gpu_check``) imports, through every ec-s3 module
+  it reaches, no third-party module but torch, numpy and safetensors, and loads so;
 * nothing under ``connector/`` imports a tool (``cli``, ``proxy``, ``demo``, ``sandbox``),
   nor does the data path below it;
 * there are no import cycles between ec-s3 modules;
@@ -16,6 +19,8 @@ cannot be broken by a lazy import either:
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,7 +46,10 @@ def _modules() -> dict[str, Path]:
 
 def _imports(path: Path) -> Iterator[str]:
     """Every module name ``path`` imports (absolute; relative imports resolved)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    return _imports_of_tree(ast.parse(path.read_text(), filename=str(path)), path)
+
+
+def _imports_of_tree(tree: ast.AST, path: Path) -> Iterator[str]:
     own = _module_name(path)
     package = own if path.name == "__init__.py" else own.rpartition(".")[0]
     for node in ast.walk(tree):
@@ -123,6 +131,72 @@ def test_store_knows_only_the_blob_format_constants() -> None:
 def test_transfer_imports_no_vllm_and_no_connector() -> None:
     bad = _violations(("transfer",), lambda i: _top(i) == "vllm" or i.startswith("ec_s3.connector"))
     assert bad == []
+
+
+# What runs on a GPU host with torch and this repository but no vLLM and no S3 client
+# library (bench/gpu_check.py), and the third-party modules it may use.
+GPU_HOST = ("ec_s3.transfer.device", "ec_s3.transfer.publisher", "ec_s3.store.errors")
+GPU_HOST_THIRD_PARTY = {"torch", "numpy", "safetensors"}
+BARE_HOST_ABSENT = ("vllm", "botocore", "aiobotocore", "boto3", "aioboto3", "aiohttp", "yarl", "httptools")
+
+
+def _load_time_imports(path: Path) -> Iterator[str]:
+    """What loading ``path`` needs to import: its module-level statements, without
+    ``if TYPE_CHECKING:`` blocks, the body of a ``try`` (its handler runs when the
+    import fails: optional) and imports inside functions."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    todo: list[ast.stmt] = list(tree.body)
+    top: list[ast.stmt] = []
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            top.append(node)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) not in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            todo += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return _imports_of_tree(ast.Module(body=top, type_ignores=[]), path)
+
+
+def _reached(roots: tuple[str, ...]) -> set[str]:
+    """``roots`` and every ec-s3 module loading them loads, transitively (a module's
+    parent packages included: importing it runs them)."""
+    seen: set[str] = set()
+    todo = list(roots)
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        parts = mod.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        todo += [m for m in _load_time_imports(MODULES[mod]) if m in MODULES]
+    return seen
+
+
+def test_gpu_host_code_needs_only_torch() -> None:
+    stdlib = set(sys.stdlib_module_names) | {"__future__"}
+    bad = sorted(
+        f"{mod} imports {imp}"
+        for mod in _reached(GPU_HOST)
+        for imp in _load_time_imports(MODULES[mod])
+        if _top(imp) not in stdlib | GPU_HOST_THIRD_PARTY | {"ec_s3"}
+    )
+    assert bad == []
+
+
+def test_gpu_host_code_loads_without_vllm_or_s3_clients() -> None:
+    """The same rule, at run time: with vLLM and the S3 client libraries made
+    unimportable, the GPU host's modules load and pull none of them in."""
+    code = (
+        "import sys\n"
+        f"for name in {BARE_HOST_ABSENT!r}: sys.modules[name] = None\n"
+        f"for name in {GPU_HOST!r}: __import__(name)\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {BARE_HOST_ABSENT!r} and sys.modules[m]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PKG.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
 
 
 def test_engine_side_never_imports_a_tool() -> None:

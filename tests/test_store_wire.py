@@ -32,7 +32,7 @@ from ec_s3.store.client import (
     StoreUnavailable,
 )
 from ec_s3.store.connection import open_client
-from ec_s3.store.errors import from_status
+from ec_s3.store.error_map import from_status
 from ec_s3.store.wire import object_url
 from support.faultproxy import FaultProxy
 

@@ -38,7 +38,7 @@ from ec_s3.cli.console import out
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
 from ec_s3.store.connection import EndpointSettings
-from ec_s3.store.errors import to_store_error
+from ec_s3.store.error_map import to_store_error
 
 __all__ = ["Capability", "print_table", "probe_capabilities", "static_rows"]
 

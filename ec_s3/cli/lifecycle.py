@@ -22,7 +22,7 @@ from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, err, json_out, out, print_diag
 from ec_s3.cli.listing import key_root
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
-from ec_s3.store.errors import to_store_error
+from ec_s3.store.error_map import to_store_error
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
 __all__ = ["ABORT_UPLOADS_AFTER_DAYS", "LifecycleReport", "install_lifecycle", "install_lifecycle_async", "lifecycle_rule", "run"]

@@ -2,8 +2,8 @@
 
 Loading: the scheduler side has already fetched and validated each blob into host
 shared memory, so ``start_load_caches`` only maps the staging file and copies the
-tensor to the device (on CUDA through a pinned buffer and a side stream that the
-current stream waits on; the host never blocks on the copy). It never touches the
+tensor to the device (:mod:`ec_s3.transfer.device`: on CUDA through a pinned buffer
+and a side stream that the current stream waits on; the host never blocks on the copy). It never touches the
 network, with one exception: when a staged file cannot be read (or a load names another
 host's staging), it fetches the blob from S3 itself, synchronously, for at most
 ``remote_load_timeout_s`` (the store's own attempts are its only retries), counts the
@@ -20,19 +20,18 @@ Saving: ``save_caches`` hands the encoder output to :class:`BlobPublisher` and
 returns; only the first tensor-parallel rank publishes, since every rank holds the
 same encoder output.
 
-Owns the worker side of each step. Does not own transfers in the background
-(:mod:`ec_s3.transfer`), the S3 protocol (:mod:`ec_s3.store`) or admission decisions
-(:mod:`ec_s3.connector.scheduler`).
+Owns the worker side of each step. Does not own transfers in the background or the
+device copies (:mod:`ec_s3.transfer`), the S3 protocol (:mod:`ec_s3.store`) or
+admission decisions (:mod:`ec_s3.connector.scheduler`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorMetadata
@@ -44,9 +43,9 @@ from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, 
 from ec_s3.blob.keys import probe_key
 from ec_s3.connector.metrics import ECS3Stats, open_stats_writer
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
+from ec_s3.transfer.device import DeviceLoader
 from ec_s3.transfer.publisher import BlobPublisher
 from ec_s3.transfer.spool import Spool
-from ec_s3.transfer.slot_reader import open_staged_blob
 from ec_s3.transfer.counters import Counters
 from ec_s3.store.client import S3Store
 
@@ -78,7 +77,7 @@ class ECS3Worker:
         self._host_reported = False
         self._warned_remote = False
         self._device: torch.device | None = None
-        self._load_stream: Any = None
+        self._device_loader = DeviceLoader()
         if self._is_producer and _is_publishing_rank():
             spool = None
             if config.spool_dir:
@@ -165,7 +164,7 @@ class ECS3Worker:
             device = self._target_device()
             if spec.host == self._host:
                 try:
-                    return self._load_staged(spec, device)
+                    return self._device_loader.load_staged(spec, device)
                 except Exception as exc:  # noqa: BLE001 - any failure here has a fallback
                     self._failed_loads.add(spec.identifier)
                     self._counters.inc("staging_read_failures")
@@ -212,22 +211,6 @@ class ECS3Worker:
         self._counters.inc("loads_encoded_locally")
         return True
 
-    def _load_staged(self, spec: LoadSpec, device: torch.device) -> torch.Tensor:
-        dtype = getattr(torch, spec.dtype)
-        # The path names one generation of a slot; the header must name this item.
-        mm = open_staged_blob(
-            spec.path, identifier=spec.identifier, nbytes=spec.nbytes, data_offset=spec.data_offset,
-            dtype=spec.dtype, shape=spec.shape,
-        )
-        try:
-            count = spec.nbytes - spec.data_offset
-            host = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=spec.data_offset)
-            host = host.view(dtype).reshape(spec.shape)
-            return self._to_device(host, device)
-        finally:
-            with contextlib.suppress(BufferError):
-                mm.close()
-
     def _load_remote(self, spec: LoadSpec, device: torch.device) -> torch.Tensor | None:
         """GET and validate the blob inside the model step: one store call (its attempts
         are the only retries), cancelled after ``remote_load_timeout_s``. The time the
@@ -257,27 +240,7 @@ class ECS3Worker:
                 future.cancel()  # a no-op once done
             self._counters.inc("remote_load_seconds", time.monotonic() - started)
         self._counters.inc("remote_loads")
-        return self._to_device(decoded.tensor, device)
-
-    def _to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        if device.type != "cuda":
-            return host.clone() if device.type == "cpu" else host.to(device)
-        # Pageable → pinned (a host memcpy), then an async H2D copy on a side stream;
-        # the compute stream waits on an event, not the host. The caching host
-        # allocator keeps the pinned block alive until the copy has run.
-        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-        pinned.copy_(host)
-        if self._load_stream is None:
-            self._load_stream = torch.cuda.Stream(device=device)
-        current = torch.cuda.current_stream(device)
-        self._load_stream.wait_stream(current)
-        with torch.cuda.stream(self._load_stream):
-            out = pinned.to(device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._load_stream)
-        current.wait_event(done)
-        out.record_stream(current)
-        return out
+        return self._device_loader.to_device(decoded.tensor, device)
 
     def _target_device(self) -> torch.device:
         if self._device is None:

@@ -1,5 +1,5 @@
-"""The S3 store: operations with retries (:mod:`.client`), typed errors and their one
-mapping from transport exceptions (:mod:`.errors`), the circuit breaker
+"""The S3 store: operations with retries (:mod:`.client`), typed errors (:mod:`.errors`) and
+their one mapping from answers and transport exceptions (:mod:`.error_map`), the circuit breaker
 (:mod:`.breaker`), request bodies (:mod:`.body`), the aiobotocore client
 (:mod:`.connection`) and diagnoses, a cause and a fix (:mod:`.diagnose`).
 

@@ -26,7 +26,6 @@ import base64
 import contextlib
 import dataclasses
 import email.utils
-import enum
 import hashlib
 import hmac
 import random
@@ -52,6 +51,7 @@ from ec_s3.store.errors import (
     NoCredentials,
     ObjectChanged,
     ObjectNotFound,
+    PutOutcome,
     StoreBusy,
     StoreClosed,
     StoreConfigError,
@@ -61,8 +61,8 @@ from ec_s3.store.errors import (
     StoreUnavailable,
     StoreUnreachable,
     TLSError,
-    to_store_error,
 )
+from ec_s3.store.error_map import to_store_error
 from ec_s3.store.multipart import put_multipart
 from ec_s3.store.ranges import BotocoreAnswer, check_answer
 from ec_s3.store.slots import Slots
@@ -111,11 +111,6 @@ class _CallerError(Exception):
 
 
 CRC_METADATA_KEY = "ec-s3-crc32"
-
-
-class PutOutcome(enum.Enum):
-    CREATED = "created"
-    ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: someone stored it first
 
 
 @dataclasses.dataclass(frozen=True)

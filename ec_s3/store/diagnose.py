@@ -3,7 +3,7 @@
 Used by the connector's start-up checks (:mod:`ec_s3.connector.preflight`) and by
 ``ec-s3 check`` so both word a failure the same way. Owns the wording only, read off
 the error's class and its ``status``/``code`` fields; it does not classify exceptions
-(:func:`ec_s3.store.errors.to_store_error` does), retry, log or decide whether a
+(:func:`ec_s3.store.error_map.to_store_error` does), retry, log or decide whether a
 failure is fatal.
 """
 
@@ -30,8 +30,8 @@ from ec_s3.store.errors import (
     StoreUnreachable,
     TLSError,
     UntrustedCertificate,
-    to_store_error,
 )
+from ec_s3.store.error_map import to_store_error
 
 __all__ = ["Diagnosis", "credential_source", "diagnose"]
 

@@ -1,25 +1,22 @@
-"""Typed errors of the S3 store and the one mapping from transport exceptions to them.
+"""The S3 store's plain result types: the :class:`StoreError` tree and :class:`PutOutcome`.
 
-Owns the :class:`StoreError` tree, whose instances carry what failed (``op``, ``key``)
-and why (``status``, the HTTP status; ``code``, the S3 error code; ``message``) as
-fields, :func:`from_status` (an answer's status and S3 code to its type) and
-:func:`to_store_error`, the only place in ec-s3 that looks at botocore,
-aiohttp, asyncio or OS exception types. Callers branch on the class and on those
-fields, never on text. Does not own retrying or the circuit breaker
+Each error carries what failed (``op``, ``key``) and why (``status``, the HTTP status;
+``code``, the S3 error code; ``message``) as fields, and says whether the same request
+may succeed later (``transient``). Callers branch on the class and on those fields,
+never on text.
+
+Imports only the standard library, so code that only catches or raises these (the
+publisher on a GPU host without S3 client libraries) loads without botocore or aiohttp.
+Does not own which answer or transport exception becomes which error
+(:mod:`ec_s3.store.error_map`), retrying or the circuit breaker
 (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.breaker`) nor the wording for an operator
 (:mod:`ec_s3.store.diagnose`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import re
-import socket
-import ssl
+import enum
 from typing import Any, ClassVar
-
-import aiohttp
-from botocore import exceptions as boto_exc
 
 __all__ = [
     "AccessDenied",
@@ -30,6 +27,7 @@ __all__ = [
     "NoCredentials",
     "ObjectChanged",
     "ObjectNotFound",
+    "PutOutcome",
     "StoreClosed",
     "StoreConfigError",
     "StoreBusy",
@@ -40,10 +38,14 @@ __all__ = [
     "StoreUnreachable",
     "TLSError",
     "UntrustedCertificate",
-    "from_status",
-    "tls_error",
-    "to_store_error",
 ]
+
+
+class PutOutcome(enum.Enum):
+    """How a PUT that did not fail ended."""
+
+    CREATED = "created"
+    ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: someone stored it first
 
 
 class StoreError(Exception):
@@ -165,130 +167,3 @@ class ObjectChanged(StoreError):
 
 class IntegrityError(StoreError):
     """The object's bytes do not match the checksum its writer stored with it."""
-
-
-_RETRYABLE_CODES = frozenset(
-    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-     "ServiceUnavailable", "RequestLimitExceeded", "ConditionalRequestConflict"}
-)
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound"})
-_DENIED_CODES = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch"})
-
-_CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = (
-    boto_exc.NoCredentialsError,
-    boto_exc.PartialCredentialsError,
-    boto_exc.CredentialRetrievalError,
-    boto_exc.UnknownCredentialError,
-    boto_exc.NoAuthTokenError,
-    boto_exc.TokenRetrievalError,
-    boto_exc.SSOError,
-    boto_exc.RefreshWithMFAUnsupportedError,
-    boto_exc.MetadataRetrievalError,
-    boto_exc.ProfileNotFound,
-)
-# ssl.SSLError is an OSError: it must be matched before the OSError of _BROKEN_ERRORS.
-_TLS_ERRORS: tuple[type[BaseException], ...] = (boto_exc.SSLError, aiohttp.ClientSSLError, ssl.SSLError)
-# The certificate check itself failed (not, say, a plain-HTTP port answering a handshake).
-_CERTIFICATE_ERRORS: tuple[type[BaseException], ...] = (ssl.SSLCertVerificationError, aiohttp.ClientConnectorCertificateError)
-_UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (
-    boto_exc.ConnectionError,  # botocore's: EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
-    aiohttp.ClientConnectorError,  # DNS, refused, no route (ClientProxyConnectionError is one)
-    aiohttp.ClientHttpProxyError,
-    aiohttp.ConnectionTimeoutError,  # connect, or waiting for a pooled connection
-    ConnectionRefusedError,
-    socket.gaierror,
-)
-_TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (boto_exc.ReadTimeoutError, asyncio.TimeoutError, TimeoutError)
-_BROKEN_ERRORS: tuple[type[BaseException], ...] = (
-    boto_exc.HTTPClientError,  # ConnectionClosedError, ResponseStreamingError
-    boto_exc.IncompleteReadError,
-    boto_exc.ChecksumError,
-    boto_exc.FlexibleChecksumError,  # a body damaged in transit: a retry fetches it again
-    boto_exc.CapacityNotAvailableError,
-    aiohttp.ClientError,  # ServerDisconnectedError, ClientPayloadError, ClientOSError, ...
-    OSError,  # resets, broken pipes: a socket error botocore did not wrap
-)
-_USERINFO = re.compile(r"//[^/@\s]+@")
-
-
-def _clean(text: str) -> str:
-    """Drop ``user:password@`` from any URL an exception quotes (proxy URLs may carry one)."""
-    return _USERINFO.sub("//***@", text)
-
-
-def _transport_message(exc: BaseException) -> str:
-    text = _clean(str(exc))
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-def _from_client_error(op: str, key: str, exc: boto_exc.ClientError) -> StoreError:
-    response = exc.response or {}
-    error = response.get("Error", {}) or {}
-    status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode", 0) or 0) or None
-    raw_code = str(error.get("Code", "") or "")
-    # botocore fills Code with the status ("404") when the answer had no body (HEAD).
-    code = raw_code if raw_code and not raw_code.isdigit() else None
-    if status is None and raw_code.isdigit():
-        status = int(raw_code)
-    message = _clean(str(error.get("Message", "") or ""))
-    return from_status(op, key, status, code, message)
-
-
-def from_status(op: str, key: str, status: int | None, code: str | None, message: str = "") -> StoreError:
-    """The typed error for an answer of the server: its HTTP ``status`` and the S3 error
-    ``code`` of its body (None when it had none, as a HEAD's). The one place that decides
-    which answers are missing objects, refusals, transient or the request's fault, for
-    the botocore path and the direct one (:mod:`ec_s3.store.wire`) alike."""
-    kw: dict[str, Any] = {"status": status, "code": code or None}
-    if code == "NoSuchBucket":
-        return BucketNotFound(op, key, message or "bucket does not exist", **kw)
-    if status == 404 or code in _NOT_FOUND_CODES:
-        return ObjectNotFound(op, key, message, **kw)
-    if status in (401, 403) or code in _DENIED_CODES:
-        return AccessDenied(op, key, message, **kw)
-    if (status is not None and (status >= 500 or status == 429)) or code in _RETRYABLE_CODES:
-        return StoreUnavailable(op, key, message, **kw)
-    return StoreRequestError(op, key, message, **kw)
-
-
-def tls_error(op: str, key: str, exc: BaseException, message: str) -> TLSError:
-    """:class:`UntrustedCertificate` when the certificate check failed anywhere down the
-    chain of ``exc`` (aiobotocore wraps aiohttp's error, which wraps ssl's), else
-    :class:`TLSError`."""
-    seen: BaseException | None = exc
-    for _ in range(8):
-        if seen is None:
-            break
-        if isinstance(seen, _CERTIFICATE_ERRORS):
-            return UntrustedCertificate(op, key, message)
-        seen = seen.__cause__ or seen.__context__
-    return TLSError(op, key, message)
-
-
-def to_store_error(op: str, key: str, exc: BaseException) -> StoreError | None:
-    """The typed error for an exception raised while talking to S3, or None when
-    ``exc`` is not a store failure (a bug, or an error of the caller's own code, which
-    must propagate unchanged). Order matters: the more specific classes come first."""
-    if isinstance(exc, StoreError):
-        return exc
-    error: StoreError
-    if isinstance(exc, boto_exc.ClientError):
-        error = _from_client_error(op, key, exc)
-    elif isinstance(exc, _CREDENTIAL_ERRORS):
-        error = NoCredentials(op, key, _transport_message(exc))
-    elif isinstance(exc, _TLS_ERRORS):
-        error = tls_error(op, key, exc, _transport_message(exc))
-    elif isinstance(exc, _UNREACHABLE_ERRORS):
-        error = StoreUnreachable(op, key, _transport_message(exc))
-    elif isinstance(exc, _TIMEOUT_ERRORS):
-        error = StoreTimeout(op, key, _transport_message(exc))
-    elif isinstance(exc, aiohttp.InvalidURL):
-        error = StoreConfigError(op, key, _transport_message(exc))
-    elif isinstance(exc, _BROKEN_ERRORS):
-        error = StoreUnavailable(op, key, _transport_message(exc))
-    elif isinstance(exc, boto_exc.BotoCoreError):
-        error = StoreConfigError(op, key, _transport_message(exc))
-    else:
-        return None
-    error.__cause__ = exc
-    return error

@@ -35,7 +35,8 @@ from urllib.parse import quote
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.store.body import CHECKSUM_HEADERS, BufferChain, ChainReader
-from ec_s3.store.errors import ObjectNotFound, StoreError, StoreUnavailable, to_store_error
+from ec_s3.store.error_map import to_store_error
+from ec_s3.store.errors import ObjectNotFound, StoreError, StoreUnavailable
 from ec_s3.store.tasks import all_or_none
 
 __all__ = ["IncompleteUpload", "UploadingStore", "abort_upload_async", "list_uploads_async", "put_multipart"]

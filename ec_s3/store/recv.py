@@ -27,7 +27,7 @@ is retried once on a fresh one: a GET is idempotent.
 
 Does not own: the SSL context (verification) and proxies (through a proxy the caller
 uses aiohttp), the URL, signing and the request's headers (all :mod:`.wire`), which
-answers are which typed errors (:func:`.errors.from_status`), retries and the CRC
+answers are which typed errors (:func:`.error_map.from_status`), retries and the CRC
 (:mod:`.client`).
 """
 
@@ -40,7 +40,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable, tls_error
+from ec_s3.store.error_map import tls_error
+from ec_s3.store.errors import StoreError, StoreTimeout, StoreUnavailable, StoreUnreachable
 from ec_s3.store.http1 import Answer, HTTPProtocolError
 
 __all__ = ["RecvAnswer", "RecvPool"]

@@ -18,13 +18,13 @@ environment's proxy as botocore would use it), object URLs (path or virtual-host
 work), signing with the client's
 credentials (refreshed when refreshable, never logged or kept), and turning an answer
 into headers or a typed error (status and the S3 ``<Code>`` of a bounded error body,
-through :func:`.errors.from_status`). Every response is released on every way out.
+through :func:`.error_map.from_status`). Every response is released on every way out.
 
 Does not own: the credential chain, the endpoint and every other S3 operation (LIST,
 DELETE, buckets, multipart create/complete/abort: the aiobotocore client of
 :mod:`.connection`); retries, the concurrency bound, the breaker, CRC metadata, ranges
 and multipart orchestration (:mod:`.client`); the mapping of transport exceptions
-(:func:`.errors.to_store_error`, applied by the caller).
+(:func:`.error_map.to_store_error`, applied by the caller).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from yarl import URL
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.body import BufferChain
-from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable, from_status
+from ec_s3.store.error_map import from_status
+from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable
 from ec_s3.store.recv import RecvAnswer, RecvPool
 from ec_s3.store.tls import Trust, ssl_context
 

@@ -3,7 +3,7 @@
 ``publish`` runs inside vLLM's model step, so it does no network I/O, no
 serialization, no header planning and no blocking device sync. On CUDA it takes a
 pinned buffer from the host pool (:mod:`ec_s3.transfer.hostpool`), queues the copy of
-the encoder output into it on a side stream (after an event on the current stream)
+the encoder output into it on a side stream (:mod:`ec_s3.transfer.device`)
 and queues the upload; the loop writes the header in front of the data and uploads
 the buffer as one body. On CPU it takes a loan of the same bound and keeps a
 reference: the loop sends the header and the tensor's own memory without joining
@@ -25,18 +25,18 @@ count and a log line, whatever the store raises; its buffer goes back to the poo
 every path, a task cancelled before it first ran and a loop that is gone included.
 
 Importable without S3 client libraries (a GPU host with torch only): the store is a
-parameter, and its error types are looked up only once some store has loaded them.
+parameter, and its result types come from the plain :mod:`ec_s3.store.errors`.
 
 Owns the in-flight budget and upload jobs. Does not own retries (the store), the
-outage spool's files (:mod:`ec_s3.transfer.spool`), buffer memory (the pool) or which
-key an output gets (the connector's key space).
+outage spool's files (:mod:`ec_s3.transfer.spool`), buffer memory (the pool), the
+device copy (:mod:`ec_s3.transfer.device`) or which key an output gets (the
+connector's key space).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,9 @@ from ec_s3.blob.codec import BlobError, BlobLayout, BlobMeta, tensor_bytes
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.store.body import BufferChain  # stdlib only: no S3 client library
+from ec_s3.store.errors import PutOutcome, StoreError, StoreUnavailable  # stdlib only too
 from ec_s3.transfer.counters import Counters
+from ec_s3.transfer.device import HostCopier
 from ec_s3.transfer.hostpool import HostBuffer, HostBufferPool
 
 if TYPE_CHECKING:
@@ -66,18 +68,6 @@ _COPY_SLICE = 4 * 1024 * 1024
 _ESCAPED_CHAR_BYTES = 12
 _MAX_STORED_IDENTIFIER_CHARS = 1024
 _HEADER_MARGIN = 64  # dtype names differ in length; padding to 8
-
-
-def _store_errors() -> Any:
-    """``ec_s3.store.errors`` once a store has loaded it, else None: only then can its
-    errors be raised, and this module must load without S3 client libraries."""
-    return sys.modules.get("ec_s3.store.errors")
-
-
-def _created(outcome: object) -> bool:
-    """Whether a put's outcome says the blob was created (not already there)."""
-    client = sys.modules.get("ec_s3.store.client")
-    return client is None or outcome is client.PutOutcome.CREATED
 
 
 class _Job:
@@ -122,7 +112,7 @@ class BlobPublisher:
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._pending = 0
         self._idle = threading.Condition()
-        self._stream: Any = None
+        self._copier = HostCopier()
         self._seen_unexpected: set[type[BaseException]] = set()
         # Jobs the loop has not picked up yet. One wake-up hands over all of them: the
         # flag is set by the step when it posts a wake-up, cleared by the loop's drain.
@@ -259,21 +249,7 @@ class BlobPublisher:
     def _start_device_copy(self, job: _Job, tensor: torch.Tensor) -> None:
         """Queue the device→pinned-host copy on a side stream; never syncs the host."""
         assert job.buf is not None and job.buf.data is not None
-        dst = job.buf.data[job.room : job.room + job.nbytes]
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=tensor.device)
-        current = torch.cuda.current_stream(tensor.device)
-        self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
-            src = tensor.detach()
-            if not src.is_contiguous():
-                src = src.contiguous()
-            dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        # The caching allocator must not reuse the tensor's memory before the copy.
-        tensor.record_stream(self._stream)
-        job.event = event
+        job.event = self._copier.start(tensor, job.buf.data[job.room : job.room + job.nbytes])
 
     def _remember(self, key: str) -> None:
         self._seen[key] = time.monotonic()
@@ -349,13 +325,12 @@ class BlobPublisher:
 
     async def _upload(self, job: _Job) -> None:
         body: memoryview | BufferChain | None = None
-        errors = _store_errors()
         try:
             body = await self._body(job)
             started = time.monotonic()
             outcome = await self._store.put_async(job.key, body)
             self._counters.observe("upload_seconds", time.monotonic() - started)
-            if _created(outcome):
+            if outcome is PutOutcome.CREATED:
                 self._counters.inc("blobs_uploaded")
                 self._counters.inc("bytes_uploaded", len(body))
             else:
@@ -367,10 +342,9 @@ class BlobPublisher:
             await self._spool_or_drop(job, body, "shutdown", cancelled=True)
             raise
         except Exception as exc:  # noqa: BLE001 - whatever the store or the copy raises, the job ends here
-            errors = errors or _store_errors()
-            if errors is not None and isinstance(exc, errors.StoreUnavailable):
+            if isinstance(exc, StoreUnavailable):
                 await self._spool_or_drop(job, body, exc.reason)
-            elif errors is not None and isinstance(exc, errors.StoreError):
+            elif isinstance(exc, StoreError):
                 # The store answered and refused (403, a bad request): retrying the same
                 # bytes later would be refused again.
                 self._drop(job, str(exc), "upload_failed", quiet=False)

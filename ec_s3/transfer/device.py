@@ -1,0 +1,122 @@
+"""Device copies of the data path: host → device for a load, device → pinned host for
+an upload, each on a side stream that the host never waits for.
+
+:class:`DeviceLoader` (the consumer's worker) turns a staged blob (a mapped staging
+file, checked by :func:`~ec_s3.transfer.slot_reader.open_staged_blob`) or a decoded
+tensor into a tensor on the device: on CUDA through a pinned buffer and an
+asynchronous copy on a side stream that the current stream waits on through an event.
+:class:`HostCopier` (the producer's publisher) queues the copy of an encoder output
+into a pinned host buffer on a side stream, after the current stream's work, and
+returns the event that says when the buffer holds it.
+
+Imports torch and nothing of vLLM or of the S3 store, so a GPU host with torch alone
+(``python -m bench.gpu_check``) runs the very code the connector runs.
+
+Owns the side streams and the order of the copies on them. Does not own host buffers
+(:mod:`ec_s3.transfer.hostpool`), what a load spec names or which device a worker uses
+(:mod:`ec_s3.connector.worker`), nor when an upload reads the buffer
+(:mod:`ec_s3.transfer.publisher`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Protocol
+
+import torch
+
+from ec_s3.transfer.slot_reader import open_staged_blob
+
+__all__ = ["DeviceLoader", "HostCopier", "StagedBlobRef"]
+
+
+class StagedBlobRef(Protocol):
+    """What a load names of a staged blob (``LoadSpec`` in the connector has these)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def identifier(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def data_offset(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+class DeviceLoader:
+    """Host → device copies for loads; keeps one side stream (created at the first CUDA
+    load, so a CPU-only host never touches CUDA)."""
+
+    def __init__(self) -> None:
+        self._stream: Any = None
+
+    def load_staged(self, blob: StagedBlobRef, device: torch.device) -> torch.Tensor:
+        """The staged blob's tensor on ``device``. Raises ``OSError`` or
+        :class:`~ec_s3.transfer.slot_reader.StagedBlobMismatch` when the file is gone
+        or is another blob."""
+        dtype = getattr(torch, blob.dtype)
+        # The path names one generation of a slot; the header must name this item.
+        mm = open_staged_blob(
+            blob.path, identifier=blob.identifier, nbytes=blob.nbytes, data_offset=blob.data_offset,
+            dtype=blob.dtype, shape=blob.shape,
+        )
+        try:
+            count = blob.nbytes - blob.data_offset
+            mapped = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=blob.data_offset)
+            return self.to_device(mapped.view(dtype).reshape(blob.shape), device)
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+
+    def to_device(self, source: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of the CPU tensor ``source`` on ``device`` that owns its memory (the
+        source may be a mapping about to close)."""
+        if device.type != "cuda":
+            return source.clone() if device.type == "cpu" else source.to(device)
+        # Pageable → pinned (a host memcpy), then an async H2D copy on a side stream;
+        # the compute stream waits on an event, not the host. The caching host
+        # allocator keeps the pinned block alive until the copy has run.
+        pinned = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+        pinned.copy_(source)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        current = torch.cuda.current_stream(device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = pinned.to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        current.wait_event(done)
+        out.record_stream(current)
+        return out
+
+
+class HostCopier:
+    """Device → pinned host copies for uploads; keeps one side stream (created at the
+    first copy)."""
+
+    def __init__(self) -> None:
+        self._stream: Any = None
+
+    def start(self, tensor: torch.Tensor, dst: torch.Tensor) -> Any:
+        """Queue the copy of CUDA ``tensor``'s bytes into ``dst`` (pinned uint8 of the
+        same byte length) after the current stream's work; returns the CUDA event that
+        completes with it. Never syncs the host."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=tensor.device)
+        current = torch.cuda.current_stream(tensor.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            src = tensor.detach()
+            if not src.is_contiguous():
+                src = src.contiguous()
+            dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        # The caching allocator must not reuse the tensor's memory before the copy.
+        tensor.record_stream(self._stream)
+        return event
