@@ -107,7 +107,7 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
             stalled_rss = bl.proc_rss_bytes() or 0
             held = proxy.counters()["held"]
         peak_stalled = sampler.peak
-        budget_used_peak = pub.budget.peak
+        budget_used_peak = pub.pool.peak
         blocked = not done.is_set()
         stop.set()
         proxy.release()
@@ -117,7 +117,7 @@ def run_config(ep_json: str, budget_mib: int, blob_mib: int, saves: int, mode: s
         blob_bytes = rows * WIDTH * 2
         return {
             "budget_mib": budget_mib, "blob_mib": blob_mib, "saves": saves, "mode": mode, "encoder": encoder,
-            "variant": variant, "pool_held_peak_bytes": pub.budget.peak, "pool_allocations": pub.budget.allocations,
+            "variant": variant, "pool_held_peak_bytes": pub.pool.peak, "pool_allocations": pub.pool.allocations,
             "rss_before": rss0, "rss_stalled": stalled_rss, "rss_peak_stalled": peak_stalled, "rss_after_release": after,
             "growth_bytes": peak_stalled - (rss0 or 0),
             "growth_vs_budget": (peak_stalled - (rss0 or 0)) / (budget_mib * bl.MiB),

@@ -46,12 +46,12 @@ def test_block_waits_then_flows(
     thread.start()
     fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=10)
     time.sleep(0.5)
-    assert not done.is_set(), "save should block while the budget is full"
-    assert publisher.budget.used <= MiB and publisher.budget.peak <= MiB
+    assert not done.is_set(), "save should block while the pool is full"
+    assert publisher.pool.used <= MiB and publisher.pool.peak <= MiB
     fault_proxy.set_stall(False)
     assert done.wait(30)
     assert publisher.flush(30) == 0
-    assert publisher.budget.peak <= MiB and publisher.budget.used == 0
+    assert publisher.pool.peak <= MiB and publisher.pool.used == 0
     assert counters.get("blobs_uploaded") == 10 and counters.get("upload_dropped") == 0
     assert all(store.run(store.head_async(f"k/{i}")) is not None for i in range(10))
 
@@ -69,7 +69,7 @@ def test_drop_skips_and_counts_then_flows(
     fits = MiB // (ROWS * WIDTH * 2 + 256)
     assert sum(accepted) == fits == 3
     assert counters.get("upload_dropped") == 10 - fits
-    assert publisher.budget.peak <= MiB
+    assert publisher.pool.peak <= MiB
     fault_proxy.set_stall(False)
     assert publisher.flush(30) == 0
     # After the stall, new saves (and the dropped ones, saved again) go through.
@@ -99,4 +99,4 @@ def test_a_save_blocked_inside_a_step_wakes_the_loop_it_waits_for(
     threading.Thread(target=step, daemon=True).start()
     assert done.wait(30), "a save blocked inside a step waited for uploads that never started"
     assert publisher.flush(30) == 0
-    assert counters.get("blobs_uploaded") == 10 and publisher.budget.peak <= MiB
+    assert counters.get("blobs_uploaded") == 10 and publisher.pool.peak <= MiB

@@ -1,5 +1,5 @@
 """The publisher ends every upload uploaded, spooled, or dropped with a count and a log
-line, whatever the store raises, and its in-flight budget always comes back. Faults
+line, whatever the store raises, and its in-flight pool always comes back. Faults
 come from a real server (wrong credentials), a closed endpoint, a request botocore
 refuses to send, a stalled store (fault proxy) and a stopped I/O loop.
 
@@ -55,7 +55,7 @@ def _tensor() -> torch.Tensor:
     return torch.ones(64, 128, dtype=torch.bfloat16)
 
 
-def test_unexpected_store_error_is_counted_and_frees_the_budget(
+def test_unexpected_store_error_is_counted_and_frees_the_pool(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
 ) -> None:
     """botocore refuses the request (an empty key) with an exception that is not a
@@ -63,14 +63,14 @@ def test_unexpected_store_error_is_counted_and_frees_the_budget(
     publisher, counters = _publisher(make_store(), make_config(max_inflight_bytes=MiB))
     assert publisher.publish("img", _tensor(), "")
     assert publisher.flush(15) == 0
-    assert publisher.budget.used == 0
+    assert publisher.pool.used == 0
     assert counters.get("upload_failed") == 1
     assert publisher.publish("img", _tensor(), "")  # forgotten, so a later save tries again
-    assert publisher.flush(15) == 0 and publisher.budget.used == 0
+    assert publisher.flush(15) == 0 and publisher.pool.used == 0
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "buffered"])
-def test_wrong_credentials_drop_counted_and_free_the_budget(
+def test_wrong_credentials_drop_counted_and_free_the_pool(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store], copy: bool
 ) -> None:
     config = make_config(secret_access_key="wrong", max_inflight_bytes=MiB)
@@ -78,18 +78,18 @@ def test_wrong_credentials_drop_counted_and_free_the_budget(
     for i in range(3):
         assert publisher.publish(f"img{i}", _tensor(), f"k/{i}")
     assert publisher.flush(15) == 0
-    assert publisher.budget.used == 0 and counters.get("upload_failed") == 3
-    assert publisher.budget.allocations <= 3 and publisher.budget.held <= MiB
+    assert publisher.pool.used == 0 and counters.get("upload_failed") == 3
+    assert publisher.pool.allocations <= 3 and publisher.pool.held <= MiB
 
 
-def test_closed_endpoint_drops_counted_and_frees_the_budget(
+def test_closed_endpoint_drops_counted_and_frees_the_pool(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
 ) -> None:
     url = f"http://127.0.0.1:{_closed_port()}"
     publisher, counters = _publisher(make_store(url, max_attempts=2), make_config(url, max_inflight_bytes=MiB))
     assert publisher.publish("img", _tensor(), "k/x")
     assert publisher.flush(15) == 0
-    assert publisher.budget.used == 0 and counters.get("upload_failed") == 1
+    assert publisher.pool.used == 0 and counters.get("upload_failed") == 1
 
 
 def test_publish_after_the_loop_stopped_neither_raises_nor_leaks(make_config: Callable[..., ECS3Config]) -> None:
@@ -101,7 +101,7 @@ def test_publish_after_the_loop_stopped_neither_raises_nor_leaks(make_config: Ca
     publisher, counters = _publisher(store, config)
     loop.stop()
     assert publisher.publish("img", _tensor(), "k/late") is False
-    assert publisher.budget.used == 0 and publisher.pending == 0
+    assert publisher.pool.used == 0 and publisher.pending == 0
     assert counters.get("upload_failed") == 1
 
 
@@ -116,7 +116,7 @@ def test_cpu_outputs_are_sent_in_place_on_a_loan_of_the_bound(
     for i in range(3):
         assert publisher.publish(f"id{i}", torch.full((256, 1024), float(i)).to(torch.bfloat16), f"k/{i}")
     fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=15)
-    pool = publisher.budget
+    pool = publisher.pool
     assert pool.allocations == 0 and pool.used == pool.held
     assert 3 * 512 * 1024 < pool.used < 3 * (512 + 16) * 1024  # data plus a bounded header room
     fault_proxy.set_stall(False)
@@ -143,7 +143,7 @@ def test_buffered_uploads_hold_pool_buffers_not_the_encoder_outputs(
     fault_proxy.wait_until(lambda c: c.held_now >= 4, timeout_s=15)
     gc.collect()
     assert [r() is None for r in arrays] == [True] * 4, "an encoder output is kept alive during its upload"
-    pool = publisher.budget
+    pool = publisher.pool
     assert 0 < pool.used <= pool.held <= 4 * MiB and pool.allocations == 4
     fault_proxy.set_stall(False)
     assert publisher.flush(30) == 0 and pool.used == 0
@@ -180,7 +180,7 @@ def test_buffers_are_reused_from_one_upload_to_the_next(
         assert publisher.publish(f"id{i}", torch.full((256, 1024), float(i)).to(torch.bfloat16), f"k/{i}")
         assert publisher.flush(15) == 0
     assert counters.get("blobs_uploaded") == 12
-    assert publisher.budget.allocations == 1 and publisher.budget.used == 0
+    assert publisher.pool.allocations == 1 and publisher.pool.used == 0
 
 
 @pytest.mark.parametrize("copy", [False, True], ids=["in-place", "buffered"])
@@ -196,7 +196,7 @@ def test_shutdown_with_stalled_uploads_gives_every_buffer_back(
     fault_proxy.wait_until(lambda c: c.held_now >= 3, timeout_s=15)
     pending, abandoned = publisher.shutdown(0.2)
     assert (pending, abandoned) == (3, 3)
-    assert publisher.pending == 0 and publisher.budget.used == 0 and publisher.budget.held == 0
+    assert publisher.pending == 0 and publisher.pool.used == 0 and publisher.pool.held == 0
 
 
 class _CountingCallSoon:
@@ -291,7 +291,7 @@ def test_a_buffer_a_device_copy_may_still_write_into_is_never_lent_again(
             return False
 
     publisher, _ = _publisher(make_store(), make_config(max_inflight_bytes=4 * MiB))
-    pool = publisher.budget
+    pool = publisher.pool
     buf = pool.try_acquire(MiB)
     assert buf is not None
     job = _Job("img", "k/x", _tensor(), 16384, 8192, buf)
@@ -321,7 +321,7 @@ def test_an_upload_that_fails_over_to_the_spool_gives_its_buffer_back(
         assert publisher.publish(f"img{i}", torch.full((64, 128), float(i)).to(torch.bfloat16), f"k/{i}")
         assert publisher.flush(30) == 0
     assert counters.get("blobs_spooled") == 3 and counters.get("upload_failed") == 0
-    assert publisher.budget.used == 0 and publisher.budget.allocations == 1
+    assert publisher.pool.used == 0 and publisher.pool.allocations == 1
     files = sorted((tmp_path / "spool").iterdir())
     assert len(files) == 3
     for i in range(3):  # each file ends with its own blob's data, not a later one's

@@ -364,7 +364,7 @@ class RecvPool:
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
         self._keepalive = keepalive_s
-        self._slots = asyncio.Semaphore(limit)
+        self._permits = asyncio.Semaphore(limit)
         self._idle: list[_Conn] = []
         self._busy: set[_Conn] = set()
         self.opened = 0  # connections made so far (tests: keep-alive reuse)
@@ -396,7 +396,7 @@ class RecvPool:
             # that races the acquisition, and the cancelled GET then writes on into a
             # buffer its caller has already given up (tests/test_store_faults.py).
             async with asyncio.timeout(self._connect_timeout + self._read_timeout):
-                await self._slots.acquire()
+                await self._permits.acquire()
         except TimeoutError:
             raise StoreUnreachable(op, key, "timed out waiting for a pooled connection") from None
         conn: _Conn | None = None
@@ -415,7 +415,7 @@ class RecvPool:
                     self._idle.append(conn)
                 else:
                     conn.abort()
-            self._slots.release()
+            self._permits.release()
 
     async def _exchange(self, request: bytes, op: str, key: str) -> tuple[_Conn, RecvAnswer]:
         for attempt in (1, 2):

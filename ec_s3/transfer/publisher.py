@@ -27,7 +27,7 @@ every path, a task cancelled before it first ran and a loop that is gone include
 Importable without S3 client libraries (a GPU host with torch only): the store is a
 parameter, and its result types come from the plain :mod:`ec_s3.store.errors`.
 
-Owns the in-flight budget and upload jobs. Does not own retries (the store), the
+Owns the in-flight bound and upload jobs. Does not own retries (the store), the
 outage spool's files (:mod:`ec_s3.transfer.spool`), buffer memory (the pool), the
 device copy (:mod:`ec_s3.transfer.device`) or which key an output gets (the
 connector's key space).
@@ -124,7 +124,7 @@ class BlobPublisher:
         self.wakeups = 0  # wake-ups posted to the loop (tests, benches)
 
     @property
-    def budget(self) -> HostBufferPool:
+    def pool(self) -> HostBufferPool:
         """The in-flight bound: ``capacity``, ``used`` (lent out), ``held``, ``peak``."""
         return self._pool
 
