@@ -16,9 +16,7 @@ container's own environment, every ``file:`` it names is a mounted Secret key an
 from __future__ import annotations
 
 import base64
-import contextlib
 import copy
-import io
 import json
 import os
 import re
@@ -517,23 +515,7 @@ def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers() -> None:
     assert config.keepalive_timeout_s < keepalive
 
 
-def _gc_has_uploads() -> bool:
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            build_cli_parser().parse_args(["gc", "--uploads"])
-    except SystemExit:
-        return False
-    return True
-
-
-#: The abort CronJob runs `ec-s3 gc --uploads`, which the multipart work (branch h-multipart)
-#: adds; until it is on this branch the CronJob's tests are expected to fail, and run (and
-#: must pass) as soon as it is.
-NEEDS_GC_UPLOADS = pytest.mark.xfail(not _gc_has_uploads(), strict=True,
-                                     reason="ec-s3 gc --uploads is not in this ec-s3 yet (h-multipart)")
-
-
-@pytest.mark.parametrize("name", ["ec-s3-gc", pytest.param("ec-s3-abort-stale-uploads", marks=NEEDS_GC_UPLOADS)])
+@pytest.mark.parametrize("name", ["ec-s3-gc", "ec-s3-abort-stale-uploads"])
 def test_cronjob_commands_parse(name: str) -> None:
     job = _find(render(KUSTOMIZE), "CronJob", name)
     assert job["spec"]["concurrencyPolicy"] == "Forbid"
@@ -673,7 +655,7 @@ def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint:
         assert "not-the-secret" not in failed.stdout + failed.stderr
 
 
-@pytest.mark.parametrize("name", ["ec-s3-gc", pytest.param("ec-s3-abort-stale-uploads", marks=NEEDS_GC_UPLOADS)])
+@pytest.mark.parametrize("name", ["ec-s3-gc", "ec-s3-abort-stale-uploads"])
 def test_gc_cronjob_runs(name: str, s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
     objs = render(KUSTOMIZE)
     (tmp_path / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
