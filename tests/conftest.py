@@ -137,6 +137,8 @@ def extra_config(s3: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
             "retry_base_delay_s": 0.01,
             "retry_max_delay_s": 0.2,
         }
+        if os.environ.get("EC_S3_TEST_DATA_PATH"):  # the whole run on the other data path
+            extra["data_path"] = os.environ["EC_S3_TEST_DATA_PATH"]
         extra.update(overrides)
         return extra
 

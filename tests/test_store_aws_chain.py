@@ -67,7 +67,7 @@ def test_private_ca_is_trusted_the_aws_ways(
     store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1, **overrides)
     _round_trip(store)
     if data_path == "direct":
-        recv = store._wire.recv_pool if store._wire else None
+        recv = getattr(store._transport, "wire", None).recv_pool if getattr(store._transport, "wire", None) else None
         assert recv is not None and recv.opened >= 1  # the GET went through recv.py's TLS
 
     from ec_s3.store.connection import resolve_endpoint
@@ -235,9 +235,9 @@ def test_both_paths_sign_for_the_region_of_the_environment(
     store = make_store(data_path=data_path)
     assert store.config.region is None
     store.run(store.put_async("r/k", b"x"), timeout=30)
-    assert store._client.meta.region_name == "eu-west-3"
+    assert store._transport.client.meta.region_name == "eu-west-3"
     if data_path == "direct":
-        assert store._wire is not None and store._wire._region == "eu-west-3"
+        assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None)._region == "eu-west-3"
 
 
 def test_check_prints_region_and_ca_with_their_sources(

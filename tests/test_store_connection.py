@@ -9,6 +9,7 @@ and the first request through aiobotocore loaded the CA bundle even for ``http:/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ssl
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import pytest
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
 from ec_s3.store.connection import open_client
+from ec_s3.store.settings import StoreConfig
 
 
 def test_the_stores_of_a_process_share_botocore_data(make_store: Callable[..., S3Store]) -> None:
@@ -75,3 +77,18 @@ def test_a_plain_http_endpoint_loads_no_ca_bundle(make_store: Callable[..., S3St
     assert store.run(store.head_async("missing"), timeout=30) is None
     store.run(store.delete_many_async(["missing"]), timeout=30)
     assert loads == []
+
+
+def test_configs_differing_only_outside_the_store_share_one_store(make_config: Callable[..., ECS3Config]) -> None:
+    """Two engines of one process that differ in a connector key the store never reads
+    share one pool and one breaker; a store key (the credentials) still separates them."""
+    first = make_config(lookup_wait_s=0.5)
+    stores = [S3Store.shared(first), S3Store.shared(dataclasses.replace(first, lookup_wait_s=2.0))]
+    other = S3Store.shared(dataclasses.replace(first, max_attempts=first.max_attempts + 1))
+    try:
+        assert stores[0] is stores[1]
+        assert other is not stores[0]
+        assert stores[0].config == StoreConfig.of(first)
+    finally:
+        for store in (*stores, other):
+            store.close(timeout=2)

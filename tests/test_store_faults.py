@@ -58,16 +58,16 @@ def test_waiting_for_a_pooled_connection_is_bounded(make_store: Callable[..., S3
 
     async def scenario() -> object:
         client = await store._get_client()
-        if store._wire is not None:
+        if getattr(store._transport, "wire", None) is not None:
             # The direct path's aiohttp pool, the one HEAD uses there, then its GET pool.
-            held_get = store._wire.get("k", 0, 6 * MiB - 1)
+            held_get = getattr(store._transport, "wire", None).get("k", 0, 6 * MiB - 1)
             await held_get.__aenter__()  # pins the only connection of the GET pool
             try:
                 with pytest.raises(StoreUnavailable):
                     await store.get_async("k")
             finally:
                 await held_get.__aexit__(None, None, None)
-            holding = store._wire._request("GET", "GET", "k", {"Range": f"bytes=0-{6 * MiB - 1}"})
+            holding = getattr(store._transport, "wire", None)._request("GET", "GET", "k", {"Range": f"bytes=0-{6 * MiB - 1}"})
             await holding.__aenter__()  # pins the only connection
             release = functools.partial(holding.__aexit__, None, None, None)
         else:

@@ -288,7 +288,7 @@ def test_rotated_credentials_are_used(
             store.run(store.get_async("k"), timeout=30)
         rotating_credentials(creds.access_key_id, creds.secret_access_key)
         assert bytes(store.run(store.get_async("k"), timeout=30)) == b"x" * 100
-        assert creds.secret_access_key not in repr(store) and creds.secret_access_key not in repr(store._wire)
+        assert creds.secret_access_key not in repr(store) and creds.secret_access_key not in repr(getattr(store._transport, "wire", None))
     finally:
         store.close(timeout=2)
 
@@ -299,14 +299,14 @@ def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
     """The store's client and its direct path are built together: when the second
     cannot be built, the first is closed and the next request tries both again
     (it once kept the client, and every later request died on an assertion)."""
-    import ec_s3.store.client as client_module
+    import ec_s3.store.transport as transport_module
 
     store = direct()
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cannot build")
 
-    monkeypatch.setattr(client_module, "DirectWire", refuse)
+    monkeypatch.setattr(transport_module, "DirectWire", refuse)
     for _ in range(2):
         with pytest.raises(StoreRequestError, match="cannot create the S3 client"):
             store.run(store.head_async("k"), timeout=30)
@@ -317,8 +317,8 @@ def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
 # ---------------------------------------------------------------------------- GET into the buffer (recv.py)
 def _recv_pool(store: S3Store) -> Any:
     store.run(store.head_async("warm-up"), timeout=30)  # builds the client and the wire
-    assert store._wire is not None and store._wire.recv_pool is not None
-    return store._wire.recv_pool
+    assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None).recv_pool is not None
+    return getattr(store._transport, "wire", None).recv_pool
 
 
 def _cut_every_connection(proxy: FaultProxy) -> None:

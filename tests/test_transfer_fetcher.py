@@ -115,6 +115,6 @@ def test_staged_blob_lands_bit_exact_in_its_slot(tmp_path: Path, make_store: Cal
     with open(result.slot.path, "rb") as f:
         assert f.read() == blob
     if store.config.data_path == "direct":
-        assert store._wire is not None and store._wire.recv_pool is not None
-        assert store._wire.recv_pool.opened >= 1 and store._wire.recv_pool.in_use == 0
+        assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None).recv_pool is not None
+        assert getattr(store._transport, "wire", None).recv_pool.opened >= 1 and getattr(store._transport, "wire", None).recv_pool.in_use == 0
     area.close()

@@ -44,13 +44,13 @@ def namespace_of(prefix: str, key: str) -> str:
 async def list_page(store: S3Store, prefix: str, *, max_keys: int = 1000, delimiter: str | None = None,
                     token: str | None = None) -> dict[str, Any]:
     """One raw ListObjectsV2 page (``Contents``, ``CommonPrefixes``, continuation)."""
-    async def _list(client: Any) -> dict[str, Any]:
+    async def _list(transport: Any) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"Bucket": store.bucket, "Prefix": prefix, "MaxKeys": max_keys}
         if delimiter:
             kwargs["Delimiter"] = delimiter
         if token:
             kwargs["ContinuationToken"] = token
-        return await client.list_objects_v2(**kwargs)
+        return await transport.client.list_objects_v2(**kwargs)
 
     return await store._call("LIST", prefix, _list)
 

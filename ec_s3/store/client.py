@@ -8,12 +8,10 @@ jitter, only on throttling, 5xx and connection errors, never on 4xx, so that a b
 bounds the time a caller can wait), the concurrency bound (``max_concurrency``
 requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
 at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
-process-wide cache of shared stores, and which path each request takes: with
-``data_path: direct`` (the default) HEAD, single PUT, UploadPart and GET go through
-:mod:`.wire` (botocore-signed, ec-s3's own aiohttp pool), everything else (and every
-request with ``data_path: botocore``, or a checksum algorithm only botocore computes)
-through the aiobotocore client. Does not own building the client (:mod:`.connection`),
-sending the direct requests (:mod:`.wire`), the error types and their mapping
+process-wide cache of shared stores, keyed by the store's own keys
+(:class:`~.settings.StoreConfig`). Does not own one attempt of a request on the data
+path chosen at connect time (:mod:`.transport`, over :mod:`.wire` or the aiobotocore
+client built by :mod:`.connection`), the error types and their mapping
 (:mod:`.errors`), the circuit breaker (:mod:`.breaker`), request bodies
 (:mod:`.body`) or the steps of a multipart upload and its aborts (:mod:`.multipart`);
 their names are re-exported here for importers of this module.
@@ -22,27 +20,19 @@ their names are re-exported here for importers of this module.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
-import email.utils
-import hashlib
-import hmac
 import random
-import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from ec_s3.blob.format import MAX_HEADER_BYTES
-from ec_s3.config import ECS3Config, Secret
+from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
-from ec_s3.store.body import CHECKSUM_HEADERS as _CHECKSUM_HEADERS
-from ec_s3.store.body import Body, BufferChain, ChainReader, crc32_of, sha256_of
+from ec_s3.store.body import Body, BufferChain, crc32_of
 from ec_s3.store.breaker import CircuitBreaker
-from ec_s3.store.connection import open_client, resolve_endpoint
 from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
@@ -62,12 +52,12 @@ from ec_s3.store.errors import (
     StoreUnreachable,
     TLSError,
 )
+from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.multipart import put_multipart
-from ec_s3.store.ranges import BotocoreAnswer, check_answer
+from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
 from ec_s3.store.slots import Slots
-from ec_s3.store.tasks import all_or_none as _all_or_none
-from ec_s3.store.wire import DirectWire, GetAnswer
+from ec_s3.store.transport import ObjectInfo, Transport, open_transport
 
 __all__ = [
     "AccessDenied",
@@ -78,6 +68,7 @@ __all__ = [
     "CircuitBreaker",
     "CircuitOpen",
     "DELETE_BATCH",
+    "Download",
     "IntegrityError",
     "NoCredentials",
     "ObjectChanged",
@@ -86,6 +77,7 @@ __all__ = [
     "PutOutcome",
     "S3Store",
     "StoreClosed",
+    "StoreConfig",
     "StoreConfigError",
     "StoreError",
     "StoreRequestError",
@@ -98,28 +90,6 @@ __all__ = [
 
 T = TypeVar("T")
 Allocator = Callable[[int], memoryview]
-
-
-
-class _CallerError(Exception):
-    """Carries an exception of the caller's own code (an allocator) through the request
-    loop, which would otherwise take an OSError for a network failure and retry it."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(repr(error))
-        self.error = error
-
-
-CRC_METADATA_KEY = "ec-s3-crc32"
-
-
-@dataclasses.dataclass(frozen=True)
-class ObjectInfo:
-    key: str
-    size: int
-    etag: str = ""
-    last_modified: float = 0.0  # epoch seconds
-    metadata: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -137,30 +107,8 @@ class StoreStats:
 
 
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
-SharedKey = tuple[tuple[str, Any], ...]
-_SHARED: dict[SharedKey, list[Any]] = {}  # config identity -> [store, refcount]
+_SHARED: dict[SharedKey, list[Any]] = {}  # store config identity -> [store, refcount]
 _SHARED_LOCK = threading.Lock()
-_KEY_SALT = secrets.token_bytes(16)  # per process: a shared key is no stable hash of a secret
-
-
-def _shared_key(config: ECS3Config) -> SharedKey:
-    """The identity of a configuration: every field, each secret as a keyed digest.
-
-    Two configs that differ only in credentials must get two clients (one client would
-    sign both with the first one's keys), yet the key must not hold a secret in clear
-    where a repr or a log could show it.
-    """
-
-    def ident(value: Any) -> Any:
-        if isinstance(value, Secret):
-            return "hmac-sha256:" + hmac.new(_KEY_SALT, value.reveal().encode(), hashlib.sha256).hexdigest()
-        try:
-            hash(value)
-        except TypeError:
-            return repr(value)
-        return value
-
-    return tuple((f.name, ident(getattr(config, f.name))) for f in dataclasses.fields(config))
 
 
 class S3Store:
@@ -169,12 +117,11 @@ class S3Store:
     Construction does no I/O: the client is created on first use on the loop.
     """
 
-    def __init__(self, config: ECS3Config, *, loop: BackgroundLoop | None = None) -> None:
-        self.config = config
+    def __init__(self, config: ECS3Config | StoreConfig, *, loop: BackgroundLoop | None = None) -> None:
+        self.config = config = StoreConfig.of(config)
         self.bucket = config.bucket
         self._bg = loop or shared_loop()
-        self._client: Any = None
-        self._wire: DirectWire | None = None
+        self._transport: Transport | None = None
         self._client_lock: asyncio.Lock | None = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._sem: Slots | None = None
@@ -189,15 +136,16 @@ class S3Store:
         return f"S3Store(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
 
     @classmethod
-    def shared(cls, config: ECS3Config) -> S3Store:
+    def shared(cls, config: ECS3Config | StoreConfig) -> S3Store:
         """The process-wide store for this configuration, reference-counted.
 
         The scheduler-role and worker-role connectors of one process then share one
         connection pool, one concurrency bound and one circuit breaker (so an outage
-        is logged once per process, not once per connector). Release with
-        :meth:`close`.
+        is logged once per process, not once per connector), whatever keys outside the
+        store's own they differ in. Release with :meth:`close`.
         """
-        key = _shared_key(config)
+        config = StoreConfig.of(config)
+        key = shared_key(config)
         with _SHARED_LOCK:
             entry = _SHARED.get(key)
             if entry is None or entry[0]._closed or entry[0]._bg is not shared_loop():
@@ -262,8 +210,12 @@ class S3Store:
             self.submit(warm())
 
     async def _get_client(self) -> Any:
-        if self._client is not None:
-            return self._client
+        """The aiobotocore client (for the CLI's probes and tests)."""
+        return (await self._get_transport()).client
+
+    async def _get_transport(self) -> Transport:
+        if self._transport is not None:
+            return self._transport
         if self._client_gone:
             # Work submitted before close() may still run while close() drains it;
             # only after the drain is the client gone for good.
@@ -271,18 +223,12 @@ class S3Store:
         if self._client_lock is None:
             self._client_lock = asyncio.Lock()
         async with self._client_lock:
-            if self._client is None:
+            if self._transport is None:
                 stack = contextlib.AsyncExitStack()
                 try:
                     # Resolves the credential chain (profile, SSO, instance role) when
                     # the config names no keys: that can fail, and must fail typed.
-                    settings = resolve_endpoint(self.config)  # one region and CA for both paths
-                    client = await open_client(self.config, stack, settings)
-                    if self.config.data_path == "direct":
-                        # Its own pool beside the client's, which keeps the rare rest; closed first.
-                        wire = DirectWire(self.config, client, settings.trust)
-                        stack.push_async_callback(wire.close)
-                        self._wire = wire
+                    transport = await open_transport(self.config, stack)
                 except Exception as exc:  # noqa: BLE001 - mapped below
                     await stack.aclose()
                     error = to_store_error("connect", "", exc)
@@ -295,43 +241,46 @@ class S3Store:
                 # (connection.py) and must only ever mean a held-up connection.
                 self._sem = Slots(min(self.config.max_concurrency, self.config.max_pool_connections),
                                   self.config.request_timeout_s)
-                self._client = client  # last: its being set means the store is ready
-        return self._client
+                self._transport = transport  # last: its being set means the store is ready
+        return self._transport
 
-    async def _call(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]]) -> T:
-        """Run one S3 request with the retry budget, the concurrency bound and the breaker."""
+    async def _call(
+        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], *, slot: bool = True,
+        spent: int = 0,
+    ) -> T:
+        """Run one S3 request, ``fn`` one attempt of it on the store's transport, with
+        the retry budget (less ``spent`` attempts made elsewhere), the concurrency bound
+        and the breaker. With ``slot=False``, ``fn`` takes its request slot itself
+        (:meth:`_slot`), to keep it past the call."""
         ticket = self.breaker.allow()
         if ticket is None:
             self.stats.short_circuited += 1
             raise CircuitOpen(op, key, "the store failed repeatedly, not trying")
         try:
-            return await self._attempts(op, key, fn, ticket)
+            return await self._attempts(op, key, fn, ticket, slot, spent)
         finally:
             self.breaker.release(ticket)  # however it ended, a probe must not stay pending
 
-    async def _attempts(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, T]], ticket: int) -> T:
+    async def _attempts(
+        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], ticket: int, slot: bool,
+        spent: int,
+    ) -> T:
         cfg = self.config
-        client = await self._get_client()
-        assert self._sem is not None
-        for attempt in range(1, cfg.max_attempts + 1):
+        transport = await self._get_transport()
+        for attempt in range(1 + min(spent, cfg.max_attempts - 1), cfg.max_attempts + 1):
             self.stats.requests += 1
-            caller_error: Exception | None = None
             try:
-                async with self._sem.hold(op, key):
-                    result = await fn(client)
+                async with self._slot(op, key) if slot else contextlib.nullcontext():
+                    result = await fn(transport)
                 self.breaker.success()
                 return result
             except StoreBusy:
                 raise  # local saturation: a retry would queue again; not the store's fault
-            except _CallerError as wrapped:
-                caller_error = wrapped.error
             except Exception as exc:  # noqa: BLE001 - every transport failure becomes a StoreError
                 mapped = to_store_error(op, key, exc)
                 if mapped is None:
                     raise  # not a store failure: a bug, shown as it is
                 error = mapped
-            if caller_error is not None:
-                raise caller_error  # outside the except block: its chain stays the caller's
             if not error.transient or attempt == cfg.max_attempts:
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
                 if error.transient:
@@ -345,18 +294,17 @@ class S3Store:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _slot(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """One request slot, for one attempt (the store is connected: :meth:`_call`)."""
+        assert self._sem is not None
+        return self._sem.hold(op, key)
+
     # ------------------------------------------------------------------ operations
     async def head_async(self, key: str) -> ObjectInfo | None:
         """Size and metadata of ``key``, or None if it does not exist."""
 
-        async def _head(client: Any) -> ObjectInfo:
-            if self._wire is not None:
-                return _info_from_headers(key, await self._wire.head(key))
-            resp = await client.head_object(Bucket=self.bucket, Key=key)
-            return _info(key, resp)
-
         try:
-            return await self._call("HEAD", key, _head)
+            return await self._call("HEAD", key, lambda t: t.head(key))
         except ObjectNotFound:
             return None
 
@@ -388,26 +336,13 @@ class S3Store:
         return outcome
 
     async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str], crc: int | None) -> PutOutcome:
-        extra = self._checksum_args()
-        direct = await self._direct_checksum(view, crc)
-
-        async def _put(client: Any) -> PutOutcome:
-            if self._wire is not None and direct is not None:
-                headers = {
-                    "If-None-Match": "*", "Content-Type": "application/octet-stream",
-                    **{f"x-amz-meta-{k}": v for k, v in metadata.items()}, **direct,
-                }
-                await self._wire.put("PUT", key, view, headers)
-                return PutOutcome.CREATED
-            await client.put_object(
-                Bucket=self.bucket, Key=key, Body=ChainReader(view), ContentLength=len(view),
-                IfNoneMatch="*", Metadata=metadata, ContentType="application/octet-stream", **extra,
-            )
+        async def _put(t: Transport) -> PutOutcome:
+            await t.put(key, view, metadata, crc)
             return PutOutcome.CREATED
 
         return await self._conditional("PUT", key, _put)
 
-    async def _conditional(self, op: str, key: str, fn: Callable[[Any], Coroutine[Any, Any, PutOutcome]]) -> PutOutcome:
+    async def _conditional(self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, PutOutcome]]) -> PutOutcome:
         try:
             return await self._call(op, key, fn)
         except StoreRequestError as exc:
@@ -415,117 +350,22 @@ class S3Store:
                 return PutOutcome.ALREADY_EXISTS
             raise
 
+    def open_async(self, key: str) -> contextlib.AbstractAsyncContextManager[Download]:
+        """``async with store.open_async(key) as d``: a GET's first answer, ``d.size``
+        known, its body unread; place the bytes, then ``await d.read_into(buffer)``
+        (:mod:`.download`). Without a HEAD; released on every way out."""
+        return open_download(self, key)
+
     async def get_async(self, key: str, *, allocate: Allocator | None = None) -> memoryview:
-        """Fetch a whole object into one writable buffer, without a HEAD.
-
-        The first request asks for the first part (``Range: bytes=0-<part-1>``); its
-        ``Content-Range`` gives the object's size, so a blob up to one part costs one
-        round trip and a larger one fetches its remaining parts in parallel, each with
-        ``If-Match`` of the first answer's ETag: an object replaced between two ranges
-        is never a blend. Then the whole GET restarts once, into the same buffer; a
-        second change (or another size) is :class:`ObjectChanged`.
-        ``allocate(size)`` says where the bytes go (e.g. a shared-memory staging slot),
-        so the body is copied once, from the socket to its final place.
-        """
-        def alloc(nbytes: int) -> memoryview:
-            if allocate is None:
-                return memoryview(bytearray(nbytes))
-            try:
-                return allocate(nbytes)
-            except Exception as exc:  # noqa: BLE001 - the caller's, re-raised unchanged by _call
-                raise _CallerError(exc) from exc
-
-        holder: list[memoryview] = []
-        for attempt in (1, 2):
-            try:
-                out, stored_crc = await self._get_whole(key, alloc, holder)
-                break
-            except ObjectChanged:
-                if attempt == 2:
-                    raise
-        self.stats.bytes_downloaded += len(out)
-        if self.config.checksum_algorithm != "none" and stored_crc:
-            actual = f"{await crc32_of(out):08x}"
-            if actual != stored_crc:
-                self.stats.integrity_failures += 1
-                raise IntegrityError("GET", key, f"CRC32 {actual} != stored {stored_crc}")
+        """The whole object, in ``allocate(size)`` (run once, between the two phases of
+        :meth:`open_async`, outside any retry) or a new buffer."""
+        async with self.open_async(key) as download:
+            out = allocate(download.size) if allocate is not None else memoryview(bytearray(download.size))
+            await download.read_into(out)
         return out
 
-    async def _get_whole(
-        self, key: str, alloc: Callable[[int], memoryview], holder: list[memoryview]
-    ) -> tuple[memoryview, str]:
-        """One pass of :meth:`get_async`: the object in ``holder[0]`` (allocated on the
-        first answer) and the CRC its writer stored."""
-        part = self.config.multipart_part_bytes
-        # A blob is a whole number of MiB of tensor plus a small header: asking for one
-        # part plus a header's worth keeps an N-part blob from needing one more request.
-        last = part + MAX_HEADER_BYTES - 1
-        seen: dict[str, str] = {}
-
-        def _place(length: int, total: int) -> memoryview:
-            if total > self.config.max_blob_bytes:
-                raise StoreRequestError("GET", key, f"{total} bytes exceeds max_blob_bytes")
-            if not holder:
-                holder.append(alloc(total))
-            if len(holder[0]) != total:
-                raise ObjectChanged("GET", key, f"object is {total} bytes now, was {len(holder[0])}")
-            return holder[0][:length]
-
-        async def _first(client: Any) -> int:
-            async with self._open_range(client, key, 0, last) as answer:
-                span = check_answer(answer.status, answer.headers, 0, last, key)
-                seen.update(crc=answer.headers.get(_CRC_HEADER, ""), etag=answer.headers.get("ETag", ""))
-                if span.length is None:  # a 200 of unknown length (chunked): the whole object
-                    data = await answer.read_to_end(self.config.max_blob_bytes)
-                    _place(len(data), len(data))[:] = data
-                    return len(data)
-                await answer.read_into(_place(span.length, span.total or span.length))
-                return span.length
-
-        first = await self._call("GET", key, _first)
-        out = holder[0]
-        if first < len(out):
-            etag = seen["etag"] or None
-            await _all_or_none(
-                [self._get_range(key, out, start, min(start + part, len(out)), etag) for start in range(first, len(out), part)]
-            )
-        return out, seen["crc"]
-
-    async def _get_range(self, key: str, out: memoryview, start: int, end: int, etag: str | None) -> None:
-        async def _get(client: Any) -> None:
-            async with self._open_range(client, key, start, end - 1, etag) as answer:
-                span = check_answer(answer.status, answer.headers, start, end - 1, key)
-                if span.total != len(out):
-                    raise ObjectChanged("GET", key, f"object is {span.total} bytes now, was {len(out)}")
-                await answer.read_into(out[start:end])
-
-        try:
-            await self._call("GET", key, _get)
-        except StoreRequestError as exc:
-            if exc.status != 412:
-                raise
-            raise ObjectChanged("GET", key, "replaced between two ranges of one GET", status=412, code=exc.code) from exc
-
-    @contextlib.asynccontextmanager
-    async def _open_range(
-        self, client: Any, key: str, first: int, last: int, if_match: str | None = None
-    ) -> AsyncIterator[GetAnswer]:
-        """``Range: bytes=first-last`` of ``key`` on this store's data path, its body
-        unread; released on every way out."""
-        if self._wire is not None:
-            async with self._wire.get(key, first, last, if_match) as answer:
-                yield answer
-            return
-        condition = {"IfMatch": if_match} if if_match else {}
-        resp = await client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}", **condition)
-        with _closing(resp["Body"]) as body:
-            yield BotocoreAnswer(resp, body, key)
-
     async def delete_async(self, key: str) -> None:
-        async def _delete(client: Any) -> None:
-            await client.delete_object(Bucket=self.bucket, Key=key)
-
-        await self._call("DELETE", key, _delete)
+        await self._call("DELETE", key, lambda t: t.client.delete_object(Bucket=self.bucket, Key=key))
 
     async def delete_many_async(self, keys: Iterable[str]) -> int:
         """Delete keys in batches of :data:`DELETE_BATCH`; returns how many were deleted."""
@@ -533,8 +373,8 @@ class S3Store:
         for i in range(0, len(pending), DELETE_BATCH):
             batch = [{"Key": k} for k in pending[i : i + DELETE_BATCH]]
 
-            async def _delete(client: Any, batch: list[dict[str, str]] = batch) -> int:
-                resp = await client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            async def _delete(t: Transport, batch: list[dict[str, str]] = batch) -> int:
+                resp = await t.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
                 errors = resp.get("Errors") or []
                 if errors:
                     raise StoreRequestError("DeleteObjects", errors[0].get("Key", ""), errors[0].get("Message", ""))
@@ -547,11 +387,11 @@ class S3Store:
         """Every object under ``prefix``, page by page."""
         token: str | None = None
         while True:
-            async def _list(client: Any, token: str | None = token) -> dict[str, Any]:
+            async def _list(t: Transport, token: str | None = token) -> dict[str, Any]:
                 kwargs = {"Bucket": self.bucket, "Prefix": prefix, "MaxKeys": 1000}
                 if token:
                     kwargs["ContinuationToken"] = token
-                return await client.list_objects_v2(**kwargs)
+                return await t.client.list_objects_v2(**kwargs)
 
             page = await self._call("LIST", prefix, _list)
             for item in page.get("Contents", []):
@@ -567,11 +407,8 @@ class S3Store:
     async def create_bucket_async(self) -> None:
         """Create the bucket if it does not exist (tests, demo, CLI)."""
 
-        async def _create(client: Any) -> None:
-            await client.create_bucket(Bucket=self.bucket)
-
         try:
-            await self._call("CreateBucket", self.bucket, _create)
+            await self._call("CreateBucket", self.bucket, lambda t: t.client.create_bucket(Bucket=self.bucket))
         except StoreRequestError as exc:
             if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
@@ -609,68 +446,6 @@ class S3Store:
                 logger.warning("ec-s3: cancelled %d S3 operations still pending after %.1fs", len(still), timeout)
                 await asyncio.gather(*still, return_exceptions=True)
         self._client_gone = True
-        self._wire = None  # closed by the exit stack, before the client
         if self._exit_stack is not None:
             await self._exit_stack.aclose()
-            self._client = None
-
-    # ------------------------------------------------------------------ helpers
-    def _checksum_args(self) -> dict[str, str]:
-        algo = self.config.checksum_algorithm
-        return {} if algo == "none" else {"ChecksumAlgorithm": algo}
-
-    async def _direct_checksum(self, body: BufferChain, crc: int | None) -> dict[str, str] | None:
-        """The checksum headers of ``body`` for the direct path, or None when that
-        request must go through botocore (``CRC32C`` needs awscrt, which botocore
-        drives). CRC32 reuses the CRC the store computed for its metadata."""
-        algo = self.config.checksum_algorithm
-        if self._wire is None or algo == "none":
-            return {}
-        if algo == "CRC32":
-            value = crc if crc is not None else await crc32_of(body)
-            return {_CHECKSUM_HEADERS["ChecksumCRC32"]: base64.b64encode(value.to_bytes(4, "big")).decode()}
-        if algo == "SHA256":
-            return {_CHECKSUM_HEADERS["ChecksumSHA256"]: base64.b64encode(await sha256_of(body)).decode()}
-        return None
-
-
-@contextlib.contextmanager
-def _closing(body: Any) -> Iterator[Any]:
-    """Close a response body on every way out (errors of ours or the caller's allocator,
-    cancellation). An unclosed body pins its pooled connection: once all are pinned,
-    every later request of the process waits for one. Closing a body read to its end
-    is a no-op (aiohttp has already returned the connection to the pool)."""
-    try:
-        yield body
-    finally:
-        body.close()
-
-
-
-
-_CRC_HEADER = f"x-amz-meta-{CRC_METADATA_KEY}"
-
-
-def _info_from_headers(key: str, headers: Mapping[str, str]) -> ObjectInfo:
-    """A HEAD answer's headers as botocore's ``head_object`` would have parsed them."""
-    modified = headers.get("Last-Modified")
-    when = email.utils.parsedate_to_datetime(modified).timestamp() if modified else time.time()
-    prefix = "x-amz-meta-"
-    return ObjectInfo(
-        key=key,
-        size=int(headers.get("Content-Length", "0") or 0),
-        etag=headers.get("ETag", "").strip('"'),
-        last_modified=when,
-        metadata={k.lower()[len(prefix):]: v for k, v in headers.items() if k.lower().startswith(prefix)},
-    )
-
-
-def _info(key: str, resp: dict[str, Any]) -> ObjectInfo:
-    modified = resp.get("LastModified")
-    return ObjectInfo(
-        key=key,
-        size=int(resp.get("ContentLength", 0)),
-        etag=str(resp.get("ETag", "")).strip('"'),
-        last_modified=modified.timestamp() if modified else time.time(),
-        metadata=dict(resp.get("Metadata") or {}),
-    )
+            self._transport = None

@@ -2,7 +2,8 @@
 
 Owns one blob's multipart upload (create, parts in parallel, a conditional Complete),
 what the store concludes from Complete's answer, the aborts and the listing and
-aborting of stale incomplete uploads (for ``ec-s3 gc --uploads``).
+aborting of stale incomplete uploads (for ``ec-s3 gc --uploads``); each request is one
+attempt on the store's :mod:`.transport`.
 
 Complete's answers: 200 is created; 412 means another writer stored the key first
 (``If-None-Match: *``). A 409 (``ConditionalRequestConflict``: a concurrent write
@@ -20,7 +21,7 @@ the lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
 
 Does not own the request loop, its retries, the breaker or the concurrency bound
 (:class:`ec_s3.store.client.S3Store`, reached through :class:`UploadingStore`), nor the
-direct wire (:mod:`ec_s3.store.wire`).
+data path a part travels (:mod:`ec_s3.store.transport`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import dataclasses
 import enum
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol, TypeVar
-from urllib.parse import quote
 
-from ec_s3.config import ECS3Config
 from ec_s3.log import logger
-from ec_s3.store.body import CHECKSUM_HEADERS, BufferChain, ChainReader
+from ec_s3.store.body import BufferChain
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.errors import ObjectNotFound, StoreError, StoreUnavailable
+from ec_s3.store.settings import StoreConfig
 from ec_s3.store.tasks import all_or_none
+from ec_s3.store.transport import Transport
 
 __all__ = ["IncompleteUpload", "UploadingStore", "abort_upload_async", "list_uploads_async", "put_multipart"]
 
@@ -52,18 +53,13 @@ _UPLOADS_PAGE = 1000  # the ListMultipartUploads maximum
 class UploadingStore(Protocol):
     """What this module needs of :class:`ec_s3.store.client.S3Store`."""
 
-    config: ECS3Config
+    config: StoreConfig
     bucket: str
     stats: Any
-    _wire: Any
 
     async def head_async(self, key: str) -> object | None: ...
 
-    async def _call(self, op: str, key: str, fn: Callable[[Any], Awaitable[T]]) -> T: ...
-
-    def _checksum_args(self) -> dict[str, str]: ...
-
-    async def _direct_checksum(self, body: BufferChain, crc: int | None) -> dict[str, str] | None: ...
+    async def _call(self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]]) -> T: ...
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
@@ -98,11 +94,10 @@ async def put_multipart(store: UploadingStore, key: str, view: BufferChain, meta
 
 
 async def _upload_once(store: UploadingStore, key: str, view: BufferChain, metadata: dict[str, str]) -> _Completion:
-    extra = store._checksum_args()
-
-    async def _create(client: Any) -> str:
-        resp = await client.create_multipart_upload(
-            Bucket=store.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+    async def _create(t: Transport) -> str:
+        resp = await t.client.create_multipart_upload(
+            Bucket=store.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream",
+            **t.checksum_args(),
         )
         return str(resp["UploadId"])
 
@@ -124,35 +119,13 @@ async def _upload_once(store: UploadingStore, key: str, view: BufferChain, metad
 
 async def _upload_part(store: UploadingStore, key: str, upload_id: str, number: int,
                        chunk: BufferChain) -> dict[str, Any]:
-    direct = await store._direct_checksum(chunk, None)
-
-    async def _upload(client: Any) -> dict[str, Any]:
-        if store._wire is not None and direct is not None:
-            query = f"partNumber={number}&uploadId={quote(upload_id, safe='-_.~')}"
-            headers = await store._wire.put("UploadPart", key, chunk, dict(direct), query=query)
-            done = {"PartNumber": number, "ETag": headers.get("ETag", "")}
-            for field, header in CHECKSUM_HEADERS.items():
-                value = headers.get(header) or direct.get(header)
-                if value:
-                    done[field] = value
-            return done
-        resp = await client.upload_part(
-            Bucket=store.bucket, Key=key, UploadId=upload_id, PartNumber=number,
-            Body=ChainReader(chunk), ContentLength=len(chunk), **store._checksum_args(),
-        )
-        done = {"PartNumber": number, "ETag": resp["ETag"]}
-        for field in CHECKSUM_HEADERS:
-            if resp.get(field):
-                done[field] = resp[field]
-        return done
-
-    return await store._call("UploadPart", key, _upload)
+    return await store._call("UploadPart", key, lambda t: t.put_part(key, upload_id, number, chunk))
 
 
 async def _complete(store: UploadingStore, key: str, upload_id: str, parts: list[dict[str, Any]]) -> _Completion:
-    async def _send(client: Any) -> _Completion:
+    async def _send(t: Transport) -> _Completion:
         try:
-            await client.complete_multipart_upload(
+            await t.client.complete_multipart_upload(
                 Bucket=store.bucket, Key=key, UploadId=upload_id,
                 MultipartUpload={"Parts": list(parts)}, IfNoneMatch="*",
             )
@@ -175,11 +148,9 @@ async def _complete(store: UploadingStore, key: str, upload_id: str, parts: list
 async def abort_upload_async(store: UploadingStore, key: str, upload_id: str) -> None:
     """Abort one upload (the store's retries apply); an upload already gone is no error."""
 
-    async def _abort(client: Any) -> None:
-        await client.abort_multipart_upload(Bucket=store.bucket, Key=key, UploadId=upload_id)
-
     try:
-        await store._call("AbortMultipartUpload", key, _abort)
+        await store._call("AbortMultipartUpload", key,
+                          lambda t: t.client.abort_multipart_upload(Bucket=store.bucket, Key=key, UploadId=upload_id))
     except ObjectNotFound:
         return  # 404 NoSuchUpload: completed or aborted already
 
@@ -208,8 +179,8 @@ async def list_uploads_async(store: UploadingStore, prefix: str) -> AsyncIterato
     """Every incomplete multipart upload under ``prefix``, page by page."""
     markers: dict[str, str] = {}
     while True:
-        async def _list(client: Any, markers: dict[str, str] = markers) -> dict[str, Any]:
-            return await client.list_multipart_uploads(Bucket=store.bucket, Prefix=prefix,
+        async def _list(t: Transport, markers: dict[str, str] = markers) -> dict[str, Any]:
+            return await t.client.list_multipart_uploads(Bucket=store.bucket, Prefix=prefix,
                                                        MaxUploads=_UPLOADS_PAGE, **markers)
 
         page = await store._call("ListMultipartUploads", prefix, _list)

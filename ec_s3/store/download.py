@@ -1,0 +1,194 @@
+"""A whole-object GET in two phases: :func:`open_download` learns the size, the caller
+places the bytes, :meth:`Download.read_into` fills them.
+
+Why two phases: the caller's allocation (a shared-memory staging slot) is its own code,
+with its own failures (no space); run inside the store's retry loop it had to be
+smuggled through it. Here it runs between the phases, outside any retry, and the body
+is still copied once, from the socket to its final place.
+
+The first request asks for the first part (``Range: bytes=0-<part-1>``, plus a header's
+worth); its ``Content-Range`` gives the object's size, so a blob up to one part costs
+one round trip. Its answer stays open, holding its request slot, until
+:meth:`Download.read_into` reads it; the remaining parts go in parallel, each with
+``If-Match`` of the first answer's ETag: an object replaced between two ranges is
+never a blend. Then the whole GET restarts once, into the same buffer; a second change
+(or another size) is :class:`~.errors.ObjectChanged`. A first body cut short is asked
+again as a range (with its retries), like the later ones.
+
+Owns the ranges of one GET, their order, the restart and the CRC check. Does not own
+the retry loop, the breaker or the request slots (:class:`ec_s3.store.client.S3Store`,
+reached through :class:`DownloadingStore`), nor how one range travels
+(:mod:`.transport`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from ec_s3.blob.format import MAX_HEADER_BYTES
+from ec_s3.store.body import crc32_of
+from ec_s3.store.error_map import to_store_error
+from ec_s3.store.errors import IntegrityError, ObjectChanged, StoreRequestError
+from ec_s3.store.ranges import check_answer
+from ec_s3.store.settings import StoreConfig
+from ec_s3.store.tasks import all_or_none
+from ec_s3.store.transport import Transport
+from ec_s3.store.wire import GetAnswer
+
+__all__ = ["CRC_METADATA_KEY", "Download", "DownloadingStore", "open_download"]
+
+T = TypeVar("T")
+CRC_METADATA_KEY = "ec-s3-crc32"
+_CRC_HEADER = f"x-amz-meta-{CRC_METADATA_KEY}"
+
+
+class DownloadingStore(Protocol):
+    """What this module needs of :class:`ec_s3.store.client.S3Store`."""
+
+    config: StoreConfig
+    stats: Any
+
+    async def _call(
+        self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, slot: bool = True, spent: int = 0
+    ) -> T: ...
+
+    def _slot(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]: ...
+
+
+@dataclasses.dataclass
+class _First:
+    """The first answer, its body unread (or, for a 200 of unknown length, read into
+    ``data``); ``scope`` holds its request slot and connection."""
+
+    scope: contextlib.AsyncExitStack
+    answer: GetAnswer
+    length: int
+    size: int
+    etag: str
+    crc: str
+    data: bytes | None = None
+
+
+async def _open_first(store: DownloadingStore, key: str) -> _First:
+    last = store.config.multipart_part_bytes + MAX_HEADER_BYTES - 1
+    # A blob is a whole number of MiB of tensor plus a small header: asking for one
+    # part plus a header's worth keeps an N-part blob from needing one more request.
+
+    async def _open(t: Transport) -> _First:
+        async with contextlib.AsyncExitStack() as scope:
+            await scope.enter_async_context(store._slot("GET", key))
+            answer = await scope.enter_async_context(t.open_range(key, 0, last))
+            span = check_answer(answer.status, answer.headers, 0, last, key)
+            first = _First(scope, answer, span.length or 0, span.total or span.length or 0,
+                           answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
+            if span.length is None:  # a 200 of unknown length (chunked): the whole object
+                first.data = await answer.read_to_end(store.config.max_blob_bytes)
+                first.length = first.size = len(first.data)
+            if first.size > store.config.max_blob_bytes:
+                raise StoreRequestError("GET", key, f"{first.size} bytes exceeds max_blob_bytes")
+            first.scope = scope.pop_all()  # held until read_into (or close) releases it
+            return first
+
+    return await store._call("GET", key, _open, slot=False)
+
+
+class Download:
+    """One object being fetched: :attr:`size` known, the bytes not yet read. Read it
+    with :meth:`read_into`, once, in the task that opened it; :meth:`aclose` (done by
+    ``S3Store.open_async``) releases what is still held on every way out."""
+
+    def __init__(self, store: DownloadingStore, key: str, first: _First) -> None:
+        self._store, self.key, self._first = store, key, first
+        self.size = first.size
+        self._etag, self._crc = first.etag, first.crc
+        self._held: _First | None = first
+
+    async def read_into(self, out: memoryview) -> None:
+        """Fill ``out`` (exactly :attr:`size` bytes) with the object, CRC-checked."""
+        if len(out) != self.size:
+            raise ValueError(f"read_into needs {self.size} bytes, got {len(out)}")
+        for attempt in (1, 2):
+            try:
+                await self._fill(out)
+                break
+            except ObjectChanged:
+                if attempt == 2:
+                    raise
+                await self._reopen()
+        self._store.stats.bytes_downloaded += len(out)
+        if self._store.config.checksum_algorithm != "none" and self._crc:
+            actual = f"{await crc32_of(out):08x}"
+            if actual != self._crc:
+                self._store.stats.integrity_failures += 1
+                raise IntegrityError("GET", self.key, f"CRC32 {actual} != stored {self._crc}")
+
+    async def aclose(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            await held.scope.aclose()
+
+    async def _reopen(self) -> None:
+        first = await _open_first(self._store, self.key)
+        self._held = first
+        if first.size != self.size:
+            raise ObjectChanged("GET", self.key, f"object is {first.size} bytes now, was {self.size}")
+        self._first, self._etag, self._crc = first, first.etag, first.crc
+
+    async def _fill(self, out: memoryview) -> None:
+        first, etag = self._first, self._etag or None
+        held, self._held = self._held, None
+        assert held is first
+        try:
+            # Released before the later ranges; exited with the error in flight, so the
+            # slot's deadline turns its cancellation into a StoreTimeout.
+            async with held.scope:
+                if first.data is not None:
+                    out[:] = first.data
+                else:
+                    await first.answer.read_into(out[: first.length])
+        except Exception as exc:  # noqa: BLE001 - mapped; a cut body is asked again
+            error = to_store_error("GET", self.key, exc)
+            if error is None:
+                raise  # not a store failure: shown as it is
+            if not error.transient or self._store.config.max_attempts == 1:
+                raise error from exc
+            self._store.stats.retries += 1  # the first read was this request's first attempt
+            await get_range(self._store, self.key, out, 0, first.length, etag, spent=1)
+        part = self._store.config.multipart_part_bytes
+        if first.length < len(out):
+            await all_or_none([get_range(self._store, self.key, out, start, min(start + part, len(out)), etag)
+                               for start in range(first.length, len(out), part)])
+
+
+async def get_range(
+    store: DownloadingStore, key: str, out: memoryview, start: int, end: int, etag: str | None, *, spent: int = 0
+) -> None:
+    """``out[start:end]`` from bytes ``start`` to ``end - 1`` of ``key``, with ``If-Match:
+    etag``; a 412 (or another size) is :class:`ObjectChanged`. ``spent``: attempts
+    of the retry budget used already."""
+    async def _get(t: Transport) -> None:
+        async with t.open_range(key, start, end - 1, etag) as answer:
+            span = check_answer(answer.status, answer.headers, start, end - 1, key)
+            if span.total != len(out):
+                raise ObjectChanged("GET", key, f"object is {span.total} bytes now, was {len(out)}")
+            await answer.read_into(out[start:end])
+
+    try:
+        await store._call("GET", key, _get, spent=spent)
+    except StoreRequestError as exc:
+        if exc.status != 412:
+            raise
+        raise ObjectChanged("GET", key, "replaced between two ranges of one GET", status=412, code=exc.code) from exc
+
+
+@contextlib.asynccontextmanager
+async def open_download(store: DownloadingStore, key: str) -> AsyncIterator[Download]:
+    """The object ``key``'s :class:`Download`, released on exit."""
+    download = Download(store, key, await _open_first(store, key))
+    try:
+        yield download
+    finally:
+        await download.aclose()
