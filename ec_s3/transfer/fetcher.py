@@ -20,14 +20,13 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
-import mmap
 import time
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
 from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot, open_slot_view
 from ec_s3.transfer.counters import Counters
-from ec_s3.store.client import IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
+from ec_s3.store.client import Download, IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
 __all__ = ["Failed", "FetchResult", "Invalid", "ItemFetcher", "Missing", "NoSpace", "Present", "Staged"]
 
@@ -68,10 +67,6 @@ class NoSpace:
 
 
 FetchResult = Staged | Present | Missing | Invalid | Failed | NoSpace
-
-
-class _StagingFull(Exception):
-    pass
 
 
 class ItemFetcher:
@@ -131,65 +126,63 @@ class ItemFetcher:
         return Failed(f"{kind.__name__}: {exc}")
 
     async def _fetch(self, key: str, expect: BlobExpectation) -> None:
-        assert self._staging is not None
-        staging = self._staging
-        held: list[tuple[StagingSlot, mmap.mmap]] = []
-        # Set by the allocator: whatever the store makes of the exception we raise
-        # through it, the answer is NoSpace.
-        no_space: list[bool] = []
-
-        def allocate(nbytes: int) -> memoryview:
-            try:
-                slot = staging.allocate(hashlib.sha256(key.encode()).hexdigest()[:40], nbytes)
-            except NoStagingSpace:
-                slot = None
-            if slot is None:
-                no_space.append(True)
-                raise _StagingFull
-            try:
-                mm = open_slot_view(slot.path, writable=True)
-            except BaseException:
-                staging.discard(slot)
-                raise
-            held.append((slot, mm))
-            return memoryview(mm)
-
-        started = time.monotonic()
         result: FetchResult = Failed("lookup cancelled")
         try:
-            buf = await self._store.get_async(key, allocate=allocate)
-            decoded = decode_blob(buf, expect)
-            result = Staged(
-                slot=held[0][0],
-                data_offset=decoded.data_offset,
-                dtype=str(decoded.tensor.dtype).removeprefix("torch."),
-                shape=tuple(decoded.tensor.shape),
-            )
-            del decoded
-            buf.release()
-            staging.mark_ready(held[0][0])
-            self._counters.inc("blobs_downloaded")
-            self._counters.inc("bytes_downloaded", held[0][0].nbytes)
-            self._counters.observe("download_seconds", time.monotonic() - started)
+            result = await self._download(key, expect)
         except ObjectNotFound:
             result = Missing()
-        except _StagingFull:
-            result = NoSpace()
         except (BlobError, IntegrityError) as exc:
             result = Invalid(exc.reason if isinstance(exc, BlobError) else "checksum")
             self._counters.inc("invalid_blobs")
             logger.warning("ec-s3: blob %s is invalid (%s); it will not be used", key, exc)
         except StoreError as exc:
-            result = NoSpace() if no_space else self._failed(exc)
+            result = self._failed(exc)
         except Exception as exc:  # noqa: BLE001 - a lookup must never take the engine down
-            result = NoSpace() if no_space else self._unexpected(key, exc)
+            result = self._unexpected(key, exc)
         finally:
-            for _, mm in held:
-                with contextlib.suppress(BufferError):
-                    mm.close()
-            if not isinstance(result, Staged):
-                for slot, _ in held:
-                    staging.discard(slot)
             if isinstance(result, NoSpace):
                 self._counters.inc("staging_no_space")
             self._done.append((key, result))
+
+    async def _download(self, key: str, expect: BlobExpectation) -> Staged | NoSpace:
+        """The GET in its two phases: the size, a staging slot of that size (or
+        NoSpace, the answer released unread), then the bytes straight into it."""
+        assert self._staging is not None
+        started = time.monotonic()
+        async with self._store.open_async(key) as download:
+            try:
+                slot = self._staging.allocate(hashlib.sha256(key.encode()).hexdigest()[:40], download.size)
+            except NoStagingSpace:
+                slot = None
+            if slot is None:
+                return NoSpace()
+            try:
+                staged = await self._stage(download, slot, expect)
+            except BaseException:
+                self._staging.discard(slot)
+                raise
+        self._counters.inc("blobs_downloaded")
+        self._counters.inc("bytes_downloaded", slot.nbytes)
+        self._counters.observe("download_seconds", time.monotonic() - started)
+        return staged
+
+    async def _stage(self, download: Download, slot: StagingSlot, expect: BlobExpectation) -> Staged:
+        """Read ``download`` into ``slot``, validate it, mark the slot ready."""
+        mm = open_slot_view(slot.path, writable=True)
+        try:
+            buf = memoryview(mm)
+            try:
+                await download.read_into(buf)
+                decoded = decode_blob(buf, expect)
+                staged = Staged(slot=slot, data_offset=decoded.data_offset,
+                                dtype=str(decoded.tensor.dtype).removeprefix("torch."), shape=tuple(decoded.tensor.shape))
+                del decoded  # its tensor views the slot's mapping, closed below
+            finally:
+                with contextlib.suppress(BufferError):
+                    buf.release()
+        finally:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        assert self._staging is not None
+        self._staging.mark_ready(slot)
+        return staged
