@@ -108,3 +108,27 @@ def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None
         store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
         assert get_bytes(store) == data
         assert len(server.requests) == 2
+
+
+# -- the two phases of a GET: open (the size), then read_into the caller's buffer -------------
+
+def test_open_gives_the_size_then_reads_into_the_callers_buffer(path_store: Callable[..., S3Store]) -> None:
+    """Three ranges (5 MiB parts): the size comes with the first answer, the bytes only
+    into a buffer of exactly that size; opens left unread (more than the pool) hold no
+    connection once closed."""
+    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, max_pool_connections=2)
+    data = bytes(range(256)) * (12 * MiB // 256)
+    store.run(store.put_async("k", data), timeout=60)
+
+    async def two_phases() -> bytes:
+        for _ in range(4):  # opened, never read: released on exit
+            async with store.open_async("k") as unread:
+                assert unread.size == len(data)
+        async with store.open_async("k") as download:
+            with pytest.raises(ValueError):
+                await download.read_into(memoryview(bytearray(download.size - 1)))
+            out = memoryview(bytearray(download.size))
+            await download.read_into(out)
+        return bytes(out)
+
+    assert store.run(two_phases(), timeout=60) == data

@@ -21,7 +21,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.loop import BackgroundLoop
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
-from ec_s3.transfer.fetcher import Failed, FetchResult, ItemFetcher, Missing, Present, Staged
+from ec_s3.transfer.fetcher import Failed, FetchResult, ItemFetcher, Missing, NoSpace, Present, Staged
 from ec_s3.transfer.staging import StagingArea
 
 
@@ -115,6 +115,35 @@ def test_staged_blob_lands_bit_exact_in_its_slot(tmp_path: Path, make_store: Cal
     with open(result.slot.path, "rb") as f:
         assert f.read() == blob
     if store.config.data_path == "direct":
-        assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None).recv_pool is not None
-        assert getattr(store._transport, "wire", None).recv_pool.opened >= 1 and getattr(store._transport, "wire", None).recv_pool.in_use == 0
+        wire = getattr(store._transport, "wire", None)
+        assert wire is not None and wire.recv_pool is not None
+        assert wire.recv_pool.opened >= 1 and wire.recv_pool.in_use == 0
     area.close()
+
+
+def test_a_full_staging_area_is_no_space_and_leaves_no_connection_held(
+    tmp_path: Path, make_store: Callable[..., S3Store]
+) -> None:
+    """The size comes first, the slot second: a blob larger than the staging area is
+    NoSpace before a byte of it is read, its answer released unread (8 MiB is more
+    than the socket buffers hold, so an unread body would pin its connection), and
+    nothing stays booked."""
+    store = make_store(max_pool_connections=1)
+    x = torch.randn(4 * MiB // 128, 128).to(torch.bfloat16)  # 8 MiB
+    blob = encode_blob(x, BlobMeta("img", x.dtype, tuple(x.shape), "ns", "p"))
+    store.run(store.put_async("k/blob", blob), timeout=60)
+    small, counters = StagingArea(str(tmp_path / "small"), 4 * MiB), Counters()
+    fetcher = ItemFetcher(store, small, counters)
+    expect = BlobExpectation(identifier="img", namespace="ns")
+    for _ in range(3):  # more than the pool
+        fetcher.start("k/blob", expect)
+        assert isinstance(_results(fetcher, 1, timeout_s=30)["k/blob"], NoSpace)
+    assert small.used == 0 and len(small) == 0
+    assert counters.get("staging_no_space") == 3
+    big = StagingArea(str(tmp_path / "big"), 64 * MiB)
+    fetcher = ItemFetcher(store, big, Counters())
+    fetcher.start("k/blob", expect)
+    result = _results(fetcher, 1, timeout_s=30)["k/blob"]
+    assert isinstance(result, Staged), result
+    small.close()
+    big.close()
