@@ -13,8 +13,9 @@ process-wide cache of shared stores, keyed by the store's own keys
 path chosen at connect time (:mod:`.transport`, over :mod:`.wire` or the aiobotocore
 client built by :mod:`.connection`), the error types and their mapping
 (:mod:`.errors`), the circuit breaker (:mod:`.breaker`), request bodies
-(:mod:`.body`) or the steps of a multipart upload and its aborts (:mod:`.multipart`);
-their names are re-exported here for importers of this module.
+(:mod:`.body`), the steps of a multipart upload and its aborts (:mod:`.multipart`) or
+the ranges of one GET (:mod:`.download`); their names are re-exported here for
+importers of this module.
 """
 
 from __future__ import annotations

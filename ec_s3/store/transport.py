@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import email.utils
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import quote
 
