@@ -40,6 +40,7 @@ def test_a_trickled_body_times_out_as_a_whole(path_store: Callable[..., S3Store]
         with pytest.raises(StoreTimeout):
             store.run(store.get_async("k"), timeout=30)
         assert time.monotonic() - started < 6.0  # 1.5 s (+ the client's first build); not 20 s
+        assert store.stats.failures == 1 and store.breaker.failures == 1  # counted as any last attempt
 
 
 def test_waiting_for_a_slot_is_bounded(path_store: Callable[..., S3Store]) -> None:

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 
 from ec_s3.blob.format import MAX_HEADER_BYTES
 from ec_s3.store.body import crc32_of
+from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.errors import IntegrityError, ObjectChanged, StoreRequestError
 from ec_s3.store.ranges import check_answer
@@ -50,6 +51,7 @@ class DownloadingStore(Protocol):
 
     config: StoreConfig
     stats: Any
+    breaker: CircuitBreaker
 
     async def _call(
         self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, slot: bool = True, spent: int = 0
@@ -153,7 +155,11 @@ class Download:
             error = to_store_error("GET", self.key, exc)
             if error is None:
                 raise  # not a store failure: shown as it is
-            if not error.transient or self._store.config.max_attempts == 1:
+            if not error.transient:
+                raise error from exc
+            if self._store.config.max_attempts == 1:  # this read was the request's one attempt
+                self._store.stats.failures += 1
+                self._store.breaker.failure(error.reason)
                 raise error from exc
             self._store.stats.retries += 1  # the first read was this request's first attempt
             await get_range(self._store, self.key, out, 0, first.length, etag, spent=1)
