@@ -42,6 +42,15 @@ def engine(model_dir: Path, ec_transfer_config: dict[str, Any] | None) -> Iterat
         gc.collect()
 
 
+def _one_by_one(llm: Any, requests: list[dict[str, Any]], params: Any) -> list[Any]:
+    """``llm.generate`` of each request alone, in order. The encoder's bf16 output
+    depends on how many images it ran on at once (GEMM shapes), and how many requests
+    the engine takes into its first step depends on timing; these tests compare encoder
+    outputs bit for bit across engines, so every engine encodes one image per step."""
+    each = params if isinstance(params, list) else [params] * len(requests)
+    return [out for request, p in zip(requests, each) for out in llm.generate([request], p, use_tqdm=False)]
+
+
 def _requests(seeds: list[int]) -> list[dict[str, Any]]:
     return [{"prompt": PROMPT, "multi_modal_data": {"image": make_test_image(s)}} for s in seeds]
 
@@ -56,13 +65,13 @@ def test_producer_engine_uploads_what_the_encoder_produced(
     seeds = [1, 2, 3]
     started = time.monotonic()
     with engine(tiny_model_dir, ec_transfer_config("ec_producer", extra_config())) as llm:
-        outputs = llm.generate(_requests(seeds), sp)
+        outputs = _one_by_one(llm, _requests(seeds), sp)
     params = [o.ec_transfer_params for o in outputs]
     assert all(p and len(p) == 1 for p in params), params
     # vLLM's own disk connector on the same prompts is the reference for the encoder output.
     with engine(tiny_model_dir, ec_transfer_config("ec_producer", {"shared_storage_path": str(tmp_path)},
                                                 connector="ECExampleConnector", module_path=None)) as llm:
-        llm.generate(_requests(seeds), sp)
+        _one_by_one(llm, _requests(seeds), sp)
     store = make_store()
     blobs = {}
     for p in params:
@@ -107,9 +116,9 @@ def test_consumer_engine_matches_baseline_without_encoding(
     stored, missing = [11, 12], 13
     started = time.monotonic()
     with engine(model_dir, None) as llm:
-        baseline = _logprobs(llm.generate(_requests(stored + [missing]), SamplingParams(**greedy)))
+        baseline = _logprobs(_one_by_one(llm, _requests(stored + [missing]), SamplingParams(**greedy)))
     with engine(model_dir, ec_transfer_config("ec_producer", extra_config())) as llm:
-        produced = llm.generate(_requests(stored), SamplingParams(temperature=0.0, max_tokens=1))
+        produced = _one_by_one(llm, _requests(stored), SamplingParams(temperature=0.0, max_tokens=1))
     params = [o.ec_transfer_params for o in produced]
     assert all(params)
 
@@ -118,14 +127,14 @@ def test_consumer_engine_matches_baseline_without_encoding(
 
     reseed_vision_weights(model_dir, seed=99)
     with engine(model_dir, ec_transfer_config("ec_consumer", extra_config())) as llm:
-        swapped_local = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
-        from_store = _logprobs(llm.generate(_requests(stored), [consumer_params(i) for i in range(2)]))
+        swapped_local = _logprobs(_one_by_one(llm, _requests([missing]), SamplingParams(**greedy)))
+        from_store = _logprobs(_one_by_one(llm, _requests(stored), [consumer_params(i) for i in range(2)]))
     assert swapped_local != baseline[2:], "the weight swap must change a locally encoded output"
     assert from_store == baseline[:2]
 
     (model_dir / "model.safetensors").write_bytes(original)
     with engine(model_dir, ec_transfer_config("ec_consumer", extra_config())) as llm:
         # Not in the bucket: the lookup misses and the consumer encodes it itself.
-        fallback = _logprobs(llm.generate(_requests([missing]), SamplingParams(**greedy)))
+        fallback = _logprobs(_one_by_one(llm, _requests([missing]), SamplingParams(**greedy)))
     assert fallback == baseline[2:]
     print(f"\nbaseline + producer + 2 consumers: {time.monotonic() - started:.1f}s")
