@@ -20,12 +20,12 @@ from typing import Any, TextIO
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import format_bytes
 from ec_s3.cli.listing import key_root, list_objects_async
-from ec_s3.demo.chat import ChatResult, DemoRequest, compare_results
+from ec_s3.demo.chat import AGAIN, FLEET, FRESH, ChatResult, DemoRequest, compare_results
 from ec_s3.demo.timing import H_E2E, Part, Snapshot, StepTimes, step_times
 from ec_s3.sandbox.metrics import MetricSamples
 
 __all__ = ["Out", "Snapshot", "Windows", "print_summary", "run_blobs", "settle", "settle_answered",
-           "image_source", "uploads_unreported"]
+           "image_source", "kind_lines", "uploads_unreported"]
 
 # Metric families of the connector (vLLM prefixes them with "vllm:"). Absent ones print n/a.
 M = "vllm:ec_s3_"
@@ -164,9 +164,10 @@ def uploads_unreported(final: Snapshot, run_blob_count: int | None) -> str | Non
 
 def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: dict[int, ChatResult],
                   results: dict[int, ChatResult], windows: Windows, blobs: list[Any] | None, prefix: str,
-                  timings: Mapping[str, float], tolerance: float) -> bool:
+                  timings: Mapping[str, float], tolerance: float, *, parallel: bool = False) -> bool:
     """The per-request table and the totals; True only if every EPD answer equals
-    the baseline's (token ids, and logprobs within ``tolerance``)."""
+    the baseline's (token ids, and logprobs within ``tolerance``). ``parallel``: the
+    proxy dispatched in parallel (the encoder's hop overlaps prefill/decode)."""
     requests = [r for step in schedule for r in step]
     base, final = windows.start, windows.final
     no_uploads = uploads_unreported(final, len(blobs) if blobs is not None else None)
@@ -191,7 +192,7 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
             named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
                      ("p/d front", times.pd_front()), ("wait", times.wait),
                      ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
-            other = times.other(step_lat) if step_lat is not None else Part(None, why="no answer")
+            other = times.other(step_lat, parallel=parallel) if step_lat is not None else Part(None, why="no answer")
             for col, part in [*named, ("other", other)]:
                 if not part.measured and part.why:
                     why_na.setdefault(col, part.why)
@@ -205,24 +206,30 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
             rows.append([
                 f"{r.index}{'*' if len(step_reqs) > 1 else ''}",
                 r.image_label,
+                r.kind,
                 f"{1000 * got.latency_s:.0f}" if got.ok else f"HTTP {got.status}",
                 f"{1000 * want.latency_s:.0f}",
                 *(cells if k == 0 else ['"'] * len(cells)),
                 src if k == 0 else '"',
                 verdict,
             ])
-    header = ["req", "image", "EPD ms", "base ms", "to encoder", "encoder", "upload", "p/d front", "wait", "fetch",
+    header = ["req", "image", "kind", "EPD ms", "base ms", "to encoder", "encoder", "upload", "p/d front", "wait", "fetch",
               "prefill+decode", "other", "p/d took the image from", "vs baseline"]
     out("")
     out("  per request: latency through the proxy (EPD) and on the plain server (base); where the EPD time")
     out("  went, in ms, from the servers' /metrics:")
-    for line in _table(rows, header, right=set(range(2, 12))):
+    for line in _table(rows, header, right=set(range(3, 13))):
         out("  " + line)
     out("  to encoder = the proxy's request to the encoder server; encoder = that server's request time;")
     out("  upload = the encoder's PUT of the blob, after it answered; on prefill/decode (p/d): front = its")
     out("  rendering, image processing and hand-offs, wait = holding the request for the blob, fetch = the")
     out("  blob's GET + validation (inside wait), then prefill+decode; other = the proxy and HTTP;")
-    out("  - = none in that step; * = sent at once (mean of the step)")
+    if parallel:
+        out("  parallel dispatch: p/d had the request while the encoder encoded, so to encoder, encoder and")
+        out("  upload overlap p/d's front and wait; the latency is p/d's request time plus other;")
+    out("  - = none in that step; * = sent at once (mean of the step); kind: fresh = no encoder had the image,")
+    out("  again = this p/d had it in an earlier step, fleet = an encoder published it earlier for another")
+    out("  front (in the bucket, new to this p/d; the plain server encodes it)")
     for col, why in why_na.items():
         out(f"  {col}: n/a: {why}")
 
@@ -235,8 +242,10 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         out("")
         out(f"  latency     : EPD median {1000 * med_e:.0f} ms vs plain {1000 * med_b:.0f} ms "
             f"({med_e / med_b:.1f}x); slowest EPD {1000 * max(ok_epd):.0f} ms; worst request {worst:.1f}x its plain time")
+        for line in kind_lines(requests, results, baseline):
+            out(line)
 
-    distinct = len({r.image_seed for r in requests})
+    distinct = len({r.image_seed for r in requests if r.kind != FLEET})  # fleet images were published before
     p, c, x = final.producer, final.consumer, final.proxy
     bp, bc, bx = base.producer, base.consumer, base.proxy
 
@@ -263,7 +272,8 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         new_blobs = len(fresh)
         flag = "" if new_blobs == distinct else "   <-- expected one per distinct image"
         out(f"  bucket      : {new_blobs} new blobs, {_fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
-            f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up)")
+            f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up"
+            f"{' and the other front' if any(r.kind == FLEET for r in requests) else ''})")
     if no_uploads is None:
         out(f"  encoder     : uploaded {_fmt_num(dp(M_UPLOADED))} blobs / {_fmt_bytes(dp(M_UPLOADED_BYTES))}"
             f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {_fmt_num(dp(M_UPLOAD_FAILURES))}"
@@ -291,7 +301,7 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         f"{_fmt_num(without if without is not None else (0.0 if x.ok else None))}")
     ok_all = matches == len(requests)
     out(f"  outputs     : {matches}/{len(requests)} answers equal to the non-disaggregated run "
-        f"(token ids and logprobs, temperature 0)")
+        f"(token ids, and logprobs {'identical' if not tolerance else f'within {tolerance:g}'}, temperature 0)")
     t = timings
     wall = out.elapsed()
     parts = [f"S3 {t.get('s3', 0):.1f} s", f"model {t.get('model', 0):.1f} s",
@@ -303,6 +313,22 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
     out("PASS: the disaggregated answers equal the baseline's" if ok_all
         else "FAIL: some disaggregated answers differ from the baseline's")
     return ok_all
+
+
+def kind_lines(requests: Sequence[DemoRequest], results: Mapping[int, ChatResult],
+               baseline: Mapping[int, ChatResult]) -> list[str]:
+    """Median latency per kind of image (fresh, again, fleet), EPD against the plain
+    server: where EPD pays (fleet: the bucket spares the encoder) and where it costs."""
+    lines = []
+    for kind, what in ((FRESH, "fresh images"), (AGAIN, "again, same p/d"), (FLEET, "fleet repeats")):
+        pairs = [(results[r.index].latency_s, baseline[r.index].latency_s) for r in requests
+                 if r.kind == kind and results[r.index].ok and baseline[r.index].ok]
+        if not pairs:
+            continue
+        epd, plain = statistics.median(e for e, _ in pairs), statistics.median(b for _, b in pairs)
+        lines.append(f"  {what:<16}: EPD median {1000 * epd:.0f} ms vs plain {1000 * plain:.0f} ms "
+                     f"({epd / plain:.2f}x, {len(pairs)} requests)")
+    return lines
 
 
 def image_source(reqs: Sequence[DemoRequest], before: Snapshot, after: Snapshot) -> str:

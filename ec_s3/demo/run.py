@@ -9,15 +9,24 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
 3. Baseline: one plain vLLM server (no EC connector at all) answers the demo's chat
    requests; it is stopped before the next phase.
 4. EPD: an encoder server (``ec_producer``), a prefill/decode server (``ec_consumer``)
-   and the ec-s3 proxy in front of them answer the same requests, in the same order
-   and concurrency. On a CPU host each server's worker runs on cores of its own
+   and the ec-s3 proxy in front of them (parallel dispatch: prefill/decode gets each
+   request while the encoder still encodes) answer the same requests, in the same
+   order and concurrency. Before them, the encoder publishes two more images as if for
+   another front of the fleet: requests for those images are "fleet" repeats (in the
+   bucket, new to this prefill/decode server), the others "fresh" or "again" (this
+   server had them). On a CPU host each server's worker runs on cores of its own
    (printed; see :mod:`ec_s3.sandbox.cpus` for why).
 5. Summary: per request the latency next to the baseline's and where it went
    (encoder, upload, wait, fetch, prefill + decode: the servers' ``/metrics``, read
-   before and after each step), where prefill/decode took the image from, what
-   moved through the bucket, the connector's lookups / fallbacks, and whether every
-   answer equals the baseline's (token ids and logprobs at temperature 0). Exit
-   status 0 only if they all do.
+   before and after each step), where prefill/decode took the image from, fresh vs
+   fleet-repeated images against the plain server, what moved through the bucket, the
+   connector's lookups / fallbacks, and whether every answer equals the baseline's
+   (token ids equal, logprobs within ``--logprob-tolerance``: batching noise, see
+   :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
+
+The tiny model has the heavier vision tower (:data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`):
+its encoder costs what a real one costs relative to the language model, so the summary
+shows where EPD pays.
 
 Why the baseline runs on its own server, before the EPD servers: the consumer looks
 every image up in the bucket (``lookup: always``), so it can never produce a
@@ -51,6 +60,7 @@ from typing import Any
 
 from ec_s3.cli.listing import key_root, list_objects_async
 from ec_s3.demo.chat import (
+    BATCHING_TOLERANCE,
     DEFAULT_MAX_TOKENS,
     QUESTIONS,
     ChatResult,
@@ -66,7 +76,6 @@ from ec_s3.sandbox.env import CPU_OFFLINE_ENV
 from ec_s3.sandbox.metrics import scrape_metrics
 from ec_s3.sandbox.procgroup import interrupt_on_signals
 from ec_s3.sandbox.vllm_server import (
-    TINY_MODEL_ARGS,
     LoadProgress,
     ServerError,
     VllmServer,
@@ -80,6 +89,7 @@ __all__ = ["build_parser", "main"]
 
 DEFAULT_BUCKET = "ec-s3-demo"
 WARMUP_SEED = 0  # the image of each phase's warm-up request (not in the schedule)
+FLEET_SEEDS = (5, 6)  # published by the encoder before the schedule, as if for another front
 
 
 # --------------------------------------------------------------------------- CLI
@@ -130,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server logs (default: a temp dir, removed after a successful run)")
     r = p.add_argument_group("requests")
     r.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help=f"per answer (default {DEFAULT_MAX_TOKENS})")
-    r.add_argument("--logprob-tolerance", type=float, default=0.0, metavar="X",
-                   help="largest |logprob difference| still counted as a match (default 0: identical)")
+    r.add_argument("--logprob-tolerance", type=float, default=BATCHING_TOLERANCE, metavar="X",
+                   help="largest |logprob difference| of equal token ids still counted as a match "
+                        f"(default {BATCHING_TOLERANCE:g}: batching noise; 0: identical)")
     r.add_argument("--request-timeout", type=float, default=180.0, metavar="S", help="per request (default 180)")
     p.add_argument("--keep-running", action="store_true",
                    help="leave the encoder, prefill/decode and proxy running after the summary (Ctrl-C stops)")
@@ -169,7 +180,7 @@ class _Demo:
         self.args = args
         self.extra = extra
         self.out = out
-        self.schedule = default_schedule()
+        self.schedule = default_schedule(fleet_seeds=FLEET_SEEDS)
         self.timings: dict[str, float] = {}
         self.vllm_args = [a for raw in args.vllm_arg for a in shlex.split(raw)]
 
@@ -196,7 +207,7 @@ class _Demo:
                     self.timings["shutdown"] = time.monotonic() - t
                 self._step(5, "summary")
                 ok = print_summary(out, self.schedule, baseline, results, windows, blobs,
-                                   extra_config["prefix"], self.timings, args.logprob_tolerance)
+                                   extra_config["prefix"], self.timings, args.logprob_tolerance, parallel=True)
                 if args.keep_running and all(s.is_running() for s in servers):
                     self._keep_running(servers, proxy, model)
                 if not args.keep_blobs:
@@ -283,15 +294,16 @@ class _Demo:
             self._step(2, f"model: {args.model} (your vLLM install and device)")
             self.timings["model"] = 0.0
             return str(args.model), list(self.vllm_args), {}
-        from ec_s3.sandbox.tiny_model import build_tiny_llava, default_model_dir, read_manifest
+        from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava, default_model_dir, read_manifest
 
         dst = args.tiny_model_dir or default_model_dir()
-        self._step(2, "model: tiny offline LLaVA-1.5 (random weights; outputs are gibberish, but exact)")
+        self._step(2, "model: tiny offline LLaVA-1.5 with a heavier vision tower (random weights; "
+                      "outputs are gibberish, but exact)")
         had = read_manifest(dst) is not None
-        path = build_tiny_llava(Path(dst))
+        path = build_tiny_llava(Path(dst), shape=HEAVY_VISION)  # rebuilt if dst holds another shape
         self.timings["model"] = time.monotonic() - t
         out(f"      {path} ({'reused' if had else 'built'} in {self.timings['model']:.1f} s)")
-        return str(path), [*TINY_MODEL_ARGS, *self.vllm_args], dict(CPU_OFFLINE_ENV)
+        return str(path), [*HEAVY_VISION.server_args(), *self.vllm_args], dict(CPU_OFFLINE_ENV)
 
     def _baseline(self, model: str, server_args: list[str], env: dict[str, str],
                   log_dir: Path) -> dict[int, ChatResult] | None:
@@ -357,13 +369,8 @@ class _Demo:
         start_all([consumer, producer])
         out(f"      encoder: {producer.placement}; prefill/decode: {consumer.placement}")
         wait_all_ready(servers, args.load_timeout, progress=LoadProgress())
-        # Serial dispatch: the demo checks every answer bit for bit against the plain server,
-        # and requests sent at once are only comparable when prefill/decode batches them as
-        # the plain server did; under parallel dispatch each waits for its own blob, so the
-        # batching (and the last bits of bf16 logprobs) can differ. Parallel dispatch is
-        # tested in tests/test_e2e.py and tests/test_proxy_parallel.py.
         proxy = ProxyThread(ProxyConfig(encoder_urls=[producer.url], pd_urls=[consumer.url], port=0,
-                                        dispatch="serial"))
+                                        dispatch="parallel"))
         stack.callback(proxy.stop)
         proxy.start()
         out(f"      encoder {producer.url}, prefill/decode {consumer.url}, proxy {proxy.url}")
@@ -379,6 +386,7 @@ class _Demo:
             self._nudge(producer.url, model)
             return settle(scrape)
 
+        self._publish_for_another_front(producer.url, model, store, extra_config["prefix"])
         windows = Windows()
         windows.flushed[0] = flush()
         listed = run_blobs(store, extra_config["prefix"], self.out)
@@ -397,6 +405,31 @@ class _Demo:
         out(f"      warm-up request {warm.latency_s:.1f} s; {len(results)} requests in "
             f"{self.timings['epd_requests']:.2f} s (metric scrapes between steps included)")
         return results, windows, servers, proxy
+
+    def _publish_for_another_front(self, encoder_url: str, model: str, store: Any, prefix: str) -> None:
+        """The encoder encodes and publishes :data:`FLEET_SEEDS` as the proxy of another
+        front would have it do (the same content names, the item alone, one token), and
+        this waits until their blobs are listed: prefill/decode has never seen them."""
+        from ec_s3.proxy.media import encoder_body, find_media_items
+        from ec_s3.proxy.naming import name_media
+
+        before = len(run_blobs(store, prefix, self.out) or [])
+        for seed in FLEET_SEEDS:
+            body = name_media(chat_body(model, seed, QUESTIONS[0]), give_uuids=True)
+            for item in find_media_items(body):
+                r = post_chat(encoder_url, encoder_body(body, item), timeout=self.args.request_timeout,
+                              request_id=f"other-front-{seed}-{secrets.token_hex(3)}")
+                if not r.ok:
+                    raise ServerError(f"the encoder failed img-{seed} for the other front: HTTP {r.status}: {r.error}")
+        deadline = time.monotonic() + 60
+        while len(run_blobs(store, prefix, self.out) or []) < before + len(FLEET_SEEDS):
+            if time.monotonic() > deadline:
+                raise ServerError(f"the encoder's blobs of {len(FLEET_SEEDS)} images for another front were not "
+                                  "in the bucket after 60 s")
+            self._nudge(encoder_url, model)  # uploads are reported and finished with engine steps
+            time.sleep(0.2)
+        self.out(f"      the encoder published img-{', img-'.join(map(str, FLEET_SEEDS))} for another front "
+                 "(in the bucket; new to prefill/decode)")
 
     def _delete_blobs(self, store: Any, prefix: str) -> None:
         try:

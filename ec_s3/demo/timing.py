@@ -129,13 +129,16 @@ class StepTimes:
         return Part((self.pd_server.seconds or 0.0) - (self.wait.seconds or 0.0)
                     - (self.prefill_decode.seconds or 0.0), 1.0)
 
-    def other(self, latency_s: float) -> Part:
-        """What the client saw beyond the hop to the encoder and the prefill/decode
-        server's request time: the proxy and HTTP."""
+    def other(self, latency_s: float, *, parallel: bool = False) -> Part:
+        """What the client saw beyond the servers' request times: the proxy and HTTP.
+        Serial dispatch adds the hop to the encoder and the prefill/decode server's
+        request time; under parallel dispatch the hop runs inside the latter (which
+        waits for the blob), so only the prefill/decode server's time is on the path."""
         first = self.to_encoder if self.to_encoder.measured else self.encoder
         if not (first.measured and first.events and self.pd_server.measured and self.pd_server.events):
             return Part(None, why="a server request time is missing")
-        return Part(latency_s - (first.seconds or 0.0) - (self.pd_server.seconds or 0.0), 1.0)
+        on_path = 0.0 if parallel else (first.seconds or 0.0)
+        return Part(latency_s - on_path - (self.pd_server.seconds or 0.0), 1.0)
 
 
 def step_times(start: Snapshot, answered: Snapshot, flushed: Snapshot, *, uploads_reported: bool,
