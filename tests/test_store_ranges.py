@@ -110,6 +110,43 @@ def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None
         assert len(server.requests) == 2
 
 
+def test_later_ranges_go_out_while_the_first_body_is_read(path_store: Callable[..., S3Store]) -> None:
+    """Issue 19 item 4: the first range's body must not go alone. The server sends the
+    first answer's head and half its body, then holds the rest until a later range is
+    asked for (5 s at most): read in turn, the later ranges came only after it."""
+    import threading
+    import time
+
+    total, part = 12 * MiB, 5 * MiB
+    data = bytes(range(256)) * (total // 256)
+    later_asked = threading.Event()
+    overlapped: list[bool] = []
+
+    def script(n: int, head: bytes) -> object:
+        first, last = (int(v) for v in header(head, b"Range")[len(b"bytes="):].split(b"-"))  # type: ignore[index]
+        last = min(last, total - 1)
+        whole = answer(PARTIAL, [b"Content-Range: bytes %d-%d/%d" % (first, last, total),
+                                 b"Content-Length: %d" % (last - first + 1), b'ETag: "v1"'], data[first : last + 1])
+        if n > 0:
+            later_asked.set()
+            return whole
+        split = len(whole) - (last - first + 1) // 2
+
+        def send(conn: object) -> None:
+            conn.sendall(whole[:split])  # type: ignore[attr-defined]
+            started = time.monotonic()
+            overlapped.append(later_asked.wait(5.0) and time.monotonic() - started < 5.0)
+            conn.sendall(whole[split:])  # type: ignore[attr-defined]
+
+        return send
+
+    with ScriptedHTTP(script) as server:
+        store = path_store(server.url, max_attempts=1, multipart_part_bytes=part, request_timeout_s=30)
+        assert get_bytes(store) == data
+        assert len(server.requests) == 3
+    assert overlapped == [True], "the later ranges waited for the whole first body"
+
+
 # -- the two phases of a GET: open (the size), then read_into the caller's buffer -------------
 
 def test_open_gives_the_size_then_reads_into_the_callers_buffer(path_store: Callable[..., S3Store]) -> None:

@@ -9,8 +9,8 @@ is still copied once, from the socket to its final place.
 The first request asks for the first part (``Range: bytes=0-<part-1>``, plus a header's
 worth); its ``Content-Range`` gives the object's size, so a blob up to one part costs
 one round trip. Its answer stays open, holding its request slot, until
-:meth:`Download.read_into` reads it; the remaining parts go in parallel, each with
-``If-Match`` of the first answer's ETag: an object replaced between two ranges is
+:meth:`Download.read_into` reads it; the remaining parts go in parallel with that read,
+each with ``If-Match`` of the first answer's ETag: an object replaced between two ranges is
 never a blend. Then the whole GET restarts once, into the same buffer; a second change
 (or another size) is :class:`~.errors.ObjectChanged`. A first body cut short is asked
 again as a range (with its retries), like the later ones.
@@ -140,12 +140,22 @@ class Download:
         self._first, self._etag, self._crc = first, first.etag, first.crc
 
     async def _fill(self, out: memoryview) -> None:
+        # The first body is read while the later ranges are already asked for: its
+        # answer's head gave the size and the ETag they need, so a multi-part blob costs
+        # one part's time plus a round trip, not two parts' in turn.
         first, etag = self._first, self._etag or None
+        part = self._store.config.multipart_part_bytes
+        later = [get_range(self._store, self.key, out, start, min(start + part, len(out)), etag)
+                 for start in range(first.length, len(out), part)]
+        await all_or_none([self._fill_first(out, etag), *later])
+
+    async def _fill_first(self, out: memoryview, etag: str | None) -> None:
+        first = self._first
         held, self._held = self._held, None
         assert held is first
         try:
-            # Released before the later ranges; exited with the error in flight, so the
-            # slot's deadline turns its cancellation into a StoreTimeout.
+            # Exited with the error in flight, so the slot's deadline turns its
+            # cancellation into a StoreTimeout.
             async with held.scope:
                 if first.data is not None:
                     out[:] = first.data
@@ -163,10 +173,6 @@ class Download:
                 raise error from exc
             self._store.stats.retries += 1  # the first read was this request's first attempt
             await get_range(self._store, self.key, out, 0, first.length, etag, spent=1)
-        part = self._store.config.multipart_part_bytes
-        if first.length < len(out):
-            await all_or_none([get_range(self._store, self.key, out, start, min(start + part, len(out)), etag)
-                               for start in range(first.length, len(out), part)])
 
 
 async def get_range(
