@@ -1,6 +1,6 @@
 """Poll sockets: connections opened and sockets left in TIME_WAIT while a consumer waits
 1 s for a promised blob, polling a missing key (each GET a 404) at the scheduler's
-schedule (``ec_s3.connector.scheduler.promise_poll_interval``), over http and https.
+schedule (``ec_s3.connector.admission.promise_poll_interval``), over http and https.
 
 Each case talks to SeaweedFS through a front of its own on loopback (tests/support/tls.py's
 relay; for https it terminates TLS with a certificate of a private CA made here), which counts the
@@ -59,7 +59,7 @@ def time_wait(port: int) -> int:
 
 
 def one_wait(ep: bl.Endpoint, bucket: str, path: str, scheme: str, ca: PrivateCA, wait_s: float) -> dict[str, Any]:
-    from ec_s3.connector.scheduler import promise_poll_interval
+    from ec_s3.connector.admission import promise_poll_interval
     from ec_s3.store.client import ObjectNotFound, S3Store
 
     front = CountingFront(ep.url, ca.server_context() if scheme == "https" else None).start()  # type: ignore[arg-type]

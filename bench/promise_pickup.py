@@ -1,6 +1,6 @@
 """Promise pickup: how soon a consumer picks up a promised blob once it becomes
 visible, and how many GETs it spends waiting, for the poll schedule in
-``ec_s3.connector.scheduler`` and the one it replaced (5, 10, 20 ... ms doubling up to
+``ec_s3.connector.admission`` and the one it replaced (5, 10, 20 ... ms doubling up to
 1 s, counted in the item's lifetime attempts) and a "dense" bound (a poll every 2 ms, one
 at a time, however long the wait), in the same run, interleaved.
 
@@ -42,32 +42,33 @@ ROWS, WIDTH = 16, 128  # the tiny model's image: 16 tokens x hidden 128
 SCHEDULES = ("current", "legacy", "dense")
 
 
-def legacy_next_lookup_at(sched: Any, item: Any, promise: Any, waited: float) -> float:
+def legacy_next_lookup_at(admission: Any, item: Any, promise: Any, waited: float) -> float:
     """The schedule before issue #13: the next poll of a missing promised blob
     ``min(1 s, 5 ms * 2 ** (attempts - 1))`` after the previous answer arrived."""
     from ec_s3.connector.items import ItemState
 
     if promise is not None and item.state is ItemState.MISSING:
         return item.checked_at + min(1.0, 0.005 * 2 ** max(0, item.attempts - 1))
-    return type(sched)._next_lookup_at(sched, item, promise, waited)
+    return type(admission).next_lookup_at(admission, item, promise, waited)
 
 
-def dense_next_lookup_at(sched: Any, item: Any, promise: Any, waited: float) -> float:
+def dense_next_lookup_at(admission: Any, item: Any, promise: Any, waited: float) -> float:
     from ec_s3.connector.items import ItemState
 
     if promise is not None and item.state is ItemState.MISSING:
         return item.started_at + 0.002
-    return type(sched)._next_lookup_at(sched, item, promise, waited)
+    return type(admission).next_lookup_at(admission, item, promise, waited)
 
 
 _PATCHES = {"legacy": legacy_next_lookup_at, "dense": dense_next_lookup_at}
 
 
 def use_schedule(sched: Any, name: str) -> None:
+    admission = sched._admission  # ec_s3.connector.admission: the poll schedule is its
     if name in _PATCHES:
-        sched._next_lookup_at = types.MethodType(_PATCHES[name], sched)
+        admission.next_lookup_at = types.MethodType(_PATCHES[name], admission)
     else:
-        sched.__dict__.pop("_next_lookup_at", None)
+        admission.__dict__.pop("next_lookup_at", None)
 
 
 def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: float) -> dict[str, float]:

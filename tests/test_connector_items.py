@@ -184,7 +184,7 @@ def test_promise_poll_schedule_cost_and_delay(wait_s: float, max_gets: int) -> N
     """The poll schedule of a promised blob, with instant answers (the most GETs it can
     cost): <= 50 GETs in the first 100 ms, ~20 more per tenfold of the wait after that,
     and a blob that becomes visible is found within max(2 ms, 5% of the wait, 250 ms cap)."""
-    from ec_s3.connector.scheduler import promise_poll_interval
+    from ec_s3.connector.admission import promise_poll_interval
 
     polls = [0.0]
     while polls[-1] < wait_s:

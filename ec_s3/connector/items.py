@@ -6,8 +6,8 @@ one mapping from a lookup's result to a state), the LRU bound on how many items 
 remembered, and what one request holds while it is admitted (checked promises,
 when each wait began, pinned staging slots, items to encode locally).
 
-Does not own when to look an item up, retry or give up, nor what to answer vLLM
-(:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
+Does not own when to look an item up, retry or give up (:mod:`ec_s3.connector.admission`),
+nor what to answer vLLM (:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
 whose result classes it maps) and does not own staging memory
 (:mod:`ec_s3.transfer.staging`: an item only refers to a slot).
 """

@@ -14,8 +14,10 @@ only for a blob staged on this host, pinned, and only while its workers can read
 staging area (:mod:`ec_s3.connector.topology`): vLLM gathers a hit's embedding in the
 same step, and a worker that cannot deliver it would stop the engine.
 
-Owns admission and hit decisions, retry timing and the per-step load list. Does not own
-the item state machine and its bounded table (:mod:`ec_s3.connector.items`), the
+Owns applying admission decisions (the item table, lookups, staging pins, counters), the
+hit answers and the per-step load list. Does not own the admission rules, wait budgets
+and retry timing (:mod:`ec_s3.connector.admission`, a pure decision), the item state
+machine and its bounded table (:mod:`ec_s3.connector.items`), the
 ``ec_transfer_params`` format (:mod:`ec_s3.connector.transfer_params`), transfers
 (:mod:`ec_s3.transfer`) or the S3 protocol (:mod:`ec_s3.store`).
 """
@@ -29,6 +31,16 @@ from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataR
 
 from ec_s3.blob.codec import BlobExpectation
 from ec_s3.config import ECS3Config
+from ec_s3.connector.admission import (
+    NO_SPACE_MAX_S,
+    POLL_CAP_S,
+    Action,
+    Admission,
+    Ask,
+    ConsumerAdmission,
+    Decision,
+    ProducerAdmission,
+)
 from ec_s3.connector.items import (
     PRODUCER_CAPACITY,
     RETRYABLE,
@@ -59,36 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ECS3Scheduler"]
 
-# Polling a promised blob that is not visible yet. The schedule depends on how long
-# the request has waited, never on how many polls the item had (an item outlives
-# requests): back to back, at most one GET in flight per item and at least
-# _POLL_DENSE_INTERVAL_S between starts, for the first _POLL_DENSE_S (small blobs land
-# then); after that every _POLL_FRACTION of the time waited so far, so a blob is picked
-# up within ~5% of its own upload time, capped at _POLL_CAP_S. Cost per waiting item:
-# <= 1 GET per max(2 ms, one 404 round trip) for 100 ms (<= 50), then ~20 per tenfold
-# of the wait: ~50-100 GETs for a 1 s wait, ~130 for the 5 s default promised_wait_s.
-_POLL_DENSE_S = 0.1
-_POLL_DENSE_INTERVAL_S = 0.002
-_POLL_FRACTION = 0.05
-_POLL_CAP_S = 0.25
-# An invalid blob stays invalid (blobs are written once), and a store that answered an
-# error is not helped by being asked every 2 ms (its client already retried): those
-# answers are polled again no sooner than this after they came.
-_FAILED_POLL_MIN_S = 0.05
-# Staging had no room (pinned slots hold it, or the blob is larger than it): that
-# lasts, so back off further. Each attempt is a GET, and the failed allocation evicts
-# unpinned staged blobs that other requests may be about to use.
-_NO_SPACE_BASE_S = 0.05
-_NO_SPACE_MAX_S = 2.0
 _PRUNE_EVERY_STEPS = 256
-
-
-def promise_poll_interval(waited_s: float) -> float:
-    """Seconds from the start of one poll of a promised blob to the start of the next,
-    for a request that has waited ``waited_s`` for it."""
-    if waited_s < _POLL_DENSE_S:
-        return _POLL_DENSE_INTERVAL_S
-    return min(_POLL_CAP_S, _POLL_FRACTION * waited_s)
 
 
 class _Unavailable(Exception):
@@ -100,26 +83,27 @@ class ECS3Scheduler:
         ec_config = vllm_config.ec_transfer_config
         assert ec_config is not None
         self._is_producer = bool(ec_config.is_ec_producer)
-        self._is_consumer = bool(ec_config.is_ec_consumer)
-        # A producer that is no consumer has no use for the bytes: for an item whose
-        # media it has, the bucket's answer only decides whether the encoder can be
-        # skipped, so it must not delay the encoder (producer_lookup_wait_s).
-        self._encodes_first = self._is_producer and not self._is_consumer
-        check_engine_start(vllm_config, config, producer=self._is_producer, consumer=self._is_consumer)
+        consumer = bool(ec_config.is_ec_consumer)
+        check_engine_start(vllm_config, config, producer=self._is_producer, consumer=consumer)
         self._config = config
         self._model = model
         self._counters = counters
         self._store = S3Store.shared(config)
-        self._staging = StagingArea(config.staging_dir, config.staging_bytes) if self._is_consumer else None
-        self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._host = host_id()
-        # Producers never send loads to their workers: only a consumer must know.
-        self._topology = (
-            Topology.from_vllm(vllm_config, self._host) if self._is_consumer else Topology(WorkerReach.LOCAL, self._host)
-        )
-
-        self._items = ItemTable(consumer_capacity(config.staging_bytes) if self._is_consumer else PRODUCER_CAPACITY)
+        # The role is chosen here, once: a consumer stages blobs for its workers (and
+        # must know whether they can read them); a producer only asks the bucket.
+        if consumer:
+            self._staging: StagingArea | None = StagingArea(config.staging_dir, config.staging_bytes)
+            self._topology = Topology.from_vllm(vllm_config, self._host)
+            self._items = ItemTable(consumer_capacity(config.staging_bytes))
+            self._admission: Admission = ConsumerAdmission(config, self._staging.capacity)
+        else:
+            self._staging = None
+            self._topology = Topology(WorkerReach.LOCAL, self._host)
+            self._items = ItemTable(PRODUCER_CAPACITY)
+            self._admission = ProducerAdmission(config)
+        self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._requests: dict[str, RequestState] = {}
         # This step's hits: identifier -> the item answered for (until build_connector_meta).
         self._hits: dict[str, Item] = {}
@@ -159,104 +143,64 @@ class ECS3Scheduler:
 
     def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> bool:
         """True when ``feature`` needs no more waiting: staged, present, or to be
-        encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept."""
-        request, ident = state.request, feature.identifier
+        encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept.
+        What to do is :mod:`ec_s3.connector.admission`'s decision; this applies it."""
+        ident = feature.identifier
         promise = state.promises.get(ident)
-        if self._is_consumer and not self._topology.workers_read_staging:
+        key = promise.key if promise else self._model.keyspace.key_for(ident, cache_salt=state.request.cache_salt)
+        decision = self._decide(state, feature, self._items.peek(key), now)
+        if not decision.uses_item:
             self._items.point(ident, None)
-            if promise is None and feature.data is not None:
-                return True  # nobody promised it: vLLM encodes it, as for a miss
-            raise _Unavailable("this engine's workers cannot read its staging area (they run on another host)")
-        key = promise.key if promise else self._model.keyspace.key_for(ident, cache_salt=request.cache_salt)
-        item = self._items.get(key)
-        self._items.point(ident, item)
-        if item is not None:
-            state.use(ident, item)
-        # Without media the store is the only source: vLLM cannot encode the item, and
-        # an item it schedules for encoding without data stops the engine at the gather.
-        local_ok = feature.data is not None
-        encode_first = self._encodes_first and local_ok
-        if encode_first:
-            promise = None  # a producer with the media encodes it rather than wait for anyone's upload
-        if promise is None and local_ok and self._config.lookup == "promised":
-            return True
-        if item is not None and item.state is ItemState.PRESENT and now - item.checked_at > self._config.present_ttl_s:
-            # Seen long ago: gc or a lifecycle rule may have deleted it since. Look
-            # again; if it is gone, the encoder runs and the publisher uploads it anew.
-            self._items.drop(item)
-            item = None
-        if item is not None and self._usable(item):
+            return self._settle(state, ident, decision, now)
+        item = self._track(state, ident, self._items.get(key))
+        if decision.action is Action.HIT:
+            assert item is not None
             if self._hold(state, ident, item):
                 self._stop_waiting(state, ident, now)
                 return True
-            item = None  # its slot is gone: look it up again
-        self._check_fits(promise)
-        if promise:
-            budget = self._config.promised_wait_s
-        elif encode_first:
-            budget = self._config.producer_lookup_wait_s
-        else:
-            budget = self._config.lookup_wait_s
-        # The budget's kind is fixed for a request (its promise, this engine's role).
-        since = state.waiting_since.setdefault(ident, now)
-        deadline = since + budget
-        if item is None:
-            item = self._items.add(key, ident)
-            self._items.point(ident, item)
+            decision = self._decide(state, feature, None, now)  # its slot is gone: look it up again
+        elif decision.renew and item is not None:
+            self._items.drop(item)
+        if decision.clock:
+            state.waiting_since.setdefault(ident, now)
+        if decision.lookup:
+            item = self._items.peek(key) or self._track(state, ident, self._items.add(key, ident))
+            self._start(item, feature, now)
+        return self._settle(state, ident, decision, now)
+
+    def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
+        ident = feature.identifier
+        return self._admission.decide(Ask(
+            item=item, promise=state.promises.get(ident), has_media=feature.data is not None,
+            since=state.waiting_since.get(ident), now=now, workers_read_staging=self._topology.workers_read_staging,
+        ))
+
+    def _track(self, state: RequestState, ident: str, item: Item | None) -> Item | None:
+        """``item`` is the one admitted for ``ident`` now (for has_cache_item), and the
+        request uses it."""
+        self._items.point(ident, item)
+        if item is not None:
             state.use(ident, item)
-            self._start(item, feature, now)
-        elif item.state in RETRYABLE and now >= self._next_lookup_at(item, promise, now - since):
-            self._start(item, feature, now)
-        if item.looking:
-            if now < deadline:
-                return False
-            if encode_first:
-                # The HEAD goes on in the background: its answer is kept for the
-                # next request of this item; this one is encoded now.
-                if budget:
-                    self._counters.inc("lookup_timeouts")
-                self._stop_waiting(state, ident, now)
-                state.local.add(ident)
-                return True
-            if promise:
-                self._counters.inc("promise_timeouts")
-                raise _Unavailable(f"the blob did not arrive within promised_wait_s={budget:g}s")
-            self._counters.inc("lookup_timeouts")
-            if not local_ok:
-                raise _Unavailable(f"its lookup did not finish within lookup_wait_s={budget:g}s")
-            state.local.add(ident)
-            return True
-        if promise is None:
-            if not local_ok:
-                raise _Unavailable(f"nobody promised it and the bucket lookup came back {item.state.value}")
-            return True  # a miss (or a failed lookup): the encoder runs locally
-        if item.state is ItemState.INVALID:
-            raise _Unavailable(f"the stored blob is invalid ({item.reason})")
-        if item.state is ItemState.FAILED and item.outage:
-            raise _Unavailable(f"the store is unavailable ({item.reason})")
-        if now < deadline:
+        return item
+
+    def _settle(self, state: RequestState, ident: str, decision: Decision, now: float) -> bool:
+        """The decision's outcome for the request: done (True), wait (False), or raise."""
+        if decision.counter is not None:
+            self._counters.inc(decision.counter)
+        if decision.action is Action.WAIT:
             return False
-        self._counters.inc("promise_timeouts")
-        raise _Unavailable(f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s")
-
-    def _check_fits(self, promise: Promise | None) -> None:
-        if self._staging is not None and promise is not None and promise.size_bytes is not None:
-            if promise.size_bytes > self._staging.capacity:
-                raise _Unavailable(
-                    f"the blob ({promise.size_bytes} bytes) is larger than staging_bytes={self._staging.capacity}"
-                )
-
-    def _usable(self, item: Item) -> bool:
-        if self._is_consumer:
-            return item.state is ItemState.STAGED
-        return item.state is ItemState.PRESENT
+        if decision.action is Action.UNAVAILABLE:
+            raise _Unavailable(decision.reason)
+        if decision.action is Action.ENCODE_LOCALLY:
+            self._stop_waiting(state, ident, now)
+            state.local.add(ident)
+        return True
 
     def _hold(self, state: RequestState, ident: str, item: Item) -> bool:
         """Pin ``item``'s staging slot for this request (consumers); False, and the
         item is forgotten, if staging evicted it meanwhile."""
-        if not self._is_consumer:
-            return True
-        assert self._staging is not None
+        if self._staging is None:
+            return True  # a producer's hit is in the bucket: nothing here to hold
         slot = item.slot
         assert slot is not None
         pinned = state.pins.get(ident)
@@ -270,22 +214,10 @@ class ECS3Scheduler:
         self._items.drop(item)
         return False
 
-    def _next_lookup_at(self, item: Item, promise: Promise | None, waited: float) -> float:
-        """When a finished lookup of ``item`` (a retryable answer) may run again, for a
-        request that has waited ``waited`` seconds for it."""
-        if item.state is ItemState.NO_SPACE:
-            return item.checked_at + min(_NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.repeats - 1))
-        if promise is None:
-            return item.checked_at + self._config.negative_cache_ttl_s
-        if item.state is ItemState.MISSING:
-            return item.started_at + promise_poll_interval(waited)
-        # Invalid or failed: the answer stands for a while (a blob is written once).
-        return item.checked_at + max(_FAILED_POLL_MIN_S, promise_poll_interval(waited))
-
     def _start(self, item: Item, feature: MultiModalFeatureSpec, now: float) -> None:
         item.start_lookup(now)
         expect = None
-        if self._is_consumer:
+        if self._staging is not None:  # what is staged is validated first
             expect = BlobExpectation(
                 identifier=feature.identifier,
                 namespace=self._model.keyspace.namespace,
@@ -301,7 +233,7 @@ class ECS3Scheduler:
     def _stop_waiting(self, state: RequestState, ident: str, now: float) -> None:
         """End ``ident``'s wait (served or given up); a promised item's wait is observed."""
         since = state.waiting_since.pop(ident, None)
-        if since is not None and ident in state.promises and not self._encodes_first:
+        if since is not None and ident in state.promises and self._admission.observes_promise_wait:
             self._counters.observe("promise_wait_seconds", max(0.0, now - since))
 
     def _fall_back(self, state: RequestState, feature: MultiModalFeatureSpec, why: str) -> bool:
@@ -362,10 +294,10 @@ class ECS3Scheduler:
     # ------------------------------------------------------------------ vLLM hooks
     def has_cache_item(self, identifier: str) -> bool:
         item = self._items.current(identifier)
-        if item is None or not self._usable(item):
+        if item is None or item.state is not self._admission.hit_state:
             return False
-        if self._is_consumer:
-            assert self._staging is not None and item.slot is not None
+        if self._staging is not None:
+            assert item.slot is not None
             if not self._topology.workers_read_staging:
                 return False
             if not self._staging.touch(item.slot):
@@ -375,15 +307,12 @@ class ECS3Scheduler:
         return True
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        if not self._is_consumer:
-            return
         feature = request.mm_features[index]
         ident = feature.identifier
         item = self._hits.get(ident)
-        if item is None:
-            return  # vLLM encodes this one itself
-        staged = item.staged
-        assert staged is not None  # a hit is a staged item
+        staged = item.staged if item is not None else None
+        if item is None or staged is None:
+            return  # vLLM encodes this one itself, or (a producer's hit) skips it: nothing to load
         state = self._requests.get(request.request_id)
         if state is None or not self._hold(state, ident, item):
             # has_cache_item said yes a moment ago (and touched the slot), so this
@@ -501,7 +430,7 @@ class ECS3Scheduler:
         """Forget old misses and errors, and staged items whose slot staging evicted;
         the table's LRU bound does the rest."""
         now = time.monotonic()
-        horizon = max(self._config.negative_cache_ttl_s, _POLL_CAP_S, _NO_SPACE_MAX_S) * 4
+        horizon = max(self._config.negative_cache_ttl_s, POLL_CAP_S, NO_SPACE_MAX_S) * 4
         for item in self._items:
             if item.users:
                 continue

@@ -1,0 +1,237 @@
+"""Admission as a decision: for one item of one request, what the scheduler does next.
+
+:meth:`Admission.decide` is a pure function of what is known at one moment (the item's
+state, the request's promise, whether the request carries the media, when its wait
+began, whether this engine's workers read staging, the time) and of the role's policy
+(the configuration, and for a consumer the size of staging). It answers with one
+:class:`Decision`: a hit, a wait, a lookup to start first, local encoding, or "the store
+cannot serve it" with the reason and the counter to bump. A producer and a consumer
+each have their own policy (:class:`ProducerAdmission`, :class:`ConsumerAdmission`), so
+the rules of one role never ask which role they serve.
+
+Owns the admission rules, the wait budgets and the lookup timing (when a finished
+lookup may run again, :func:`promise_poll_interval`). Does not apply a decision: the
+item table, counters, lookups, staging pins and the request's state are changed by
+:mod:`ec_s3.connector.scheduler`; the item state machine is :mod:`ec_s3.connector.items`'s.
+No I/O, no clock: the caller passes the time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import TYPE_CHECKING
+
+from ec_s3.config import ECS3Config
+from ec_s3.connector.items import RETRYABLE, Item, ItemState
+
+if TYPE_CHECKING:
+    from ec_s3.connector.transfer_params import Promise
+
+__all__ = [
+    "Action",
+    "Admission",
+    "Ask",
+    "ConsumerAdmission",
+    "Decision",
+    "ProducerAdmission",
+    "promise_poll_interval",
+]
+
+# Polling a promised blob that is not visible yet. The schedule depends on how long
+# the request has waited, never on how many polls the item had (an item outlives
+# requests): back to back, at most one GET in flight per item and at least
+# _POLL_DENSE_INTERVAL_S between starts, for the first _POLL_DENSE_S (small blobs land
+# then); after that every _POLL_FRACTION of the time waited so far, so a blob is picked
+# up within ~5% of its own upload time, capped at POLL_CAP_S. Cost per waiting item:
+# <= 1 GET per max(2 ms, one 404 round trip) for 100 ms (<= 50), then ~20 per tenfold
+# of the wait: ~50-100 GETs for a 1 s wait, ~130 for the 5 s default promised_wait_s.
+_POLL_DENSE_S = 0.1
+_POLL_DENSE_INTERVAL_S = 0.002
+_POLL_FRACTION = 0.05
+POLL_CAP_S = 0.25
+# An invalid blob stays invalid (blobs are written once), and a store that answered an
+# error is not helped by being asked every 2 ms (its client already retried): those
+# answers are polled again no sooner than this after they came.
+_FAILED_POLL_MIN_S = 0.05
+# Staging had no room (pinned slots hold it, or the blob is larger than it): that
+# lasts, so back off further. Each attempt is a GET, and the failed allocation evicts
+# unpinned staged blobs that other requests may be about to use.
+_NO_SPACE_BASE_S = 0.05
+NO_SPACE_MAX_S = 2.0
+
+
+def promise_poll_interval(waited_s: float) -> float:
+    """Seconds from the start of one poll of a promised blob to the start of the next,
+    for a request that has waited ``waited_s`` for it."""
+    if waited_s < _POLL_DENSE_S:
+        return _POLL_DENSE_INTERVAL_S
+    return min(POLL_CAP_S, _POLL_FRACTION * waited_s)
+
+
+class Action(enum.Enum):
+    HIT = "hit"  # ready here: hold it (a consumer pins its staged slot), then no wait
+    WAIT = "wait"  # defer the request; ask again at the next step
+    PROCEED = "proceed"  # nothing to wait for: vLLM asks has_cache_item, else encodes it
+    ENCODE_LOCALLY = "encode_locally"  # vLLM encodes it for this request, never asked again
+    # The store cannot serve it: encoded locally if the request carries the media,
+    # else the request alone fails.
+    UNAVAILABLE = "unavailable"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    lookup: bool = False  # start a lookup first: of the item, or of a new one if there is none
+    renew: bool = False  # forget the item first: its answer is too old to trust
+    clock: bool = False  # the request's wait for the item begins now, unless it already began
+    uses_item: bool = True  # the request keeps the item in the table (False: it never will)
+    counter: str | None = None  # the counter to bump
+    reason: str = ""  # why the store cannot serve it (UNAVAILABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What is known of one item of one request at one moment."""
+
+    item: Item | None  # the table's item for the key, if any
+    promise: Promise | None  # a producer's promise of the blob, checked
+    has_media: bool  # vLLM could encode it (without media only the store can provide it)
+    since: float | None  # when the request began waiting for it
+    now: float
+    workers_read_staging: bool = True
+
+
+_PROCEED = Decision(Action.PROCEED)
+_WAIT = Decision(Action.WAIT)
+
+
+class Admission:
+    """The rules both roles share; a subclass says what a hit is and what each wait is."""
+
+    hit_state: ItemState  # the item state that answers "hit"
+    observes_promise_wait: bool = True  # a served or abandoned promise's wait is observed
+
+    def __init__(self, config: ECS3Config) -> None:
+        self.config = config
+
+    def decide(self, ask: Ask) -> Decision:
+        raise NotImplementedError
+
+    def fits(self, promise: Promise | None) -> str:
+        """Why a promised blob cannot be staged here ("" when it can)."""
+        return ""
+
+    def next_lookup_at(self, item: Item, promise: Promise | None, waited: float) -> float:
+        """When a finished lookup of ``item`` (a retryable answer) may run again, for a
+        request that has waited ``waited`` seconds for it."""
+        if item.state is ItemState.NO_SPACE:
+            return item.checked_at + min(NO_SPACE_MAX_S, _NO_SPACE_BASE_S * 2 ** max(0, item.repeats - 1))
+        if promise is None:
+            return item.checked_at + self.config.negative_cache_ttl_s
+        if item.state is ItemState.MISSING:
+            return item.started_at + promise_poll_interval(waited)
+        # Invalid or failed: the answer stands for a while (a blob is written once).
+        return item.checked_at + max(_FAILED_POLL_MIN_S, promise_poll_interval(waited))
+
+    def _decide(self, ask: Ask, promise: Promise | None, budget: float, encode_first: bool = False) -> Decision:
+        """The shared path, once the role chose which promise counts and the wait budget."""
+        if promise is None and ask.has_media and self.config.lookup == "promised":
+            return _PROCEED
+        item, renew = ask.item, False
+        if item is not None and item.state is ItemState.PRESENT and ask.now - item.checked_at > self.config.present_ttl_s:
+            # Seen long ago: gc or a lifecycle rule may have deleted it since. Look
+            # again; if it is gone, the encoder runs and the publisher uploads it anew.
+            item, renew = None, True
+        if item is not None and item.state is self.hit_state:
+            return Decision(Action.HIT)
+        too_large = self.fits(promise)
+        if too_large:
+            return Decision(Action.UNAVAILABLE, renew=renew, reason=too_large)
+        since = ask.now if ask.since is None else ask.since
+        lookup = item is None or (
+            item.state in RETRYABLE and ask.now >= self.next_lookup_at(item, promise, ask.now - since)
+        )
+        if lookup or (item is not None and item.looking):
+            if ask.now < since + budget:
+                then = _WAIT
+            else:
+                then = self._timed_out(ask, promise, budget, encode_first)
+        else:
+            assert item is not None
+            then = self._answered(ask, item, promise, since, budget)
+        return dataclasses.replace(then, lookup=lookup, renew=renew, clock=True)
+
+    @staticmethod
+    def _timed_out(ask: Ask, promise: Promise | None, budget: float, encode_first: bool) -> Decision:
+        """A lookup still runs and the request's wait for it is over."""
+        if encode_first:
+            # The HEAD goes on in the background: its answer is kept for the next
+            # request of this item; this one is encoded now.
+            return Decision(Action.ENCODE_LOCALLY, counter="lookup_timeouts" if budget else None)
+        if promise is not None:
+            why = f"the blob did not arrive within promised_wait_s={budget:g}s"
+            return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why)
+        if not ask.has_media:
+            why = f"its lookup did not finish within lookup_wait_s={budget:g}s"
+            return Decision(Action.UNAVAILABLE, counter="lookup_timeouts", reason=why)
+        return Decision(Action.ENCODE_LOCALLY, counter="lookup_timeouts")
+
+    @staticmethod
+    def _answered(ask: Ask, item: Item, promise: Promise | None, since: float, budget: float) -> Decision:
+        """The last lookup answered something other than a hit, and no new one is due."""
+        if promise is None:
+            if not ask.has_media:
+                why = f"nobody promised it and the bucket lookup came back {item.state.value}"
+                return Decision(Action.UNAVAILABLE, reason=why)
+            return _PROCEED  # a miss (or a failed lookup): the encoder runs locally
+        if item.state is ItemState.INVALID:
+            return Decision(Action.UNAVAILABLE, reason=f"the stored blob is invalid ({item.reason})")
+        if item.state is ItemState.FAILED and item.outage:
+            return Decision(Action.UNAVAILABLE, reason=f"the store is unavailable ({item.reason})")
+        if ask.now < since + budget:
+            return _WAIT
+        why = f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s"
+        return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why)
+
+
+class ConsumerAdmission(Admission):
+    """A consumer (also one that produces): a hit is a blob staged and validated here."""
+
+    hit_state = ItemState.STAGED
+
+    def __init__(self, config: ECS3Config, staging_capacity: int) -> None:
+        super().__init__(config)
+        self.staging_capacity = staging_capacity
+
+    def decide(self, ask: Ask) -> Decision:
+        if not ask.workers_read_staging:
+            # A hit staged here could not reach a worker on another host.
+            if ask.promise is None and ask.has_media:
+                return Decision(Action.PROCEED, uses_item=False)  # nobody promised it: as for a miss
+            why = "this engine's workers cannot read its staging area (they run on another host)"
+            return Decision(Action.UNAVAILABLE, uses_item=False, reason=why)
+        budget = self.config.promised_wait_s if ask.promise else self.config.lookup_wait_s
+        return self._decide(ask, ask.promise, budget)
+
+    def fits(self, promise: Promise | None) -> str:
+        if promise is not None and promise.size_bytes is not None and promise.size_bytes > self.staging_capacity:
+            return f"the blob ({promise.size_bytes} bytes) is larger than staging_bytes={self.staging_capacity}"
+        return ""
+
+
+class ProducerAdmission(Admission):
+    """A producer that is no consumer: a hit is a blob the bucket holds (HEAD), which
+    lets vLLM skip the encoder. The bytes are of no use to it, so for an item whose
+    media it has the bucket's answer must not delay the encoder (producer_lookup_wait_s),
+    and nobody's promise is waited for."""
+
+    hit_state = ItemState.PRESENT
+    observes_promise_wait = False
+
+    def decide(self, ask: Ask) -> Decision:
+        if ask.has_media:
+            return self._decide(ask, None, self.config.producer_lookup_wait_s, encode_first=True)
+        budget = self.config.promised_wait_s if ask.promise else self.config.lookup_wait_s
+        return self._decide(ask, ask.promise, budget)
+
