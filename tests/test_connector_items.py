@@ -56,6 +56,24 @@ def test_every_fetch_result_maps_to_one_state(result: Any, state: ItemState, rea
     assert item.outage is isinstance(result, Failed)
 
 
+@pytest.mark.parametrize(("result", "counter", "transient"), [
+    (_staged(), "lookups_hit", False),
+    (Present(size=10), "lookups_hit", False),
+    (Missing(), "lookups_miss", False),
+    (Invalid("bad magic"), None, False),
+    (Failed("503", transient=True), "store_errors", True),
+    (Failed("403"), "store_errors", False),
+    (NoSpace(), None, False),
+])
+def test_apply_returns_the_one_classification(result: Any, counter: str | None, transient: bool) -> None:
+    """The scheduler counts and logs from what apply classified, never from the class."""
+    outcome = _looking().apply(result, now=1.0)
+    assert outcome == items.classify(result)
+    assert (outcome.counter, outcome.transient) == (counter, transient)
+    assert outcome.state in items.ANSWERS
+    assert items.ANSWERS == TRANSITIONS[ItemState.LOOKING]
+
+
 def test_illegal_transitions_raise_when_strict_and_are_logged_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
     item = Item(key="k", identifier="i")
     with pytest.raises(IllegalTransition):

@@ -2,7 +2,7 @@
 :class:`RequestState` per request, and the bounded table that holds the items.
 
 Owns the item state machine (its states, the allowed transitions in one table, and the
-one mapping from a lookup's result to a state), the LRU bound on how many items are
+one classification of a lookup's result: :func:`classify`), the LRU bound on how many items are
 remembered, and what one request holds while it is admitted (checked promises,
 when each wait began, pinned staging slots, items to encode locally).
 
@@ -30,13 +30,16 @@ if TYPE_CHECKING:
     from ec_s3.transfer.staging import StagingSlot
 
 __all__ = [
+    "ANSWERS",
     "IllegalTransition",
     "Item",
     "ItemState",
     "ItemTable",
+    "Outcome",
     "RETRYABLE",
     "RequestState",
     "TRANSITIONS",
+    "classify",
     "consumer_capacity",
     "PRODUCER_CAPACITY",
 ]
@@ -58,15 +61,40 @@ class ItemState(enum.Enum):
     DROPPED = "dropped"  # forgotten: evicted, or its staging slot is gone
 
 
-# The one mapping from the fetcher's result classes to states.
-_STATE_OF: dict[type, ItemState] = {
-    Staged: ItemState.STAGED,
-    Present: ItemState.PRESENT,
-    Missing: ItemState.MISSING,
-    Invalid: ItemState.INVALID,
-    Failed: ItemState.FAILED,
-    NoSpace: ItemState.NO_SPACE,
-}
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """A finished lookup, classified: what the item and the scheduler need of it."""
+
+    state: ItemState
+    counter: str | None = None  # the scheduler's counter for this answer
+    reason: str = ""
+    staged: Staged | None = None  # the validated blob in staging (consumers)
+    outage: bool = False  # the store is down, not just this request
+    transient: bool = False  # a failure that may pass (throttling, 5xx, timeouts)
+
+
+def classify(result: FetchResult) -> Outcome:
+    """The one place a fetch result's class is looked at."""
+    match result:
+        case Staged():
+            return Outcome(ItemState.STAGED, "lookups_hit", staged=result)
+        case Present():
+            return Outcome(ItemState.PRESENT, "lookups_hit")
+        case Missing():  # one per 404, polls of a promise included
+            return Outcome(ItemState.MISSING, "lookups_miss", "not found")
+        case Invalid():
+            return Outcome(ItemState.INVALID, None, result.reason)
+        case Failed():
+            return Outcome(ItemState.FAILED, "store_errors", result.reason, outage=result.outage, transient=result.transient)
+        case NoSpace():
+            return Outcome(ItemState.NO_SPACE, None, "staging area full")
+    raise TypeError(f"not a fetch result: {result!r}")
+
+
+# What a lookup can answer.
+ANSWERS = frozenset({
+    ItemState.STAGED, ItemState.PRESENT, ItemState.MISSING, ItemState.INVALID, ItemState.FAILED, ItemState.NO_SPACE,
+})
 RETRYABLE = frozenset({ItemState.MISSING, ItemState.INVALID, ItemState.FAILED, ItemState.NO_SPACE})
 
 _S = ItemState
@@ -74,7 +102,7 @@ TRANSITIONS: dict[ItemState, frozenset[ItemState]] = {
     _S.NEW: frozenset({_S.LOOKING}),
     # A lookup in flight is never dropped: its result must find the item (and a
     # staged slot it brings is released through the item).
-    _S.LOOKING: frozenset(_STATE_OF.values()),
+    _S.LOOKING: ANSWERS,
     _S.STAGED: frozenset({_S.DROPPED}),  # slot evicted or unreadable: look up again as a new item
     _S.PRESENT: frozenset({_S.DROPPED}),
     **{s: frozenset({_S.LOOKING, _S.DROPPED}) for s in RETRYABLE},
@@ -120,24 +148,16 @@ class Item:
         if self._move(ItemState.LOOKING):
             self.started_at = now
 
-    def apply(self, result: FetchResult, now: float) -> None:
-        """Record a finished lookup."""
-        to = _STATE_OF[type(result)]
-        if not self._move(to):
-            return
-        self.repeats = self.repeats + 1 if to is self._last else 1
-        self._last = to
-        self.checked_at, self.attempts = now, self.attempts + 1
-        self.staged = result if isinstance(result, Staged) else None
-        self.outage = isinstance(result, Failed) and result.outage
-        if isinstance(result, (Invalid, Failed)):
-            self.reason = result.reason
-        elif isinstance(result, Missing):
-            self.reason = "not found"
-        elif isinstance(result, NoSpace):
-            self.reason = "staging area full"
-        else:
-            self.reason = ""
+    def apply(self, result: FetchResult, now: float) -> Outcome:
+        """Record a finished lookup; its classification, for the caller's counters."""
+        outcome = classify(result)
+        to = outcome.state
+        if self._move(to):
+            self.repeats = self.repeats + 1 if to is self._last else 1
+            self._last = to
+            self.checked_at, self.attempts = now, self.attempts + 1
+            self.staged, self.outage, self.reason = outcome.staged, outcome.outage, outcome.reason
+        return outcome
 
     def drop(self) -> None:
         if self.state is not ItemState.DROPPED:

@@ -48,6 +48,7 @@ from ec_s3.connector.items import (
     ItemState,
     ItemTable,
     RequestState,
+    classify,
     consumer_capacity,
 )
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
@@ -59,7 +60,7 @@ from ec_s3.connector.transfer_params import Promise, build_transfer_params, read
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
-from ec_s3.transfer.fetcher import Failed, ItemFetcher, Missing, Present, Staged
+from ec_s3.transfer.fetcher import ItemFetcher
 from ec_s3.transfer.staging import StagingArea, StagingSlot
 
 if TYPE_CHECKING:
@@ -145,45 +146,48 @@ class ECS3Scheduler:
         """True when ``feature`` needs no more waiting: staged, present, or to be
         encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept.
         What to do is :mod:`ec_s3.connector.admission`'s decision; this applies it."""
-        ident = feature.identifier
-        promise = state.promises.get(ident)
-        key = promise.key if promise else self._model.keyspace.key_for(ident, cache_salt=state.request.cache_salt)
+        identifier = feature.identifier
+        promise = state.promises.get(identifier)
+        key = promise.key if promise else self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
         decision = self._decide(state, feature, self._items.peek(key), now)
         if not decision.uses_item:
-            self._items.point(ident, None)
-            return self._settle(state, ident, decision, now)
-        item = self._track(state, ident, self._items.get(key))
+            self._items.point(identifier, None)
+            return self._settle(state, identifier, decision, now)
+        item = self._track(state, identifier, self._items.get(key))
         if decision.action is Action.HIT:
             assert item is not None
-            if self._hold(state, ident, item):
-                self._stop_waiting(state, ident, now)
+            if self._hold(state, identifier, item):
+                self._stop_waiting(state, identifier, now)
                 return True
             decision = self._decide(state, feature, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
             self._items.drop(item)
         if decision.clock:
-            state.waiting_since.setdefault(ident, now)
+            state.waiting_since.setdefault(identifier, now)
         if decision.lookup:
-            item = self._items.peek(key) or self._track(state, ident, self._items.add(key, ident))
+            item = self._items.peek(key)
+            if item is None:  # none yet, or forgotten just now
+                item = self._items.add(key, identifier)
+                self._track(state, identifier, item)
             self._start(item, feature, now)
-        return self._settle(state, ident, decision, now)
+        return self._settle(state, identifier, decision, now)
 
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
-        ident = feature.identifier
+        identifier = feature.identifier
         return self._admission.decide(Ask(
-            item=item, promise=state.promises.get(ident), has_media=feature.data is not None,
-            since=state.waiting_since.get(ident), now=now, workers_read_staging=self._topology.workers_read_staging,
+            item=item, promise=state.promises.get(identifier), has_media=feature.data is not None,
+            since=state.waiting_since.get(identifier), now=now, workers_read_staging=self._topology.workers_read_staging,
         ))
 
-    def _track(self, state: RequestState, ident: str, item: Item | None) -> Item | None:
-        """``item`` is the one admitted for ``ident`` now (for has_cache_item), and the
+    def _track(self, state: RequestState, identifier: str, item: Item | None) -> Item | None:
+        """``item`` is the one admitted for ``identifier`` now (for has_cache_item), and the
         request uses it."""
-        self._items.point(ident, item)
+        self._items.point(identifier, item)
         if item is not None:
-            state.use(ident, item)
+            state.use(identifier, item)
         return item
 
-    def _settle(self, state: RequestState, ident: str, decision: Decision, now: float) -> bool:
+    def _settle(self, state: RequestState, identifier: str, decision: Decision, now: float) -> bool:
         """The decision's outcome for the request: done (True), wait (False), or raise."""
         if decision.counter is not None:
             self._counters.inc(decision.counter)
@@ -192,8 +196,8 @@ class ECS3Scheduler:
         if decision.action is Action.UNAVAILABLE:
             raise _Unavailable(decision.reason)
         if decision.action is Action.ENCODE_LOCALLY:
-            self._stop_waiting(state, ident, now)
-            state.local.add(ident)
+            self._stop_waiting(state, identifier, now)
+            state.local.add(identifier)
         return True
 
     def _hold(self, state: RequestState, ident: str, item: Item) -> bool:
@@ -267,21 +271,19 @@ class ECS3Scheduler:
             self._looking -= 1
             item = self._items.get(key)
             if item is None or not item.looking:
-                if isinstance(result, Staged) and self._staging is not None:
-                    self._staging.discard(result.slot.name)
+                staged = classify(result).staged
+                if staged is not None and self._staging is not None:
+                    self._staging.discard(staged.slot.name)
                 continue
-            item.apply(result, now)
-            if isinstance(result, Failed):
-                self._counters.inc("store_errors")
+            outcome = item.apply(result, now)
+            if outcome.counter is not None:
+                self._counters.inc(outcome.counter)
+            if outcome.state is ItemState.FAILED:
                 # Outages are logged once by the store's circuit breaker; other
                 # failures (403, bad requests) once per item, then every 50 attempts.
-                if not result.transient and (item.attempts == 1 or item.attempts % 50 == 0):
-                    logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, result.reason, item.attempts)
-            elif isinstance(result, (Staged, Present)):
-                self._counters.inc("lookups_hit")
-            elif isinstance(result, Missing):
-                self._counters.inc("lookups_miss")  # one per 404, polls of a promise included
-            if isinstance(result, Staged):
+                if not outcome.transient and (item.attempts == 1 or item.attempts % 50 == 0):
+                    logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, outcome.reason, item.attempts)
+            elif outcome.staged is not None:
                 # Pin it for the requests waiting on it now, so that no other
                 # allocation evicts it before they are admitted again.
                 for req_id in list(item.users):
