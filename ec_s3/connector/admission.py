@@ -138,29 +138,33 @@ class Admission:
         """The shared path, once the role chose which promise counts and the wait budget."""
         if promise is None and ask.has_media and self.config.lookup == "promised":
             return _PROCEED
-        item, renew = ask.item, False
-        if item is not None and item.state is ItemState.PRESENT and ask.now - item.checked_at > self.config.present_ttl_s:
-            # Seen long ago: gc or a lifecycle rule may have deleted it since. Look
-            # again; if it is gone, the encoder runs and the publisher uploads it anew.
-            item, renew = None, True
-        if item is not None and item.state is self.hit_state:
+        item = ask.item
+        renew = item is not None and self._expired(item, ask.now)
+        if item is not None and not renew and item.state is self.hit_state:
             return Decision(Action.HIT)
         too_large = self.fits(promise)
         if too_large:
             return Decision(Action.UNAVAILABLE, renew=renew, reason=too_large)
         since = ask.now if ask.since is None else ask.since
-        lookup = item is None or (
-            item.state in RETRYABLE and ask.now >= self.next_lookup_at(item, promise, ask.now - since)
-        )
-        if lookup or (item is not None and item.looking):
-            if ask.now < since + budget:
-                then = _WAIT
-            else:
-                then = self._timed_out(ask, promise, budget, encode_first)
+        if item is None or renew:
+            lookup, looking = True, True
         else:
+            lookup = item.state in RETRYABLE and ask.now >= self.next_lookup_at(item, promise, ask.now - since)
+            looking = lookup or item.looking
+        if not looking:
             assert item is not None
             then = self._answered(ask, item, promise, since, budget)
+        elif ask.now < since + budget:
+            then = _WAIT
+        else:
+            then = self._timed_out(ask, promise, budget, encode_first)
         return dataclasses.replace(then, lookup=lookup, renew=renew, clock=True)
+
+    def _expired(self, item: Item, now: float) -> bool:
+        """A bucket answer seen long ago: gc or a lifecycle rule may have deleted the blob
+        since. Looked up again; if it is gone, the encoder runs and the publisher uploads
+        it anew."""
+        return item.state is ItemState.PRESENT and now - item.checked_at > self.config.present_ttl_s
 
     @staticmethod
     def _timed_out(ask: Ask, promise: Promise | None, budget: float, encode_first: bool) -> Decision:
