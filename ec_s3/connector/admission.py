@@ -116,6 +116,7 @@ class Admission:
         self.config = config
 
     def decide(self, ask: Ask) -> Decision:
+        """What to do with ``ask``'s item now; reads ``ask`` and changes nothing."""
         raise NotImplementedError
 
     def fits(self, promise: Promise | None) -> str:
