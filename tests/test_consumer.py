@@ -179,6 +179,34 @@ def test_e_lookup_always_reuses_blob_from_earlier_run(
         node.close()
 
 
+def test_a_staged_blob_evicted_before_its_hit_is_looked_up_again(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """Admission answers "hit" for a staged item, but holding it finds its slot gone
+    (staging evicted it after the last request let go): the item is forgotten and
+    looked up anew, never handed to vLLM as a hit and never encoded."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(lookup="always"))
+    try:
+        sched = node.scheduler_connector._scheduler
+        keyspace = node.scheduler_connector.model.keyspace
+        put_blob(make_store(), keyspace, "img-x", fake_encoder_output("img-x", ROWS))
+        node.driver.add("r1", ["img-x"])
+        drive(node.driver)
+        item = sched._items.peek(keyspace.key_for("img-x"))
+        assert item is not None and item.slot is not None and not item.users
+        sched._staging.discard(item.slot)  # as an allocation for another blob would
+        node.driver.add("r2", ["img-x"])
+        finished = drive(node.driver)
+        assert finished["r2"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        counters = node.scheduler_connector.counters
+        assert (counters.get("lookups_started"), counters.get("lookups_hit")) == (2, 2)
+        fresh = sched._items.peek(keyspace.key_for("img-x"))
+        assert fresh is not None and fresh is not item and not fresh.slot.evicted
+    finally:
+        node.close()
+
+
 def test_lookup_promised_ignores_unpromised_items(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
 ) -> None:
