@@ -344,29 +344,35 @@ class ECS3Scheduler:
         self._loads = []
         self._hits.clear()
         if self._is_producer:
-            # Every item of a request's first step: the worker publishes those vLLM
-            # serves from its own encoder cache (save_caches never fires for them), so
-            # a blob deleted since (gc) or never uploaded (an outage) is published again;
-            # the publisher skips what it published within present_ttl_s.
-            # Items a HEAD found in the bucket are left out: nothing to publish again.
-            for new_req in scheduler_output.scheduled_new_reqs:
-                state = self._requests.get(new_req.req_id)
-                if state is not None:
-                    for feature in state.request.mm_features:
-                        key = self._model.keyspace.key_for(feature.identifier, cache_salt=state.request.cache_salt)
-                        if not self._known_present(key):
-                            meta.save_keys[feature.identifier] = key
-            for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
-                state = self._requests.get(req_id)
-                if state is None or not state.request.cache_salt:
-                    continue  # the worker derives unsalted keys itself
-                for index in input_ids:
-                    ident = state.request.mm_features[index].identifier
-                    meta.save_keys[ident] = self._model.keyspace.key_for(ident, cache_salt=state.request.cache_salt)
+            meta.save_keys = self._save_keys(scheduler_output)
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
         return meta
+
+    def _save_keys(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
+        """Producer: identifier -> key of the items this step's workers publish."""
+        keys: dict[str, str] = {}
+        # Every item of a request's first step: the worker publishes those vLLM
+        # serves from its own encoder cache (save_caches never fires for them), so
+        # a blob deleted since (gc) or never uploaded (an outage) is published again;
+        # the publisher skips what it published within present_ttl_s.
+        # Items a HEAD found in the bucket are left out: nothing to publish again.
+        for new_req in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new_req.req_id)
+            if state is not None:
+                for feature in state.request.mm_features:
+                    key = self._model.keyspace.key_for(feature.identifier, cache_salt=state.request.cache_salt)
+                    if not self._known_present(key):
+                        keys[feature.identifier] = key
+        for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
+            state = self._requests.get(req_id)
+            if state is None or not state.request.cache_salt:
+                continue  # the worker derives unsalted keys itself
+            for index in input_ids:
+                identifier = state.request.mm_features[index].identifier
+                keys[identifier] = self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
+        return keys
 
     def _known_present(self, key: str) -> bool:
         item = self._items.peek(key)
