@@ -75,10 +75,6 @@ __all__ = ["ECS3Scheduler"]
 _PRUNE_EVERY_STEPS = 256
 
 
-class _Unavailable(Exception):
-    """An item a request needs from the store cannot be had."""
-
-
 class ECS3Scheduler:
     def __init__(self, vllm_config: VllmConfig, config: ECS3Config, model: ModelInfo, counters: Counters) -> None:
         ec_config = vllm_config.ec_transfer_config
@@ -128,11 +124,11 @@ class ECS3Scheduler:
                 continue
             if feature.identifier in state.local:
                 continue
-            try:
-                ready &= self._admit(state, feature, now)
-            except _Unavailable as exc:
-                if not self._fall_back(state, feature, str(exc)):
-                    return False
+            decision = self._admit(state, feature, now)
+            if decision.action is Action.WAIT:
+                ready = False
+            elif decision.action is Action.UNAVAILABLE and not self._fall_back(state, feature, decision.reason):
+                return False
         return ready
 
     def _state_of(self, request: Request) -> RequestState:
@@ -142,23 +138,23 @@ class ECS3Scheduler:
             state = self._requests[request.request_id] = RequestState(request=request, promises=promises)
         return state
 
-    def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> bool:
-        """True when ``feature`` needs no more waiting: staged, present, or to be
-        encoded locally. Raises :class:`_Unavailable` when a promise cannot be kept.
-        What to do is :mod:`ec_s3.connector.admission`'s decision; this applies it."""
+    def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> Decision:
+        """Decide what ``feature`` needs (:mod:`ec_s3.connector.admission`) and apply
+        it; the caller waits (WAIT) or falls back (UNAVAILABLE) per the decision returned."""
         identifier = feature.identifier
         promise = state.promises.get(identifier)
         key = promise.key if promise else self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
         decision = self._decide(state, feature, self._items.peek(key), now)
         if not decision.uses_item:
             self._items.point(identifier, None)
-            return self._settle(state, identifier, decision, now)
+            self._settle(state, identifier, decision, now)
+            return decision
         item = self._track(state, identifier, self._items.get(key))
         if decision.action is Action.HIT:
             assert item is not None
             if self._hold(state, identifier, item):
                 self._stop_waiting(state, identifier, now)
-                return True
+                return decision
             decision = self._decide(state, feature, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
             self._items.drop(item)
@@ -170,7 +166,8 @@ class ECS3Scheduler:
                 item = self._items.add(key, identifier)
                 self._track(state, identifier, item)
             self._start(item, feature, now)
-        return self._settle(state, identifier, decision, now)
+        self._settle(state, identifier, decision, now)
+        return decision
 
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
         identifier = feature.identifier
@@ -187,18 +184,13 @@ class ECS3Scheduler:
             state.use(identifier, item)
         return item
 
-    def _settle(self, state: RequestState, identifier: str, decision: Decision, now: float) -> bool:
-        """The decision's outcome for the request: done (True), wait (False), or raise."""
+    def _settle(self, state: RequestState, identifier: str, decision: Decision, now: float) -> None:
+        """What the decision leaves behind: its counter, and an item vLLM encodes itself."""
         if decision.counter is not None:
             self._counters.inc(decision.counter)
-        if decision.action is Action.WAIT:
-            return False
-        if decision.action is Action.UNAVAILABLE:
-            raise _Unavailable(decision.reason)
         if decision.action is Action.ENCODE_LOCALLY:
             self._stop_waiting(state, identifier, now)
             state.local.add(identifier)
-        return True
 
     def _hold(self, state: RequestState, ident: str, item: Item) -> bool:
         """Pin ``item``'s staging slot for this request (consumers); False, and the
