@@ -56,7 +56,7 @@ from ec_s3.connector.metrics import ECS3Stats, open_stats_reader, scheduler_stat
 from ec_s3.connector.model import ModelInfo, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.topology import Topology, WorkerReach
-from ec_s3.connector.transfer_params import Promise, build_transfer_params, read_promises
+from ec_s3.connector.transfer_params import build_transfer_params, read_promises
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
