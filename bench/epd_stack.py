@@ -76,29 +76,36 @@ PROXY_ENC_N = "ec_s3_proxy_encoder_requests_total"
 
 @dataclass
 class ProxyProc:
-    """``python -m ec_s3.proxy`` as a deployment runs it (its own process and loop)."""
+    """A proxy in its own process and loop, as a deployment runs it: ``python -m ec_s3.proxy``
+    (:meth:`start`) or any other proxy command (:meth:`spawn`)."""
 
     proc: subprocess.Popen[bytes]
     url: str
 
     @classmethod
     def start(cls, encoder_url: str, pd_url: str, log_path: Path, dispatch: str = "serial") -> ProxyProc:
-        from ec_s3.sandbox.net import LOOPBACK, free_port, http_get
+        from ec_s3.sandbox.net import LOOPBACK, free_port
 
         port = free_port()
+        return cls.spawn([sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
+                          "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
+                         port, log_path, "ec-s3 proxy")
+
+    @classmethod
+    def spawn(cls, argv: list[str], port: int, log_path: Path, what: str) -> ProxyProc:
+        """Run ``argv`` (a proxy listening on loopback ``port``) until its ``/health`` answers 200."""
+        from ec_s3.sandbox.net import LOOPBACK, http_get
+
         log = log_path.open("wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
-             "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
-            stdout=log, stderr=subprocess.STDOUT, cwd=bl.REPO, env={**os.environ, "PYTHONPATH": str(bl.REPO)},
-        )
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=bl.REPO,
+                                env={**os.environ, "PYTHONPATH": str(bl.REPO)})
         log.close()
         url = f"http://{LOOPBACK}:{port}"
         deadline = time.monotonic() + 60
         while http_get(f"{url}/health", 2.0)[0] != 200:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
-                raise RuntimeError(f"ec-s3 proxy did not start; see {log_path}")
+                raise RuntimeError(f"{what} did not start; see {log_path}")
             time.sleep(0.2)
         return cls(proc, url)
 
