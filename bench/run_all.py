@@ -24,15 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from bench import benchlib as bl
+from bench import ttft
 
 BENCHES = ["producer_save", "transfer", "scheduler_cost", "stats_cost", "prefetch", "memory", "gil",
-           "promise_pickup", "poll_sockets", "gpu_check", "e2e"]
+           "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
             "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
-            "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900)}
+            "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900),
+            "ttft": (900, 480)}
+# Benchmarks that start real vLLM engines (the slowest): --skip-e2e leaves them out.
+ENGINE_BENCHES = {"e2e", "ttft"}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
 OPTIONAL = {"promise_pickup"}
 # Exit status 2 of gpu_check: no CUDA (a CPU dry run), reported "not run: no GPU", not a failure.
@@ -218,6 +222,7 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
                          f"{runs[part]['plain']} / {runs[part]['producer']} / {runs[part]['consumer']}", "consumer 0", _yes(runs[part]["consumer"] == 0)])
         rows.append(["6. e2e: consumer outputs == plain outputs (greedy)", "all", str(s["outputs_match_plain"]), "True",
                      _yes(s["outputs_match_plain"])])
+    rows.extend(ttft.measurement_rows(load(out_dir, "ttft")))
     return rows, goals
 
 
@@ -410,6 +415,8 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
                               "close: fewer GIL hand-offs per step"))
     # 7. GPU
     rows.append(_gpu(out_dir))
+    # 8. time to first token (issue 20): bench/ttft.py owns its goals
+    rows.extend(ttft.goal_rows(load(out_dir, "ttft")))
     return rows
 
 
@@ -573,7 +580,7 @@ def update_perf_section(title: str, counts: dict[str, int], goals_md: str) -> No
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (~3-4 min)")
-    parser.add_argument("--skip-e2e", action="store_true", help="skip the real-engine benchmark (the slowest)")
+    parser.add_argument("--skip-e2e", action="store_true", help="skip the real-engine benchmarks (e2e, ttft: the slowest)")
     parser.add_argument("--only", nargs="+", choices=BENCHES, default=None)
     parser.add_argument("--out-dir", type=Path, default=bl.RESULTS_DIR)
     parser.add_argument("--no-plot", action="store_true")
@@ -582,7 +589,7 @@ def main() -> int:
     parser.add_argument("--summary-only", action="store_true",
                         help="run nothing: rebuild summary.md/json (and the README table) from the result files")
     args = parser.parse_args()
-    names = args.only or [b for b in BENCHES if not (args.skip_e2e and b == "e2e")]
+    names = args.only or [b for b in BENCHES if not (args.skip_e2e and b in ENGINE_BENCHES)]
     started = time.monotonic()
     runs = {} if args.summary_only else {name: run_bench(name, args, args.out_dir) for name in names}
     total = time.monotonic() - started
@@ -613,7 +620,7 @@ def main() -> int:
         "issue_13_goals": issue,
         "rows": [dict(zip(["measurement", "case", "result", "goal", "met"], r)) for r in rows],
     }, indent=2) + "\n")
-    complete = args.summary_only or set(names) == set(BENCHES) - ({"e2e"} if args.skip_e2e else set())
+    complete = args.summary_only or set(names) == set(BENCHES) - (ENGINE_BENCHES if args.skip_e2e else set())
     if not args.no_plot:
         plot_goals(issue, args.out_dir)
     if not args.no_readme and args.out_dir.resolve() == bl.RESULTS_DIR.resolve() and complete:
