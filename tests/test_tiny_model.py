@@ -17,7 +17,7 @@ def test_heavy_vision_shape_builds_and_is_exact(tmp_path: Path) -> None:
 
     model_dir = build_tiny_llava(tmp_path / "heavy", shape=HEAVY_VISION)
     vision = LlavaForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.bfloat16).config.vision_config
-    assert (vision.hidden_size, vision.num_hidden_layers, vision.image_size) == (128, 8, 112)
+    assert (vision.hidden_size, vision.num_hidden_layers, vision.image_size) == (128, 4, 112)
     assert vision.num_attention_heads == 4 and vision.intermediate_size == 512
     assert HEAVY_VISION.num_image_tokens == 64 and HEAVY_VISION.text_hidden == DEFAULT_SHAPE.text_hidden
 
