@@ -201,22 +201,31 @@ def _ms(s: dict[str, Any], path: str, metric: str = "ttft_s") -> float:
     return (s.get(path) or {}).get(metric, {}).get("median", float("nan")) * 1e3
 
 
+def _parts(d: dict[str, Any], st: str, p: str) -> str:
+    """An ec-s3 path's median parts (its servers' histograms) in words."""
+    parts = ((d.get("ecs3_parts_p50_s") or {}).get(st) or {}).get(p) or {}
+    named = (("p/d queued (its wait for the blob)", "consumer:vllm:request_queue_time_seconds"),
+             ("GET", "consumer:vllm:ec_s3_download_seconds"), ("PUT", "producer:vllm:ec_s3_upload_seconds"),
+             ("encoder queued", "producer:vllm:request_queue_time_seconds"))
+    return ", ".join(f"{label} {parts[k] * 1e3:.0f} ms" for label, k in named if k in parts) or "no breakdown"
+
+
 def _why(name: str, d: dict[str, Any]) -> str:
     """Why a goal was missed, from the same run's medians and the encoder's measured cost."""
     fresh, rep = d["latency_s"].get("fresh", {}), d["latency_s"].get("repeated", {})
     enc = (d.get("encoder_calibration") or {}).get("encoder_step_s", {}).get("median")
     enc_ms = f"{enc * 1e3:.0f} ms" if enc else "?"
     if name.startswith("parallel / serial"):
-        return (f"serial waits for the encoder's whole answer (encoder step {enc_ms}, PUT, answer) before p/d starts; "
-                f"parallel overlaps only p/d's front end and the hop ({_ms(fresh, 'serial') - _ms(fresh, 'parallel'):.0f} "
-                f"ms saved of {_ms(fresh, 'serial'):.0f} ms), and prefill + decode of the tiny text model are a small "
-                "share; close: a model whose p/d front end (image processing, scheduling) costs more, or more images "
-                "per request")
+        return (f"parallel saved {_ms(fresh, 'serial') - _ms(fresh, 'parallel'):.0f} ms of "
+                f"{_ms(fresh, 'serial'):.0f} ms (encoder step {enc_ms}); parallel: {_parts(d, 'fresh', 'parallel')}; "
+                f"serial: {_parts(d, 'fresh', 'serial')}. Overlap hides only p/d's front end and the hop, while p/d's "
+                "worker spins through its wait on a 2-core host that also runs the encoder, its upload, SeaweedFS and "
+                "4 more servers; close: a host with a core per server")
     if name.startswith("repeated"):
-        return (f"plain encodes ({enc_ms} per image) where the consumer fetches the blob: saved "
-                f"{_ms(rep, 'plain') - _ms(rep, 'parallel'):.0f} ms of {_ms(rep, 'plain'):.0f} ms; the EPD path still "
-                "pays the proxy hop, the GET and the p/d front end on a 2-core host shared by 5 servers; close: an "
-                "encoder that costs more than a GET (real vision towers cost 10-100x this one)")
+        return (f"plain encodes ({enc_ms} per image) and answers in {_ms(rep, 'plain'):.0f} ms; EPD "
+                f"{_ms(rep, 'parallel'):.0f} ms ({_parts(d, 'repeated', 'parallel')}): it pays the proxy hop, the "
+                "encoder's request (sent in parallel even for a published item), the GET and p/d's wait on a 2-core host "
+                "shared by 5 servers; close: an encoder that costs more than a GET, a host with a core per server")
     return (f"vLLM's proxy + ECExampleConnector TTFT {_ms(fresh, 'vllm-proxy'):.0f} ms vs parallel "
             f"{_ms(fresh, 'parallel'):.0f} ms: the peer's consumer reads a local file inside the step, ec-s3 waits for "
             "the PUT and does a GET through SeaweedFS on the same 2 cores")
@@ -319,7 +328,7 @@ def _servers(model: str, args: list[str], ep: bl.Endpoint, bucket: str, peer_dir
 
 
 def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any) -> dict[str, Any]:
-    from bench.epd_stack import ProxyProc
+    from bench.epd_stack import ProxyProc, Scraper
     from ec_s3.sandbox.net import LOOPBACK, free_port
     from ec_s3.sandbox.tiny_model import build_tiny_llava
     from ec_s3.sandbox.vllm_server import start_all, stop_all, wait_all_ready
@@ -364,6 +373,10 @@ def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any
                         raise RuntimeError(f"warm-up on {p}: {r['error']}")
                     time.sleep(gap_s)
             before = s["ec-s3 PD"].metrics()
+            # Per ec-s3 request, from its servers' histograms (windows with one event):
+            # producer queue and upload, consumer queue (its wait for the blob) and GET.
+            scraper = Scraper({"producer": s["ec-s3 E"], "consumer": s["ec-s3 PD"]}, url["parallel"])
+            parts: dict[str, dict[str, dict[str, list[float]]]] = {st: {p: {} for p in EPD_PATHS[:2]} for st in SETS}
             samples: dict[str, dict[str, dict[str, list[float]]]] = {
                 st: {p: {"ttft_s": [], "e2e_s": []} for p in PATHS} for st in SETS}
             errors: list[str] = []
@@ -377,6 +390,7 @@ def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any
                         for p in EPD_PATHS:
                             post_json(encoder[p].url, encoder_request(p, bodies[p]))
                         time.sleep(gap_s)
+                        scraper.last = scraper._scrape()
                     for p in order:
                         res = stream_chat(url[p], bodies[p])
                         if res["error"]:
@@ -385,6 +399,11 @@ def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any
                             samples[st][p]["ttft_s"].append(res["ttft_s"])
                             samples[st][p]["e2e_s"].append(res["e2e_s"])
                         time.sleep(gap_s)
+                        if p in parts[st]:
+                            for k, v in scraper.window().items():
+                                parts[st][p].setdefault(k, []).append(v)
+                        else:
+                            scraper.last = scraper._scrape()
                 bl.log(f"ttft: repeat {r + 1}/{repeats}: " + "; ".join(
                     f"{st} " + " ".join(f"{p} {statistics.median(samples[st][p]['ttft_s']) * 1e3:.0f}"
                                         for p in PATHS if samples[st][p]['ttft_s']) for st in SETS) + " ms TTFT p50")
@@ -404,6 +423,8 @@ def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any
         "load_s": load_s, "encoder_calibration": calib,
         "latency_s": {st: {p: {m: bl.summary(v) for m, v in samples[st][p].items()} for p in PATHS} for st in SETS},
         "samples_s": samples, "goals": ratios(samples), "errors": errors,
+        "ecs3_parts_p50_s": {st: {p: {k: statistics.median(v) for k, v in ks.items()} for p, ks in ps.items()}
+                             for st, ps in parts.items()},
         "ecs3_consumer_counts": consumer, "peer_files_written": peer_files,
     }
 
