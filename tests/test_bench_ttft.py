@@ -94,6 +94,17 @@ class _SSE(BaseHTTPRequestHandler):
         pass
 
 
+def _stream_from_script() -> dict[str, Any]:
+    """ttft.stream_chat against a loopback server that plays ``_SSE.script``."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        return ttft.stream_chat(f"http://127.0.0.1:{server.server_address[1]}", {"stream": True})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def _event(content: str | None) -> bytes:
     delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
     return b"data: " + json.dumps({"choices": [{"delta": delta}]}).encode() + b"\n\n"
@@ -105,13 +116,7 @@ def test_stream_chat_times_the_first_chunk_with_content_not_the_role_chunk(split
     parts = [first[:9], first[9:]] if split else [first]  # an event split across writes (vLLM's proxy: 1 KiB chunks)
     _SSE.script = [(0.0, _event(None)), (0.15, parts[0])] + [(0.0, p) for p in parts[1:]] + [
         (0.5, _event("lo")), (0.0, b"data: [DONE]\n\n")]
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        r = ttft.stream_chat(f"http://127.0.0.1:{server.server_address[1]}", {"stream": True})
-    finally:
-        server.shutdown()
-        server.server_close()
+    r = _stream_from_script()
     assert r["error"] is None and r["text"] == "Hello" and r["chunks"] == 2
     # not the role chunk (sent at once), not the end of the stream (0.5 s after the first content)
     assert r["ttft_s"] >= 0.15 and r["e2e_s"] - r["ttft_s"] >= 0.45
@@ -119,13 +124,7 @@ def test_stream_chat_times_the_first_chunk_with_content_not_the_role_chunk(split
 
 def test_stream_chat_reports_errors_instead_of_raising() -> None:
     _SSE.script = [(0.0, b'data: {"error": {"message": "boom"}}\n\n')]
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SSE)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        r = ttft.stream_chat(f"http://127.0.0.1:{server.server_address[1]}", {"stream": True})
-    finally:
-        server.shutdown()
-        server.server_close()
+    r = _stream_from_script()
     assert "boom" in r["error"] and r["ttft_s"] is None
     closed = ttft.stream_chat("http://127.0.0.1:9", {"stream": True}, timeout=2)
     assert closed["error"] and closed["ttft_s"] is None
