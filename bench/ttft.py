@@ -215,20 +215,23 @@ def _why(name: str, d: dict[str, Any]) -> str:
     fresh, rep = d["latency_s"].get("fresh", {}), d["latency_s"].get("repeated", {})
     enc = (d.get("encoder_calibration") or {}).get("encoder_step_s", {}).get("median")
     enc_ms = f"{enc * 1e3:.0f} ms" if enc else "?"
+    spin = ("a vLLM CPU worker busy-waits ~1 s after each step, so on this 2-core host the encoder's worker holds one "
+            "core and p/d's worker the other while p/d's API server and engine core, the proxy, the upload and "
+            "SeaweedFS need them (plain has one worker and a free core)")
     if name.startswith("parallel / serial"):
         return (f"parallel saved {_ms(fresh, 'serial') - _ms(fresh, 'parallel'):.0f} ms of "
                 f"{_ms(fresh, 'serial'):.0f} ms (encoder step {enc_ms}); parallel: {_parts(d, 'fresh', 'parallel')}; "
-                f"serial: {_parts(d, 'fresh', 'serial')}. Overlap hides only p/d's front end and the hop, while p/d's "
-                "worker spins through its wait on a 2-core host that also runs the encoder, its upload, SeaweedFS and "
-                "4 more servers; close: a host with a core per server")
+                f"serial: {_parts(d, 'fresh', 'serial')}; in parallel p/d's worker spins through its wait while the "
+                f"encoder computes: {spin}; close: a core per worker and spare cores for the front ends")
     if name.startswith("repeated"):
         return (f"plain encodes ({enc_ms} per image) and answers in {_ms(rep, 'plain'):.0f} ms; EPD "
-                f"{_ms(rep, 'parallel'):.0f} ms ({_parts(d, 'repeated', 'parallel')}): it pays the proxy hop, the "
-                "encoder's request (sent in parallel even for a published item), the GET and p/d's wait on a 2-core host "
-                "shared by 5 servers; close: an encoder that costs more than a GET, a host with a core per server")
-    return (f"vLLM's proxy + ECExampleConnector TTFT {_ms(fresh, 'vllm-proxy'):.0f} ms vs parallel "
-            f"{_ms(fresh, 'parallel'):.0f} ms: the peer's consumer reads a local file inside the step, ec-s3 waits for "
-            "the PUT and does a GET through SeaweedFS on the same 2 cores")
+                f"{_ms(rep, 'parallel'):.0f} ms ({_parts(d, 'repeated', 'parallel')}): the proxy also sends the "
+                f"published item to the encoder, and {spin}; close: a core per worker and spare cores for the front "
+                "ends, an encoder that costs more than a GET")
+    return (f"vLLM's proxy + ECExampleConnector {_ms(fresh, 'vllm-proxy'):.0f} ms vs parallel "
+            f"{_ms(fresh, 'parallel'):.0f} ms ({_parts(d, 'fresh', 'parallel')}): the peer's consumer reads a local "
+            "file inside the step, ec-s3 waits for the PUT and GETs from SeaweedFS on the same 2 cores, and in "
+            f"parallel dispatch p/d's worker spins through the encoder's step ({spin}); close: a core per worker")
 
 
 def goal_rows(d: dict[str, Any] | None) -> list[dict[str, str]]:
