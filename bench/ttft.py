@@ -206,7 +206,7 @@ def _parts(d: dict[str, Any], st: str, p: str) -> str:
     parts = ((d.get("ecs3_parts_p50_s") or {}).get(st) or {}).get(p) or {}
     named = (("p/d queued (its wait for the blob)", "consumer:vllm:request_queue_time_seconds"),
              ("GET", "consumer:vllm:ec_s3_download_seconds"), ("PUT", "producer:vllm:ec_s3_upload_seconds"),
-             ("encoder queued", "producer:vllm:request_queue_time_seconds"))
+             ("encoder request", "producer:vllm:e2e_request_latency_seconds"))
     return ", ".join(f"{label} {parts[k] * 1e3:.0f} ms" for label, k in named if k in parts) or "no breakdown"
 
 
@@ -215,23 +215,25 @@ def _why(name: str, d: dict[str, Any]) -> str:
     fresh, rep = d["latency_s"].get("fresh", {}), d["latency_s"].get("repeated", {})
     enc = (d.get("encoder_calibration") or {}).get("encoder_step_s", {}).get("median")
     enc_ms = f"{enc * 1e3:.0f} ms" if enc else "?"
-    spin = ("a vLLM CPU worker busy-waits ~1 s after each step, so on this 2-core host the encoder's worker holds one "
-            "core and p/d's worker the other while p/d's API server and engine core, the proxy, the upload and "
-            "SeaweedFS need them (plain has one worker and a free core)")
+    spin = ("a vLLM CPU worker busy-waits ~1 s after each step, and p/d's engine keeps stepping its worker while a "
+            "request waits for a blob, so on this 2-core host both cores are held by workers (encoder computing, p/d "
+            "spinning) while the encoder's front end and upload, SeaweedFS, p/d's polling GETs and the proxy need them")
     if name.startswith("parallel / serial"):
-        return (f"parallel saved {_ms(fresh, 'serial') - _ms(fresh, 'parallel'):.0f} ms of "
-                f"{_ms(fresh, 'serial'):.0f} ms (encoder step {enc_ms}); parallel: {_parts(d, 'fresh', 'parallel')}; "
-                f"serial: {_parts(d, 'fresh', 'serial')}; in parallel p/d's worker spins through its wait while the "
-                f"encoder computes: {spin}; close: a core per worker and spare cores for the front ends")
+        return (f"parallel {_ms(fresh, 'parallel'):.0f} vs serial {_ms(fresh, 'serial'):.0f} ms (encoder step "
+                f"{enc_ms}); parallel: {_parts(d, 'fresh', 'parallel')}; serial: {_parts(d, 'fresh', 'serial')}: "
+                f"overlapped, the encoder's request is slower and p/d waits longer than it takes, because {spin}; "
+                "close: a core per worker and spare cores for the front ends (any GPU host), or a consumer whose "
+                "waiting request does not step its worker")
     if name.startswith("repeated"):
         return (f"plain encodes ({enc_ms} per image) and answers in {_ms(rep, 'plain'):.0f} ms; EPD "
-                f"{_ms(rep, 'parallel'):.0f} ms ({_parts(d, 'repeated', 'parallel')}): the proxy also sends the "
-                f"published item to the encoder, and {spin}; close: a core per worker and spare cores for the front "
-                "ends, an encoder that costs more than a GET")
+                f"{_ms(rep, 'parallel'):.0f} ms ({_parts(d, 'repeated', 'parallel')}; serial "
+                f"{_ms(rep, 'serial'):.0f} ms): the blob is in the bucket, yet {spin}; close: a core per worker and "
+                "spare cores for the front ends, an encoder that costs more than a GET")
     return (f"vLLM's proxy + ECExampleConnector {_ms(fresh, 'vllm-proxy'):.0f} ms vs parallel "
-            f"{_ms(fresh, 'parallel'):.0f} ms ({_parts(d, 'fresh', 'parallel')}): the peer's consumer reads a local "
-            "file inside the step, ec-s3 waits for the PUT and GETs from SeaweedFS on the same 2 cores, and in "
-            f"parallel dispatch p/d's worker spins through the encoder's step ({spin}); close: a core per worker")
+            f"{_ms(fresh, 'parallel'):.0f} ms and serial {_ms(fresh, 'serial'):.0f} ms "
+            f"({_parts(d, 'fresh', 'parallel')}): the peer's consumer reads a local file inside the step and never "
+            f"waits; ec-s3 waits for the PUT and GETs from SeaweedFS, and {spin}; close: a core per worker and spare "
+            "cores for the front ends, the store off the engines' cores")
 
 
 def goal_rows(d: dict[str, Any] | None) -> list[dict[str, str]]:
