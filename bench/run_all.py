@@ -34,7 +34,7 @@ TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost
             "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
             "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900),
-            "ttft": (900, 480)}
+            "ttft": (900, 600)}
 # Benchmarks that start real vLLM engines (the slowest): --skip-e2e leaves them out.
 ENGINE_BENCHES = {"e2e", "ttft"}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
