@@ -183,12 +183,12 @@ class ECS3Config:
         metadata=_doc("Timeout waiting for data on an open connection per attempt.", min=0.01, max=3600.0),
     )
     # read_timeout_s bounds each silence, not the whole: a server trickling a byte per
-    # read_timeout_s would hold a request, and one of max_concurrency slots, forever.
+    # read_timeout_s would hold a request, and one of max_concurrency permits, forever.
     request_timeout_s: float = dataclasses.field(
         default=120.0,
         metadata=_doc(
             "Total time one attempt of one S3 request may take (connect, send, answer, body); also the "
-            "longest wait for one of `max_concurrency` slots.",
+            "longest wait for one of `max_concurrency` request permits.",
             min=0.1, max=3600.0,
         ),
     )

@@ -1,8 +1,8 @@
-"""A server that trickles its answers cannot hold a request, nor the store's request slots, forever.
+"""A server that trickles its answers cannot hold a request, nor the store's request permits, forever.
 
 ``read_timeout_s`` bounds each silence; a body sent a byte at a time never trips it.
 ``request_timeout_s`` bounds each attempt as a whole and each wait for one of the
-``max_concurrency`` slots (store/slots.py). Both data paths, against a scripted raw
+``max_concurrency`` permits (store/permits.py). Both data paths, against a scripted raw
 server (tests/support/scripted_http.py).
 """
 
@@ -18,7 +18,7 @@ import pytest
 from ec_s3.config import ConfigError
 from ec_s3.store.client import S3Store
 from ec_s3.store.errors import StoreBusy, StoreError, StoreTimeout
-from ec_s3.store.slots import Slots
+from ec_s3.store.permits import RequestPermits
 from tests.support.scripted_http import ScriptedHTTP
 
 SIZE = 100
@@ -43,8 +43,8 @@ def test_a_trickled_body_times_out_as_a_whole(path_store: Callable[..., S3Store]
         assert store.stats.failures == 1 and store.breaker.failures == 1  # counted as any last attempt
 
 
-def test_waiting_for_a_slot_is_bounded(path_store: Callable[..., S3Store]) -> None:
-    """One slot, three trickled GETs: the first holds the slot until its deadline;
+def test_waiting_for_a_permit_is_bounded(path_store: Callable[..., S3Store]) -> None:
+    """One permit, three trickled GETs: the first holds the permit until its deadline;
     the others wait at most that long, and at least one of them gets StoreBusy."""
     with ScriptedHTTP(lambda n, head: _trickle) as server:
         store = path_store(server.url, max_attempts=1, max_concurrency=1, read_timeout_s=1.0, request_timeout_s=1.0)
@@ -66,18 +66,18 @@ def test_request_timeout_s_is_validated(make_config: Callable[..., object]) -> N
         make_config(request_timeout_s=0)
 
 
-def test_slots_are_released_on_every_way_out() -> None:
+def test_permits_are_released_on_every_way_out() -> None:
     async def scenario() -> None:
-        slots = Slots(1, 0.2)
+        permits = RequestPermits(1, 0.2)
         with pytest.raises(StoreTimeout):
-            async with slots.hold("GET", "k"):
+            async with permits.hold("GET", "k"):
                 await asyncio.sleep(5)
         with pytest.raises(ValueError):
-            async with slots.hold("GET", "k"):
+            async with permits.hold("GET", "k"):
                 raise ValueError("the caller's")
         loop = asyncio.get_running_loop()
         started = loop.time()
-        async with slots.hold("GET", "k"):
+        async with permits.hold("GET", "k"):
             assert loop.time() - started < 0.1  # free again at once
 
     asyncio.run(scenario())

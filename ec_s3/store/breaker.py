@@ -24,7 +24,7 @@ class CircuitBreaker:
     locally instead of each waiting out timeouts. After the cooldown one probe
     request goes through; its success closes the breaker, its failure reopens it for
     longer, and if it ends with no verdict on the store (the caller's own error,
-    cancellation, no credentials) its slot is freed so the next request probes. One
+    cancellation, no credentials) the probe is freed so the next request probes. One
     log line per transition, never one per request.
 
     Every admitted request holds a ticket (:meth:`allow`) that it must hand back to
@@ -59,7 +59,7 @@ class CircuitBreaker:
 
     def release(self, ticket: int) -> None:
         """The request holding ``ticket`` is over. If it was the pending probe and it
-        reported neither success nor failure, free the probe slot: the breaker stays
+        reported neither success nor failure, free the probe: the breaker stays
         open and, its cooldown being over, lets the next request probe."""
         if ticket and ticket == self._tickets and self.probing:
             self.probing = False

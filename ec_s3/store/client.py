@@ -57,7 +57,7 @@ from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.multipart import put_multipart
 from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
-from ec_s3.store.slots import Slots
+from ec_s3.store.permits import RequestPermits
 from ec_s3.store.transport import ObjectInfo, Transport, open_transport
 
 __all__ = [
@@ -125,7 +125,7 @@ class S3Store:
         self._transport: Transport | None = None
         self._client_lock: asyncio.Lock | None = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
-        self._sem: Slots | None = None
+        self._permits: RequestPermits | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._closed = False
         self._client_gone = False
@@ -240,30 +240,30 @@ class S3Store:
                 self._exit_stack = stack
                 # Requests queue here, not in aiohttp's pool: a pool wait is bounded
                 # (connection.py) and must only ever mean a held-up connection.
-                self._sem = Slots(min(self.config.max_concurrency, self.config.max_pool_connections),
-                                  self.config.request_timeout_s)
+                self._permits = RequestPermits(min(self.config.max_concurrency, self.config.max_pool_connections),
+                                               self.config.request_timeout_s)
                 self._transport = transport  # last: its being set means the store is ready
         return self._transport
 
     async def _call(
-        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], *, slot: bool = True,
+        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], *, permit: bool = True,
         spent: int = 0,
     ) -> T:
         """Run one S3 request, ``fn`` one attempt of it on the store's transport, with
         the retry budget (less ``spent`` attempts made elsewhere), the concurrency bound
-        and the breaker. With ``slot=False``, ``fn`` takes its request slot itself
-        (:meth:`_slot`), to keep it past the call."""
+        and the breaker. With ``permit=False``, ``fn`` takes its request permit itself
+        (:meth:`_permit`), to keep it past the call."""
         ticket = self.breaker.allow()
         if ticket is None:
             self.stats.short_circuited += 1
             raise CircuitOpen(op, key, "the store failed repeatedly, not trying")
         try:
-            return await self._attempts(op, key, fn, ticket, slot, spent)
+            return await self._attempts(op, key, fn, ticket, permit, spent)
         finally:
             self.breaker.release(ticket)  # however it ended, a probe must not stay pending
 
     async def _attempts(
-        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], ticket: int, slot: bool,
+        self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], ticket: int, permit: bool,
         spent: int,
     ) -> T:
         cfg = self.config
@@ -271,7 +271,7 @@ class S3Store:
         for attempt in range(1 + min(spent, cfg.max_attempts - 1), cfg.max_attempts + 1):
             self.stats.requests += 1
             try:
-                async with self._slot(op, key) if slot else contextlib.nullcontext():
+                async with self._permit(op, key) if permit else contextlib.nullcontext():
                     result = await fn(transport)
                 self.breaker.success()
                 return result
@@ -295,10 +295,10 @@ class S3Store:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _slot(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]:
-        """One request slot, for one attempt (the store is connected: :meth:`_call`)."""
-        assert self._sem is not None
-        return self._sem.hold(op, key)
+    def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """One request permit, for one attempt (the store is connected: :meth:`_call`)."""
+        assert self._permits is not None
+        return self._permits.hold(op, key)
 
     # ------------------------------------------------------------------ operations
     async def head_async(self, key: str) -> ObjectInfo | None:

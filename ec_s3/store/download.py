@@ -8,7 +8,7 @@ is still copied once, from the socket to its final place.
 
 The first request asks for the first part (``Range: bytes=0-<part-1>``, plus a header's
 worth); its ``Content-Range`` gives the object's size, so a blob up to one part costs
-one round trip. Its answer stays open, holding its request slot, until
+one round trip. Its answer stays open, holding its request permit, until
 :meth:`Download.read_into` reads it; the remaining parts go in parallel with that read,
 each with ``If-Match`` of the first answer's ETag: an object replaced between two ranges is
 never a blend. Then the whole GET restarts once, into the same buffer; a second change
@@ -16,7 +16,7 @@ never a blend. Then the whole GET restarts once, into the same buffer; a second 
 again as a range (with its retries), like the later ones.
 
 Owns the ranges of one GET, their order, the restart and the CRC check. Does not own
-the retry loop, the breaker or the request slots (:class:`ec_s3.store.client.S3Store`,
+the retry loop, the breaker or the request permits (:class:`ec_s3.store.client.S3Store`,
 reached through :class:`DownloadingStore`), nor how one range travels
 (:mod:`.transport`).
 """
@@ -54,16 +54,16 @@ class DownloadingStore(Protocol):
     breaker: CircuitBreaker
 
     async def _call(
-        self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, slot: bool = True, spent: int = 0
+        self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, permit: bool = True, spent: int = 0
     ) -> T: ...
 
-    def _slot(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]: ...
+    def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]: ...
 
 
 @dataclasses.dataclass
 class _First:
     """The first answer, its body unread (or, for a 200 of unknown length, read into
-    ``data``); ``scope`` holds its request slot and connection."""
+    ``data``); ``scope`` holds its request permit and connection."""
 
     scope: contextlib.AsyncExitStack
     answer: GetAnswer
@@ -81,7 +81,7 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
 
     async def _open(t: Transport) -> _First:
         async with contextlib.AsyncExitStack() as scope:
-            await scope.enter_async_context(store._slot("GET", key))
+            await scope.enter_async_context(store._permit("GET", key))
             answer = await scope.enter_async_context(t.open_range(key, 0, last))
             span = check_answer(answer.status, answer.headers, 0, last, key)
             first = _First(scope, answer, span.length or 0, span.total or span.length or 0,
@@ -94,7 +94,7 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
             first.scope = scope.pop_all()  # held until read_into (or close) releases it
             return first
 
-    return await store._call("GET", key, _open, slot=False)
+    return await store._call("GET", key, _open, permit=False)
 
 
 class Download:
@@ -154,7 +154,7 @@ class Download:
         held, self._held = self._held, None
         assert held is first
         try:
-            # Exited with the error in flight, so the slot's deadline turns its
+            # Exited with the error in flight, so the permit's deadline turns its
             # cancellation into a StoreTimeout.
             async with held.scope:
                 if first.data is not None:

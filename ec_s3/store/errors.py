@@ -135,8 +135,8 @@ class StoreUnreachable(StoreUnavailable):
 
 
 class StoreBusy(StoreUnavailable):
-    """Not sent: no request slot (``max_concurrency``) came free within
-    ``request_timeout_s``; the slots are held by slow requests. Not retried (a retry
+    """Not sent: no request permit (``max_concurrency``) came free within
+    ``request_timeout_s``; the permits are held by slow requests. Not retried (a retry
     would queue again) and not counted by the circuit breaker."""
 
 

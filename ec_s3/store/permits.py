@@ -2,11 +2,13 @@
 
 Why both bounds: ``read_timeout_s`` bounds each silence of a server, not a whole
 request, so a server that trickles a body (a byte now and then) held a request, and
-its slot, forever; a few such requests and every other request of the process
-queued behind them without end. An attempt that holds a slot longer than its
+its permit, forever; a few such requests and every other request of the process
+queued behind them without end. An attempt that holds a permit longer than its
 deadline is cancelled (its connection closed by the path's own cleanup) and becomes
-a :class:`~.errors.StoreTimeout`, retried like any timeout; a wait for a slot that
+a :class:`~.errors.StoreTimeout`, retried like any timeout; a wait for a permit that
 outlasts the deadline is a :class:`~.errors.StoreBusy`.
+
+(A "permit" is the store's; a "slot" is always a staging file, :mod:`ec_s3.transfer.staging`.)
 
 Owns: the semaphore and both deadlines. Does not own retries, the breaker and what
 the request does (:mod:`.client`).
@@ -20,11 +22,11 @@ from collections.abc import AsyncIterator
 
 from ec_s3.store.errors import StoreBusy, StoreTimeout
 
-__all__ = ["Slots"]
+__all__ = ["RequestPermits"]
 
 
-class Slots:
-    """``n`` slots on one event loop; :meth:`hold` one for one attempt of a request."""
+class RequestPermits:
+    """``n`` permits on one event loop; :meth:`hold` one for one attempt of a request."""
 
     def __init__(self, n: int, deadline_s: float) -> None:
         self._sem = asyncio.Semaphore(n)
@@ -32,14 +34,14 @@ class Slots:
 
     @contextlib.asynccontextmanager
     async def hold(self, op: str, key: str) -> AsyncIterator[None]:
-        """A slot for the body of the ``async with``: waited for at most the deadline
+        """A permit for the body of the ``async with``: waited for at most the deadline
         (else :class:`StoreBusy`), then held at most the deadline (else the body is
         cancelled and :class:`StoreTimeout` raised)."""
         try:
             async with asyncio.timeout(self._deadline):
                 await self._sem.acquire()
         except TimeoutError:
-            raise StoreBusy(op, key, f"no request slot free within request_timeout_s={self._deadline:g}s") from None
+            raise StoreBusy(op, key, f"no request permit free within request_timeout_s={self._deadline:g}s") from None
         deadline = asyncio.timeout(self._deadline)
         try:
             async with deadline:
