@@ -10,7 +10,7 @@ code, ``DeviceLoader``), each against a baseline measured in the same run:
    current stream, then a host sync as a real step ends) alone vs. with every step
    publishing its encoder output (device->pinned copy on a side stream, then upload),
    interleaved repeats, ratio of medians. Goal <= 1.02x;
-2. host->device load of a staged blob: the worker's ``load_staged`` (pageable->pinned,
+2. host->device load of a staged blob: the worker's ``load_slot`` (pageable->pinned,
    ``non_blocking`` copy on a side stream, the current stream waits on an event) vs a
    plain ``tensor.to(device)`` of the same mapped file: time until the call returns
    (what the step pays) and until the data is on the device;
@@ -235,7 +235,7 @@ class ShmStore:
 
 @dataclasses.dataclass
 class StagedItem:
-    spec: Any  # what the worker's load_staged reads: path, nbytes, data_offset, dtype, shape
+    spec: Any  # what the worker's load_slot reads: path, nbytes, data_offset, dtype, shape
     slot: Any
     area: Any
 
@@ -308,10 +308,10 @@ class DataPath:
     def _stage_shm(self, key: str, expect: Any) -> StagedItem:
         """The stand-in's file is the staged blob: validate it as the fetcher does."""
         from ec_s3.blob.codec import decode_blob
-        from ec_s3.transfer.staging import open_slot_view
+        from ec_s3.transfer.staging import map_slot
 
         slot = self.store.slots[key]
-        mm = open_slot_view(slot.path)
+        mm = map_slot(slot.path)
         try:
             buf = memoryview(mm)
             decoded = decode_blob(buf, expect)
@@ -381,7 +381,7 @@ def round_trips(d: Device, dp: DataPath, h2d: Any, sizes: list[int]) -> list[dic
                 src = random_tensor(d, dtype, size)
                 item = dp.publish_and_stage(ident, src)
                 try:
-                    out = h2d.load_staged(item.spec, d.dev)
+                    out = h2d.load_slot(item.spec, d.dev)
                     d.sync()
                     row["device"] = str(out.device)
                     row["bit_exact"] = bytes_equal(torch, out, src)
@@ -426,7 +426,7 @@ def _under_sync_error(d: Device, fn: Callable[[], Any]) -> tuple[Any, str | None
 def sync_checks(d: Device, dp: DataPath, h2d: Any) -> list[dict[str, Any]]:
     if not d.cuda:
         return [{"site": s, "result": "n/a (no CUDA)", "ok": None}
-                for s in ("BlobPublisher.publish (cold)", "BlobPublisher.publish (warm)", "worker load_staged",
+                for s in ("BlobPublisher.publish (cold)", "BlobPublisher.publish (warm)", "worker load_slot",
                           "control: tensor.to(device) from pageable")]
     torch = d.torch
     out: list[dict[str, Any]] = []
@@ -448,11 +448,11 @@ def sync_checks(d: Device, dp: DataPath, h2d: Any) -> list[dict[str, Any]]:
     src = random_tensor(d, torch.bfloat16, 8)
     item = dp.publish_and_stage(f"sync-load-{secrets.token_hex(4)}", src)
     try:
-        loaded, err, _ = _under_sync_error(d, lambda: h2d.load_staged(item.spec, d.dev))
+        loaded, err, _ = _under_sync_error(d, lambda: h2d.load_slot(item.spec, d.dev))
         d.sync()
         exact = loaded is not None and bytes_equal(torch, loaded, src)
         ok = err is None and exact
-        out.append({"site": "worker load_staged", "ok": ok,
+        out.append({"site": "worker load_slot", "ok": ok,
                     "result": "pass" if ok else f"FAIL: {err or 'wrong tensor'}"})
         _, err, _ = _under_sync_error(d, lambda: _plain_load(d, item.spec))
         out.append({"site": "control: tensor.to(device) from pageable", "ok": None, "control_flagged": err is not None,
@@ -467,10 +467,10 @@ def sync_checks(d: Device, dp: DataPath, h2d: Any) -> list[dict[str, Any]]:
 
 def _plain_load(d: Device, spec: Any) -> Any:
     """The baseline: map the same staged file and ``.to(device)`` (pageable source)."""
-    from ec_s3.transfer.staging import open_slot_view
+    from ec_s3.transfer.staging import map_slot
 
     torch = d.torch
-    mm = open_slot_view(spec.path)
+    mm = map_slot(spec.path)
     try:
         host = torch.frombuffer(mm, dtype=torch.uint8, count=spec.nbytes - spec.data_offset, offset=spec.data_offset)
         host = host.view(getattr(torch, spec.dtype)).reshape(spec.shape)
@@ -487,7 +487,7 @@ def h2d_loads(d: Device, dp: DataPath, h2d: Any, sizes: list[int], samples: int)
         src = random_tensor(d, torch.bfloat16, size)
         item = dp.publish_and_stage(f"h2d-{size}-{secrets.token_hex(4)}", src)
         variants: dict[str, Callable[[], Any]] = {
-            "worker": lambda: h2d.load_staged(item.spec, d.dev),  # noqa: B023
+            "worker": lambda: h2d.load_slot(item.spec, d.dev),  # noqa: B023
             "plain": lambda: _plain_load(d, item.spec),  # noqa: B023
         }
         call: dict[str, list[float]] = {k: [] for k in variants}
@@ -684,7 +684,7 @@ def main() -> int:
         dp = DataPath(d, store_kind, root, endpoint)
         stack.callback(dp.close)
         h2d = device_loader()
-        result["h2d_code"] = "ec_s3/transfer/device.py: DeviceLoader.load_staged (ECS3Worker's load code)"
+        result["h2d_code"] = "ec_s3/transfer/device.py: DeviceLoader.load_slot (ECS3Worker's load code)"
         result["round_trips"] = round_trips(d, dp, h2d, args.sizes_mib)
         result["sync_checks"] = sync_checks(d, dp, h2d)
         result["h2d"] = h2d_loads(d, dp, h2d, args.sizes_mib, samples)

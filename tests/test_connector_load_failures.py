@@ -212,14 +212,14 @@ def test_staged_file_gone_and_store_down_is_encoded_in_the_same_step(
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, max_attempts=1))
     worker = node.worker._worker
     assert worker is not None
-    load_staged = worker._device_loader.load_staged
+    load_slot = worker._device_loader.load_slot
 
     def staged_file_vanishes(spec: LoadSpec, device: torch.device) -> torch.Tensor:
         os.unlink(spec.path)  # another process cleaned staging_dir
         fault_proxy.set_down(True)  # and the store is unreachable
-        return load_staged(spec, device)
+        return load_slot(spec, device)
 
-    worker._device_loader.load_staged = staged_file_vanishes  # type: ignore[method-assign]
+    worker._device_loader.load_slot = staged_file_vanishes  # type: ignore[method-assign]
     try:
         node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]})
         finished = drive(node.driver)

@@ -25,7 +25,7 @@ from ec_s3.blob.codec import BlobLayout, BlobMeta, encode_blob
 from ec_s3.config import ConfigError
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
-from ec_s3.transfer.staging import StagingArea, open_slot_view
+from ec_s3.transfer.staging import StagingArea, map_slot
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[1]
@@ -246,13 +246,13 @@ def test_staging_dir_writable_by_others_is_refused(tmp_path: Path) -> None:
     StagingArea(str(sticky), 1000).close()
 
 
-def test_slot_view_never_follows_a_symlink(tmp_path: Path) -> None:
+def test_map_slot_never_follows_a_symlink(tmp_path: Path) -> None:
     target = tmp_path / "elsewhere"
     target.write_bytes(b"x" * 10)
     link = tmp_path / "slot.blob"
     link.symlink_to(target)
     with pytest.raises(OSError):
-        open_slot_view(str(link))
+        map_slot(str(link))
 
 
 # ---------------------------------------------------------------- 7: generations
@@ -265,7 +265,7 @@ def _blob(ident: str, ns: str) -> tuple[torch.Tensor, BlobMeta, bytes]:
 def _stage(area: StagingArea, name: str, data: bytes):
     slot = area.allocate(name, len(data))
     assert slot is not None
-    mm = open_slot_view(slot.path, writable=True)
+    mm = map_slot(slot.path, writable=True)
     mm[:] = data
     mm.close()
     area.mark_ready(slot)

@@ -164,7 +164,7 @@ class ECS3Worker:
             device = self._target_device()
             if spec.host == self._host:
                 try:
-                    return self._device_loader.load_staged(spec, device)
+                    return self._device_loader.load_slot(spec, device)
                 except Exception as exc:  # noqa: BLE001 - any failure here has a fallback
                     self._failed_loads.add(spec.identifier)
                     self._counters.inc("staging_read_failures")

@@ -2,7 +2,7 @@
 an upload, each on a side stream that the host never waits for.
 
 :class:`DeviceLoader` (the consumer's worker) turns a staged blob (a mapped staging
-file, checked by :func:`~ec_s3.transfer.slot_reader.open_staged_blob`) or a decoded
+file, checked by :func:`~ec_s3.transfer.slot_reader.map_verified_slot`) or a decoded
 tensor into a tensor on the device: on CUDA through a pinned buffer and an
 asynchronous copy on a side stream that the current stream waits on through an event.
 :class:`HostCopier` (the producer's publisher) queues the copy of an encoder output
@@ -25,13 +25,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ec_s3.transfer.slot_reader import open_staged_blob
+from ec_s3.transfer.slot_reader import map_verified_slot
 
-__all__ = ["DeviceLoader", "HostCopier", "StagedBlobRef"]
+__all__ = ["DeviceLoader", "HostCopier", "SlotRef"]
 
 
-class StagedBlobRef(Protocol):
-    """What a load names of a staged blob (``LoadSpec`` in the connector has these)."""
+class SlotRef(Protocol):
+    """What a load names of a slot and the blob staged in it (``LoadSpec`` in the connector has these)."""
 
     @property
     def path(self) -> str: ...
@@ -54,13 +54,13 @@ class DeviceLoader:
     def __init__(self) -> None:
         self._stream: Any = None
 
-    def load_staged(self, blob: StagedBlobRef, device: torch.device) -> torch.Tensor:
+    def load_slot(self, blob: SlotRef, device: torch.device) -> torch.Tensor:
         """The staged blob's tensor on ``device``. Raises ``OSError`` or
-        :class:`~ec_s3.transfer.slot_reader.StagedBlobMismatch` when the file is gone
+        :class:`~ec_s3.transfer.slot_reader.SlotMismatch` when the file is gone
         or is another blob."""
         dtype = getattr(torch, blob.dtype)
         # The path names one generation of a slot; the header must name this item.
-        mm = open_staged_blob(
+        mm = map_verified_slot(
             blob.path, identifier=blob.identifier, nbytes=blob.nbytes, data_offset=blob.data_offset,
             dtype=blob.dtype, shape=blob.shape,
         )

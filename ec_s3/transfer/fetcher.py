@@ -24,7 +24,7 @@ import time
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
-from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot, open_slot_view
+from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot, map_slot
 from ec_s3.transfer.counters import Counters
 from ec_s3.store.client import Download, IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
@@ -168,7 +168,7 @@ class ItemFetcher:
 
     async def _stage(self, download: Download, slot: StagingSlot, expect: BlobExpectation) -> Staged:
         """Read ``download`` into ``slot``, validate it, mark the slot ready."""
-        mm = open_slot_view(slot.path, writable=True)
+        mm = map_slot(slot.path, writable=True)
         try:
             buf = memoryview(mm)
             try:

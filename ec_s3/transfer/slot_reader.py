@@ -1,4 +1,4 @@
-"""Worker side of staging: map a staged blob and prove it is the one the scheduler meant.
+"""Worker side of staging: map a slot and prove its blob is the one the scheduler meant.
 
 A ``LoadSpec`` names a slot file by path, and the worker opens it a step or more
 after the scheduler validated it. Between the two the slot may have been evicted and
@@ -19,24 +19,24 @@ import contextlib
 import mmap
 
 from ec_s3.blob.codec import BlobError, identifier_digest, read_header
-from ec_s3.transfer.staging import open_slot_view
+from ec_s3.transfer.staging import map_slot
 
-__all__ = ["StagedBlobMismatch", "open_staged_blob"]
+__all__ = ["SlotMismatch", "map_verified_slot"]
 
 
-class StagedBlobMismatch(BlobError):
+class SlotMismatch(BlobError):
     """The staging file is not (or no longer) the blob the load spec describes."""
 
 
-def open_staged_blob(
+def map_verified_slot(
     path: str, *, identifier: str, nbytes: int, data_offset: int, dtype: str, shape: tuple[int, ...],
 ) -> mmap.mmap:
     """Map ``path`` read-only (copy-on-write) after checking it is the expected blob.
 
     Raises ``OSError`` if it cannot be opened (gone, a symlink, not a regular file)
-    and :class:`StagedBlobMismatch` (a ``ValueError``) if it is another blob.
+    and :class:`SlotMismatch` (a ``ValueError``) if it is another blob.
     """
-    mm = open_slot_view(path)
+    mm = map_slot(path)
     try:
         _check(mm, identifier=identifier, nbytes=nbytes, data_offset=data_offset, dtype=dtype, shape=shape)
     except BaseException:
@@ -50,16 +50,16 @@ def _check(
     mm: mmap.mmap, *, identifier: str, nbytes: int, data_offset: int, dtype: str, shape: tuple[int, ...],
 ) -> None:
     if len(mm) != nbytes:
-        raise StagedBlobMismatch("size", f"staging file is {len(mm)} bytes, expected {nbytes}")
+        raise SlotMismatch("size", f"staging file is {len(mm)} bytes, expected {nbytes}")
     try:
         entry, metadata, offset = read_header(mm, max_bytes=max(nbytes, 1))
     except BlobError as exc:
-        raise StagedBlobMismatch("header", f"staging file has no valid blob header ({exc})") from None
+        raise SlotMismatch("header", f"staging file has no valid blob header ({exc})") from None
     if metadata.get("identifier_sha256") != identifier_digest(identifier):
-        raise StagedBlobMismatch("identifier", "staging file holds another item's blob")
+        raise SlotMismatch("identifier", "staging file holds another item's blob")
     found_dtype = str(entry["dtype"]).removeprefix("torch.")
     if offset != data_offset or found_dtype != dtype or tuple(entry["shape"]) != tuple(shape):
-        raise StagedBlobMismatch(
+        raise SlotMismatch(
             "layout", f"staging file is {found_dtype}{list(entry['shape'])}@{offset}, "
             f"expected {dtype}{list(shape)}@{data_offset}",
         )

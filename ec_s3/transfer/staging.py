@@ -21,6 +21,13 @@ its ``.owner.lock`` held for the life of the process. At start-up a directory is
 removed only if its lock can be taken: its owner is gone. PIDs cannot tell that,
 since containers sharing ``/dev/shm`` (``ipc: host``) do not share a PID namespace.
 
+Words, used this way throughout: a *slot* is one staging file (:class:`StagingSlot`),
+allocated for one blob; a blob is *staged* once it sits validated in a ready slot (the
+fetcher's ``Staged`` result, the item state STAGED); to *map* a slot is to ``mmap`` its
+file (:func:`map_slot`; the worker maps it and verifies the blob with
+:func:`~ec_s3.transfer.slot_reader.map_verified_slot`). The store's concurrency units
+are *permits*, never slots.
+
 Owns slot files, their bytes bookkeeping and their lifetimes. Does not own what goes
 into a slot (the fetcher), which requests need which slot (the scheduler) or reading
 a slot on the worker side (:mod:`ec_s3.transfer.slot_reader`).
@@ -45,7 +52,7 @@ from pathlib import Path
 from ec_s3.log import logger
 from ec_s3.transfer.fsutil import UnsafeDirectory, create_exclusive, ensure_private_dir, open_nofollow
 
-__all__ = ["NoStagingSpace", "StagingArea", "StagingSlot", "open_slot_view"]
+__all__ = ["NoStagingSpace", "StagingArea", "StagingSlot", "map_slot"]
 
 _DIR_PREFIX = "ec-s3-"
 _LOCK_NAME = ".owner.lock"
@@ -72,7 +79,7 @@ class NoStagingSpace(Exception):
 
 @dataclasses.dataclass(eq=False)
 class StagingSlot:
-    """One staged blob: a file of exactly ``nbytes`` bytes.
+    """One slot: a staging file of exactly ``nbytes`` bytes for one blob (staged once ``ready``).
 
     Compared by identity: two generations of one name are different slots.
     """
@@ -286,8 +293,8 @@ class StagingArea:
                 self._owner_fd = -1
 
 
-def open_slot_view(path: str, writable: bool = False) -> mmap.mmap:
-    """Map a slot file (never through a symlink). Copy-on-write when read-only, so
+def map_slot(path: str, writable: bool = False) -> mmap.mmap:
+    """Map a slot's file, unchecked (never through a symlink). Copy-on-write when read-only, so
     torch can view it without a read-only-buffer warning and without ever writing
     back to the shared file."""
     fd = open_nofollow(path, os.O_RDWR if writable else os.O_RDONLY)
