@@ -38,7 +38,7 @@ from ec_s3.store.errors import (
 
 __all__ = ["from_status", "tls_error", "to_store_error"]
 
-_RETRYABLE_CODES = frozenset(
+_TRANSIENT_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
      "ServiceUnavailable", "RequestLimitExceeded", "ConditionalRequestConflict"}
 )
@@ -117,7 +117,7 @@ def from_status(op: str, key: str, status: int | None, code: str | None, message
         return ObjectNotFound(op, key, message, **kw)
     if status in (401, 403) or code in _DENIED_CODES:
         return AccessDenied(op, key, message, **kw)
-    if (status is not None and (status >= 500 or status == 429)) or code in _RETRYABLE_CODES:
+    if (status is not None and (status >= 500 or status == 429)) or code in _TRANSIENT_CODES:
         return StoreUnavailable(op, key, message, **kw)
     return StoreRequestError(op, key, message, **kw)
 
