@@ -281,7 +281,7 @@ def test_truncate_next_gives_short_read(server: EmbeddedS3Server, proxy: FaultPr
     async def body() -> None:
         async with s3_client(proxy.endpoint_url, server.credentials) as client:
             proxy.truncate_next(1, methods=["GET"])
-            await client.head_object(Bucket=BUCKET, Key="big")  # no body: budget kept
+            await client.head_object(Bucket=BUCKET, Key="big")  # no body: the one-shot truncation is kept
             # aiobotocore lets aiohttp's ClientPayloadError escape unwrapped here.
             with pytest.raises((aiohttp.ClientPayloadError, BotoCoreError)):
                 await get_bytes(client, "big")

@@ -89,7 +89,7 @@ def test_truncated_body_is_retried(make_store: Callable[..., S3Store], fault_pro
     assert store.stats.retries >= 1 and fault_proxy.counters.truncated == 1
 
 
-def test_retry_budget_is_bounded(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
+def test_attempts_are_bounded_by_max_attempts(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
     store = make_store(fault_proxy.endpoint_url, max_attempts=3)
     fault_proxy.set_error_rate(1.0, 503)
     with pytest.raises(StoreUnavailable, match="503"):

@@ -290,7 +290,7 @@ def run_gc_command(args: argparse.Namespace) -> int:
     elif args.lifecycle:
         if older is None or max_bytes is not None:
             return fail("--lifecycle needs --older-than (whole days) and no --max-bytes",
-                        "e.g. `ec-s3 gc --lifecycle --older-than 7d`; size budgets need the listing gc")
+                        "e.g. `ec-s3 gc --lifecycle --older-than 7d`; size limits need the listing gc")
     elif older is None and max_bytes is None:
         return fail("gc needs --older-than and/or --max-bytes",
                     "e.g. `ec-s3 gc --older-than 7d --dry-run` or `ec-s3 gc --max-bytes 500GiB`")
@@ -320,7 +320,7 @@ def _print_gc(args: argparse.Namespace, store: S3Store, report: GcReport) -> Non
     if report.older_than_s is not None:
         rules.append(f"older than {args.older_than}")
     if report.max_bytes is not None:
-        rules.append(f"beyond a budget of {format_bytes(report.max_bytes)} (oldest first)")
+        rules.append(f"beyond a size limit of {format_bytes(report.max_bytes)} (oldest first)")
     out(f"gc s3://{store.bucket}/{report.prefix}: blobs {' and '.join(rules)}")
     out(f"  scanned      {report.scanned} objects, {format_bytes(report.scanned_bytes)}")
     verb = "would delete" if args.dry_run else "selected"
@@ -364,7 +364,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--older-than", metavar="DURATION",
                    help="delete blobs (with --uploads: abort uploads) at least this old (e.g. 7d, 12h, 30m; 0s = all)")
-    p.add_argument("--max-bytes", metavar="SIZE", help="then delete the oldest until the rest fits this budget (e.g. 500GiB)")
+    p.add_argument("--max-bytes", metavar="SIZE", help="then delete the oldest until the rest fits this size (e.g. 500GiB)")
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted; delete nothing")
     p.add_argument("--uploads", action="store_true",
                    help="abort incomplete multipart uploads started longer ago than --older-than (default 1d)")

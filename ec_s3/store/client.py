@@ -4,9 +4,9 @@ All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
 ``*_async`` coroutines are for code already on that loop, and :meth:`S3Store.submit`
 hands one to it from any thread without blocking. Owns the operations (HEAD, PUT,
 multipart, ranged GET, DELETE, LIST), the retry loop (exponential back-off with full
-jitter, only on throttling, 5xx and connection errors, never on 4xx, so that a budget
-bounds the time a caller can wait), the concurrency bound (``max_concurrency``
-requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
+jitter, only on throttling, 5xx and connection errors, never on 4xx, so that
+``max_attempts`` and the back-off cap bound the time a caller can wait), the
+concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
 at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
 process-wide cache of shared stores, keyed by the store's own keys
 (:class:`~.settings.StoreConfig`). Does not own one attempt of a request on the data
@@ -250,7 +250,7 @@ class S3Store:
         spent: int = 0,
     ) -> T:
         """Run one S3 request, ``fn`` one attempt of it on the store's transport, with
-        the retry budget (less ``spent`` attempts made elsewhere), the concurrency bound
+        its ``max_attempts`` (less ``spent`` attempts made elsewhere), the concurrency bound
         and the breaker. With ``permit=False``, ``fn`` takes its request permit itself
         (:meth:`_permit`), to keep it past the call."""
         ticket = self.breaker.allow()

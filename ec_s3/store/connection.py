@@ -3,8 +3,8 @@
 Owns how a client is built from an :class:`~ec_s3.config.ECS3Config`. Why not
 botocore's defaults: over plain HTTP botocore SHA-256-signs every body and computes
 CRC checksums on every PUT and GET, which triples client CPU on the 2-core hosts this
-runs on; retries are off here because the store does its own (a budget bounds the
-time a caller can wait). Does not own requests, retries or errors
+runs on; retries are off here because the store does its own (``max_attempts`` bounds
+the time a caller can wait). Does not own requests, retries or errors
 (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.errors`).
 
 Also owns :func:`resolve_endpoint`, what the AWS chain gives this store: the region

@@ -180,7 +180,7 @@ async def get_range(
 ) -> None:
     """``out[start:end]`` from bytes ``start`` to ``end - 1`` of ``key``, with ``If-Match:
     etag``; a 412 (or another size) is :class:`ObjectChanged`. ``spent``: attempts
-    of the retry budget used already."""
+    of ``max_attempts`` used already."""
     async def _get(t: Transport) -> None:
         async with t.open_range(key, start, end - 1, etag) as answer:
             span = check_answer(answer.status, answer.headers, start, end - 1, key)

@@ -120,7 +120,7 @@ class CABundleError(StoreConfigError):
 
 
 class StoreUnavailable(StoreError):
-    """Throttling, 5xx, timeouts or connection errors outlasted the retry budget."""
+    """Throttling, 5xx, timeouts or connection errors outlasted the request's ``max_attempts``."""
 
     transient = True
 

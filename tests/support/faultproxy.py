@@ -91,7 +91,7 @@ class FaultCounters:
 @dataclass
 class _Rule:
     methods: frozenset[str] | None = None
-    remaining: int | None = None  # one-shot budget; None = every matching request
+    remaining: int | None = None  # one-shot count; None = every matching request
     rate: float = 1.0
     status: int = 503
     seconds: float = 0.0
@@ -392,7 +392,7 @@ class FaultProxy:
             return rule if rule is not None and rule.matches(method) else None
 
     def _take(self, kind: str, method: str, target: str = "") -> _Rule | None:
-        """Return the rule if it fires for this request, spending one-shot budget."""
+        """Return the rule if it fires for this request, spending one of its one-shot count."""
         with self._lock:
             rule = self._rules.get(kind)
             if rule is None or not rule.matches(method, target):
