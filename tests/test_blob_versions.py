@@ -33,11 +33,11 @@ ROWS = 16
 FUTURE_TAG = f"ec-s3/{int(FORMAT_VERSION) + 1}"
 
 
-def future_blob(ident: str, namespace: str, *, extra_entry: bool, tag: str = FUTURE_TAG) -> bytes:
+def future_blob(identifier: str, namespace: str, *, extra_entry: bool, tag: str = FUTURE_TAG) -> bytes:
     """A blob as a later ec-s3 might write it: its format tag bumped and, with
     ``extra_entry``, a header this version's structure checks would not accept either."""
-    tensor = fake_encoder_output(ident, ROWS)
-    current = bytes(encode_blob(tensor, BlobMeta(ident, tensor.dtype, tuple(tensor.shape), namespace, "future")))
+    tensor = fake_encoder_output(identifier, ROWS)
+    current = bytes(encode_blob(tensor, BlobMeta(identifier, tensor.dtype, tuple(tensor.shape), namespace, "future")))
     (hlen,) = struct.unpack_from("<Q", current, 0)
     header = json.loads(current[8 : 8 + hlen])
     data = current[8 + hlen :]

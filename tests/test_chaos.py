@@ -114,7 +114,7 @@ P_SKIP_PRODUCER = 0.05  # straight to a consumer, never encoded by the producer
 P_DUPLICATE_SET = 0.15  # same images as a request in flight
 P_UNIQUE_IMAGE = 0.35  # an image seen only once (most real traffic), else one of the repeated pool
 SIZE_CLASSES = (16, 64, 256, 576, 1024)  # image tokens (= encoder rows) per image
-IDENTS_PER_CLASS = 10
+IDENTIFIERS_PER_CLASS = 10
 
 # Bounds.
 REQUEST_BOUND_S = 30.0  # admission to outcome, producer and consumer included
@@ -159,7 +159,7 @@ class Job:
     """One logical request: encoded by the producer, then served by a consumer."""
 
     qid: str
-    idents: list[str]
+    identifiers: list[str]
     admitted: float
     shape: dict[str, Any]  # make_mm_request kwargs both nodes use
     consumer: str
@@ -175,7 +175,7 @@ class Job:
     requests: list[Any] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
-        return (f"request {self.qid} ({self.stage} {self.rid}, items {self.idents}, media={self.with_media}, "
+        return (f"request {self.qid} ({self.stage} {self.rid}, items {self.identifiers}, media={self.with_media}, "
                 f"params={self.send_params}, consumer={self.consumer})")
 
 
@@ -203,7 +203,7 @@ class Soak:
         self.events: list[tuple[int, str, str]] = []  # (due iteration, kind, argument)
         self.produced: set[str] = set()
         self.gc_deleted: set[str] = set()
-        self.all_idents: set[str] = set()
+        self.all_identifiers: set[str] = set()
         self.seen_on: dict[str, set[str]] = collections.defaultdict(set)  # consumer -> images it was asked for
         self.finished_rids: set[str] = set()
         self.forced_preemptions = 0
@@ -328,7 +328,7 @@ class Soak:
         # Every draw happens every time, in this order, so the seed fixes the scenario.
         size = rng.choice(SIZE_CLASSES)
         n_items = rng.randint(1, max(1, min(3, 1800 // size)))
-        idents = [f"img-{size:04d}-{rng.randrange(IDENTS_PER_CLASS):02d}" for _ in range(n_items)]
+        identifiers = [f"img-{size:04d}-{rng.randrange(IDENTIFIERS_PER_CLASS):02d}" for _ in range(n_items)]
         unique = [rng.random() < P_UNIQUE_IMAGE for _ in range(3)]
         duplicate, dup_pick = rng.random() < P_DUPLICATE_SET, rng.random()
         shape = {"num_image_tokens": size, "prompt_len_text": rng.randint(8, 40), "max_tokens": rng.randint(2, 10)}
@@ -341,17 +341,17 @@ class Soak:
         truncate, drop = rng.random() < P_TRUNCATE_GET, rng.random() < P_DROP_RESPONSE
         preempt, preempt_on, preempt_in = rng.random() < P_PREEMPT, rng.choice(["consumer", "tiny"]), rng.randint(1, 40)
 
-        idents = [f"img-{size:04d}-u{index:04d}{k}" if unique[k] else i for k, i in enumerate(idents)]
+        identifiers = [f"img-{size:04d}-u{index:04d}{k}" if unique[k] else i for k, i in enumerate(identifiers)]
         same_class = [j for j in self.active.values() if j.shape["num_image_tokens"] == size]
         if duplicate and same_class:
-            idents = list(same_class[int(dup_pick * len(same_class))].idents)
-        self.all_idents.update(idents)
-        if any(set(idents) & set(j.idents) for j in self.active.values()):
+            identifiers = list(same_class[int(dup_pick * len(same_class))].identifiers)
+        self.all_identifiers.update(identifiers)
+        if any(set(identifiers) & set(j.identifiers) for j in self.active.values()):
             self.ledger.fault("duplicate_ids (shares an item with a request in flight)")
-        if len(set(idents)) < len(idents):
+        if len(set(identifiers)) < len(identifiers):
             self.ledger.fault("duplicate_ids (same image twice in one prompt)")
         skip = skip and not no_media  # a request without media needs the producer's promise
-        job = Job(qid, idents, time.monotonic(), shape, consumer, with_media=not no_media,
+        job = Job(qid, identifiers, time.monotonic(), shape, consumer, with_media=not no_media,
                   send_params=not no_params or no_media, skip_producer=skip, gc_delete=gc_delete,
                   abort_stage=abort_stage if abort else None, abort_after=abort_after)
         self.active[qid] = job
@@ -384,14 +384,14 @@ class Soak:
         node = self.nodes[node_name]
         job.stage, job.rid, job.stage_started = node_name if node_name == "producer" else "consumer", rid, self.iteration
         self.jobs[rid] = job
-        job.requests.append(node.add(rid, job.idents, **job.shape, **kwargs))
+        job.requests.append(node.add(rid, job.identifiers, **job.shape, **kwargs))
 
     def to_consumer(self, job: Job, params: dict[str, Any] | None) -> None:
         kwargs: dict[str, Any] = {"with_media": job.with_media}
         if job.send_params and params:
             kwargs["ec_transfer_params"] = params
         job.stage = "consumer"
-        self.seen_on[job.consumer].update(job.idents)
+        self.seen_on[job.consumer].update(job.identifiers)
         self.submit(job, job.consumer, f"{job.qid}.c", kwargs)
 
     def done(self, job: Job, outcome: str) -> None:
@@ -409,7 +409,7 @@ class Soak:
             self.finished_rids.add(fr.request_id)
             self.jobs.pop(fr.request_id, None)
             params = fr.ec_transfer_params or {}
-            missing = sorted({i for i in job.idents if "key" not in (params.get(i) or {})})
+            missing = sorted({i for i in job.identifiers if "key" not in (params.get(i) or {})})
             if missing and self._producer_withheld(node):
                 # Its store's circuit was open: it sent vLLM's metadata without a
                 # promise, so consumers encode at once rather than wait (by design).
@@ -420,9 +420,9 @@ class Soak:
                     "producer request finished badly",
                     f"{job.describe()}: finish_reason={fr.finish_reason!r}, no ec_transfer_params for {missing}",
                     self.context(node))
-            self.produced.update(job.idents)
+            self.produced.update(job.identifiers)
             if job.gc_delete:
-                self.gc_delete(job.idents[0], params.get(job.idents[0], {}).get("key"))
+                self.gc_delete(job.identifiers[0], params.get(job.identifiers[0], {}).get("key"))
             self.to_consumer(job, params)
             return
         enc, loaded = node.encoded_by_req.pop(fr.request_id, 0), node.loaded_by_req.pop(fr.request_id, 0)
@@ -455,14 +455,14 @@ class Soak:
             return True
         return False
 
-    def gc_delete(self, ident: str, key: str | None) -> None:
+    def gc_delete(self, identifier: str, key: str | None) -> None:
         """A garbage collector removes a blob a consumer was just promised."""
         if not self.server.is_up:
             self.ledger.fault("gc_delete skipped (server down)")
             return
         try:
-            self.admin.run(self.admin.delete_async(key or self.keyspace.key_for(ident)), timeout=10)
-            self.gc_deleted.add(ident)
+            self.admin.run(self.admin.delete_async(key or self.keyspace.key_for(identifier)), timeout=10)
+            self.gc_deleted.add(identifier)
             self.ledger.fault("gc_delete (blob deleted after its promise)")
         except Exception as exc:  # noqa: BLE001 - the soak's own tooling; counted
             self.ledger.fault(f"gc_delete failed ({type(exc).__name__})")
@@ -646,21 +646,21 @@ class Soak:
         rounds = 0
         while pending and time.monotonic() < since + FINAL_HITS_WITHIN_S:
             rounds += 1
-            for ident, (served, note) in self.repeat_round(pending, f"r{rounds}").items():
+            for identifier, (served, note) in self.repeat_round(pending, f"r{rounds}").items():
                 if served:
-                    pending.remove(ident)
-                    if ident in notes:
-                        late.append(notes.pop(ident))
+                    pending.remove(identifier)
+                    if identifier in notes:
+                        late.append(notes.pop(identifier))
                 else:
-                    notes[ident] = note
+                    notes[identifier] = note
         took = time.monotonic() - since
         self.ledger.measures["recovery: repeats served from S3"] = (
             f"{REPEATS - len(pending)} of {REPEATS} ({n_deleted} gc-deleted earlier) "
             f"after {rounds} round(s), {took:.1f}s after the drain"
             + (f"; passed only in a later round: {' || '.join(late[:3])}" if late else ""))
-        for ident in pending:
-            why = "an image the gc deleted" if ident in self.gc_deleted else "an image never deleted"
-            self.ledger.violation(f"hits did not return after the faults stopped ({why})", notes.get(ident, ident),
+        for identifier in pending:
+            why = "an image the gc deleted" if identifier in self.gc_deleted else "an image never deleted"
+            self.ledger.violation(f"hits did not return after the faults stopped ({why})", notes.get(identifier, identifier),
                                   f"phase recovery, {took:.1f}s after the drain, {rounds} rounds")
         if not strict:
             return
@@ -671,7 +671,7 @@ class Soak:
                                   f"phase recovery (strict round), {time.monotonic() - since:.1f}s after the drain")
 
     def repeat_round(
-        self, idents: list[str], label: str, routes: dict[str, str] | None = None
+        self, identifiers: list[str], label: str, routes: dict[str, str] | None = None
     ) -> dict[str, tuple[bool, str]]:
         """The producer sees each image again, then a consumer asks for it (``routes``,
         else alternating consumers; alternately promised or looked up) with every
@@ -681,11 +681,11 @@ class Soak:
             self.nodes[name].sim.encoder_cache.clear()
         producer = self.nodes["producer"]
         encoded_before, uploads_before = len(producer.sim.encoded), producer.worker.counters.get("upload_started")
-        for k, ident in enumerate(idents):
-            producer.add(f"final-{label}-{k}.p", [ident], **self._repeat_shape(ident))
-        done = self.run_all({f"final-{label}-{k}.p": "producer" for k in range(len(idents))})
-        params = {ident: (done[f"final-{label}-{k}.p"].ec_transfer_params or {}) if f"final-{label}-{k}.p" in done else {}
-                  for k, ident in enumerate(idents)}
+        for k, identifier in enumerate(identifiers):
+            producer.add(f"final-{label}-{k}.p", [identifier], **self._repeat_shape(identifier))
+        done = self.run_all({f"final-{label}-{k}.p": "producer" for k in range(len(identifiers))})
+        params = {identifier: (done[f"final-{label}-{k}.p"].ec_transfer_params or {}) if f"final-{label}-{k}.p" in done else {}
+                  for k, identifier in enumerate(identifiers)}
         producer = self.nodes["producer"]  # a crash may have replaced it
         publisher = producer.publisher()
         if publisher is not None:
@@ -694,40 +694,40 @@ class Soak:
         uploads = producer.worker.counters.get("upload_started") - uploads_before
         before = {n: self.nodes[n].scheduler_connector.counters.snapshot() for n in STAGING_BYTES}
         placed = []
-        for k, ident in enumerate(idents):
-            name = (routes or {}).get(ident) or ("consumer" if ident.startswith("img-1024") or k % 2 == 0 else "tiny")
-            promised = (k // 2) % 2 == 0 and bool(params[ident])
+        for k, identifier in enumerate(identifiers):
+            name = (routes or {}).get(identifier) or ("consumer" if identifier.startswith("img-1024") or k % 2 == 0 else "tiny")
+            promised = (k // 2) % 2 == 0 and bool(params[identifier])
             rid = f"final-{label}-{k}.c"
-            self.nodes[name].add(rid, [ident], **self._repeat_shape(ident),
-                                 **({"ec_transfer_params": params[ident]} if promised else {}))
-            placed.append((ident, name, rid, promised))
+            self.nodes[name].add(rid, [identifier], **self._repeat_shape(identifier),
+                                 **({"ec_transfer_params": params[identifier]} if promised else {}))
+            placed.append((identifier, name, rid, promised))
         done = self.run_all({rid: name for _, name, rid, _ in placed})
-        self.finished_rids.update(f"final-{label}-{k}.{s}" for k in range(len(idents)) for s in "pc")
+        self.finished_rids.update(f"final-{label}-{k}.{s}" for k in range(len(identifiers)) for s in "pc")
         out: dict[str, tuple[bool, str]] = {}
-        for ident, name, rid, promised in placed:
+        for identifier, name, rid, promised in placed:
             fr, node = done.get(rid), self.nodes[name]
             loaded, enc = node.loaded_by_req.pop(rid, 0), node.encoded_by_req.pop(rid, 0)
             if fr is not None and fr.finish_reason == FinishReason.LENGTH and loaded and not enc:
-                out[ident] = (True, "")
+                out[identifier] = (True, "")
                 continue
             delta = {k: v - before[name].get(k, 0) for k, v in node.scheduler_connector.counters.snapshot().items()
                      if v != before[name].get(k, 0) and not k.endswith(("seconds", "_bytes"))}
-            out[ident] = (False, (
-                f"{ident} on {name} ({'promised' if promised else 'looked up'}), round {label}: "
+            out[identifier] = (False, (
+                f"{identifier} on {name} ({'promised' if promised else 'looked up'}), round {label}: "
                 f"{'unfinished' if fr is None else fr.finish_reason.name}, loaded {loaded}, encoded locally {enc}; "
-                f"producer {'encoded it' if ident in reencoded else 'did not encode it (believed present)'} "
-                f"({uploads:.0f} uploads started this round); bucket {'has' if self._in_bucket(ident) else 'LACKS'} "
-                f"the blob; {'gc-deleted during the soak; ' if ident in self.gc_deleted else ''}"
+                f"producer {'encoded it' if identifier in reencoded else 'did not encode it (believed present)'} "
+                f"({uploads:.0f} uploads started this round); bucket {'has' if self._in_bucket(identifier) else 'LACKS'} "
+                f"the blob; {'gc-deleted during the soak; ' if identifier in self.gc_deleted else ''}"
                 f"consumer counters this round: {delta}"))
         return out
 
     @staticmethod
-    def _repeat_shape(ident: str) -> dict[str, Any]:
-        return {"num_image_tokens": int(ident.split("-")[1]), "prompt_len_text": 8, "max_tokens": 2}
+    def _repeat_shape(identifier: str) -> dict[str, Any]:
+        return {"num_image_tokens": int(identifier.split("-")[1]), "prompt_len_text": 8, "max_tokens": 2}
 
-    def _in_bucket(self, ident: str) -> bool:
+    def _in_bucket(self, identifier: str) -> bool:
         try:
-            return self.admin.run(self.admin.head_async(self.keyspace.key_for(ident)), timeout=10) is not None
+            return self.admin.run(self.admin.head_async(self.keyspace.key_for(identifier)), timeout=10) is not None
         except Exception:  # noqa: BLE001 - diagnosis only
             return False
 
@@ -752,7 +752,7 @@ class Soak:
     def audit(self) -> None:
         """Every blob the bucket holds decodes to the producer's encoding."""
         self.phase = "audit"
-        by_key = {self.keyspace.key_for(ident): ident for ident in self.all_idents}
+        by_key = {self.keyspace.key_for(identifier): identifier for identifier in self.all_identifiers}
 
         async def keys() -> list[str]:
             return [info.key async for info in self.admin.list_async(self.keyspace.root)]
@@ -760,20 +760,20 @@ class Soak:
         found = self.admin.run(keys(), timeout=60)
         bad = 0
         for key in found:
-            ident = by_key.get(key)
-            if ident is None:
+            identifier = by_key.get(key)
+            if identifier is None:
                 self.ledger.violation("bucket audit: unexpected object", key, self.context())
                 continue
             blob = bytes(self.admin.run(self.admin.get_async(key), timeout=30))
             try:
                 tensor = safetensors.torch.load(blob)["ec_cache"]
-                ok = tensor.dtype == expected(ident).dtype and torch.equal(tensor, expected(ident))
+                ok = tensor.dtype == expected(identifier).dtype and torch.equal(tensor, expected(identifier))
             except Exception as exc:  # noqa: BLE001 - any unreadable blob is a finding
                 ok, tensor = False, f"{describe_exception(exc)}"
             if not ok:
                 bad += 1
                 self.ledger.violation("bucket audit: blob differs from the producer's encoding",
-                                      f"{key} ({ident}): {tensor if isinstance(tensor, str) else 'values differ'}",
+                                      f"{key} ({identifier}): {tensor if isinstance(tensor, str) else 'values differ'}",
                                       self.context())
         self.ledger.measures["bucket audit"] = f"{len(found)} blobs, {bad} bad"
 
@@ -792,7 +792,7 @@ class Soak:
         # the soak cannot see; state left per finished request is checked above.
         top = sorted(biggest.items(), key=lambda kv: -kv[1])[:4]
         self.ledger.measures["largest connector tables at the end"] = (
-            ", ".join(f"{k}={v}" for k, v in top) + f" ({len(self.all_idents)} distinct images requested)")
+            ", ".join(f"{k}={v}" for k, v in top) + f" ({len(self.all_identifiers)} distinct images requested)")
 
     def close(self) -> None:
         self.phase = "shutdown"

@@ -86,9 +86,9 @@ def _put_blobs(store: S3Store, namespace: str, identifiers: list[str], rows: int
     """Store real blobs; returns key -> size."""
     space = KeySpace(PREFIX, namespace)
     out = {}
-    for ident in identifiers:
-        key = space.key_for(ident)
-        body = _blob(ident, namespace, rows=rows)
+    for identifier in identifiers:
+        key = space.key_for(identifier)
+        body = _blob(identifier, namespace, rows=rows)
         store.run(store.put_async(key, body), timeout=30)
         out[key] = len(body)
     return out

@@ -23,17 +23,17 @@ from ec_s3.blob.codec import (
     encode_blob,
 )
 
-IDENT = "mm-hash-0"
+IDENTIFIER = "mm-hash-0"
 NS = "tiny-llava-0123456789abcdef"
 
 
-def _blob(rows: int = 16, width: int = 128, dtype: torch.dtype = torch.bfloat16, ident: str = IDENT) -> tuple[torch.Tensor, bytearray]:
+def _blob(rows: int = 16, width: int = 128, dtype: torch.dtype = torch.bfloat16, identifier: str = IDENTIFIER) -> tuple[torch.Tensor, bytearray]:
     x = torch.randn(rows, width).to(dtype)
-    return x, encode_blob(x, BlobMeta(ident, dtype, (rows, width), NS, "producer-0"))
+    return x, encode_blob(x, BlobMeta(identifier, dtype, (rows, width), NS, "producer-0"))
 
 
 def _expect(**kw: object) -> BlobExpectation:
-    args = dict(identifier=IDENT, namespace=NS, dtype=torch.bfloat16, rows=16, width=128)
+    args = dict(identifier=IDENTIFIER, namespace=NS, dtype=torch.bfloat16, rows=16, width=128)
     args.update(kw)
     return BlobExpectation(**args)  # type: ignore[arg-type]
 
@@ -45,7 +45,7 @@ def test_round_trip_and_stock_safetensors_reads_it(dtype: torch.dtype) -> None:
     assert list(stock) == ["ec_cache"] and torch.equal(stock["ec_cache"], x)
     decoded = decode_blob(blob, _expect(dtype=dtype))
     assert torch.equal(decoded.tensor, x)
-    assert decoded.metadata["identifier"] == IDENT and decoded.metadata["producer"] == "producer-0"
+    assert decoded.metadata["identifier"] == IDENTIFIER and decoded.metadata["producer"] == "producer-0"
     assert decoded.data_offset % 8 == 0
 
 
@@ -57,14 +57,14 @@ def test_decode_is_a_view_of_the_buffer() -> None:
 
 
 def test_layout_size_is_known_before_the_tensor() -> None:
-    meta = BlobMeta(IDENT, torch.bfloat16, (1369, 3584), NS, "p")
+    meta = BlobMeta(IDENTIFIER, torch.bfloat16, (1369, 3584), NS, "p")
     layout = BlobLayout.plan(meta)
     assert layout.total_nbytes == len(encode_blob(torch.zeros(1369, 3584, dtype=torch.bfloat16), meta))
 
 
 def test_matches_stock_save_for_non_contiguous_input() -> None:
     x = torch.randn(128, 16).t()  # non-contiguous
-    blob = encode_blob(x, BlobMeta(IDENT, torch.float32, (16, 128), NS))
+    blob = encode_blob(x, BlobMeta(IDENTIFIER, torch.float32, (16, 128), NS))
     assert torch.equal(safetensors.torch.load(bytes(blob))["ec_cache"], x)
 
 

@@ -53,8 +53,8 @@ def test_worker_on_another_node_with_failing_store_never_breaks_the_engine(
         assert finished["r2"].finish_reason == FinishReason.ERROR  # no media to encode: it alone fails
         assert finished["r3"].finish_reason == FinishReason.LENGTH
         assert sorted(node.sim.encoded) == ["img-a", "img-c"]
-        for ident in ("img-a", "img-c"):
-            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        for identifier in ("img-a", "img-c"):
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
         sched = node.scheduler_connector._scheduler
         assert sched is not None and sched._topology.reach is WorkerReach.REMOTE
         assert node.worker.counters.get("blobs_loaded") == 0
@@ -103,13 +103,13 @@ def make_worker(tiny_model_dir: Path) -> Iterator[Callable[[dict[str, Any]], ECS
         conn.shutdown()
 
 
-def _remote_spec(conn: ECS3Connector, store: S3Store, ident: str) -> tuple[LoadSpec, torch.Tensor]:
-    x = fake_encoder_output(ident, ROWS)
-    meta = BlobMeta(ident, torch.bfloat16, (ROWS, 128), conn.model.keyspace.namespace, "p")
-    key = conn.model.keyspace.key_for(ident)
+def _remote_spec(conn: ECS3Connector, store: S3Store, identifier: str) -> tuple[LoadSpec, torch.Tensor]:
+    x = fake_encoder_output(identifier, ROWS)
+    meta = BlobMeta(identifier, torch.bfloat16, (ROWS, 128), conn.model.keyspace.namespace, "p")
+    key = conn.model.keyspace.key_for(identifier)
     store.run(store.put_async(key, encode_blob(x, meta)))
     layout = BlobLayout.plan(meta)
-    spec = LoadSpec(ident, key, "/nonexistent", layout.data_offset, layout.total_nbytes, "bfloat16", (ROWS, 128),
+    spec = LoadSpec(identifier, key, "/nonexistent", layout.data_offset, layout.total_nbytes, "bfloat16", (ROWS, 128),
                     "another-node")
     return spec, x
 

@@ -27,11 +27,11 @@ from support.vllm_rig import fake_encoder_output
 ROWS, WIDTH = 16, 128
 
 
-def produce(model_dir: Path, extra: dict[str, Any], idents: list[str], req_id: str = "p1") -> dict[str, Any]:
+def produce(model_dir: Path, extra: dict[str, Any], identifiers: list[str], req_id: str = "p1") -> dict[str, Any]:
     """Run a producer instance and return the finished request's ec_transfer_params."""
     node = make_node(model_dir, "ec_producer", {**extra, "lookup": "promised"})
     try:
-        node.driver.add(req_id, idents)
+        node.driver.add(req_id, identifiers)
         finished = drive(node.driver)
         node.flush()
         params = finished[req_id].ec_transfer_params
@@ -41,11 +41,11 @@ def produce(model_dir: Path, extra: dict[str, Any], idents: list[str], req_id: s
         node.close()
 
 
-def put_blob(store: S3Store, keyspace: KeySpace, ident: str, tensor: torch.Tensor | None = None, raw: bytes | None = None) -> None:
+def put_blob(store: S3Store, keyspace: KeySpace, identifier: str, tensor: torch.Tensor | None = None, raw: bytes | None = None) -> None:
     if raw is None:
         assert tensor is not None
-        raw = bytes(encode_blob(tensor, BlobMeta(ident, tensor.dtype, tuple(tensor.shape), keyspace.namespace, "test")))
-    store.run(store.put_async(keyspace.key_for(ident), bytearray(raw)), timeout=30)
+        raw = bytes(encode_blob(tensor, BlobMeta(identifier, tensor.dtype, tuple(tensor.shape), keyspace.namespace, "test")))
+    store.run(store.put_async(keyspace.key_for(identifier), bytearray(raw)), timeout=30)
 
 
 def _deferred_steps(node: Node, req_id: str) -> int:
@@ -64,8 +64,8 @@ def test_a_promised_item_is_loaded_not_encoded(tiny_model_dir: Path, extra_confi
         assert node.driver.encoder_inputs_scheduled("r1") == []
         assert {("r1", "img-a"), ("r1", "img-b")} <= set(node.sim.gathered)
         assert _deferred_steps(node, "r1") >= 1  # deferred while the fetch ran
-        for ident in ("img-a", "img-b"):
-            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        for identifier in ("img-a", "img-b"):
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
         assert node.worker.counters.get("blobs_loaded") == 2
     finally:
         node.close()
@@ -145,18 +145,18 @@ def test_d_invalid_blobs_are_never_loaded(
         keyspace = node.scheduler_connector.model.keyspace
         store = make_store()
         bad = _bad_blobs(keyspace)
-        for ident, raw in bad.items():
-            put_blob(store, keyspace, ident, raw=raw)
-        idents = list(bad)
-        params = {i: {"key": keyspace.key_for(i), "shape": [ROWS, WIDTH], "dtype": "bfloat16"} for i in idents}
-        node.driver.add("r1", idents, ec_transfer_params=params if promised else None)
+        for identifier, raw in bad.items():
+            put_blob(store, keyspace, identifier, raw=raw)
+        identifiers = list(bad)
+        params = {i: {"key": keyspace.key_for(i), "shape": [ROWS, WIDTH], "dtype": "bfloat16"} for i in identifiers}
+        node.driver.add("r1", identifiers, ec_transfer_params=params if promised else None)
         finished = drive(node.driver, timeout_s=30)
         assert finished["r1"].finish_reason == FinishReason.LENGTH
-        assert sorted(node.sim.encoded) == sorted(idents)  # every item encoded locally
+        assert sorted(node.sim.encoded) == sorted(identifiers)  # every item encoded locally
         assert node.worker.counters.get("blobs_loaded") == 0
-        for ident in idents:
-            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
-        assert node.scheduler_connector.counters.get("invalid_blobs") == len(idents)
+        for identifier in identifiers:
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
+        assert node.scheduler_connector.counters.get("invalid_blobs") == len(identifiers)
     finally:
         node.close()
 
@@ -294,8 +294,8 @@ def test_scheduler_calls_never_wait_on_a_slow_store(
         node.close()
 
 
-def _promise(keyspace: KeySpace, ident: str) -> dict[str, Any]:
-    return {ident: {"key": keyspace.key_for(ident), "shape": [ROWS, WIDTH], "dtype": "bfloat16",
+def _promise(keyspace: KeySpace, identifier: str) -> dict[str, Any]:
+    return {identifier: {"key": keyspace.key_for(identifier), "shape": [ROWS, WIDTH], "dtype": "bfloat16",
                     "modality": "image", "item_indices": [0], "metadata": {}}}
 
 
@@ -322,13 +322,13 @@ def _warm_store(make_store: Callable[..., S3Store]) -> S3Store:
     return store
 
 
-def _publish_at(delay_s: float, store: S3Store, keyspace: KeySpace, ident: str) -> tuple[threading.Thread, list[float]]:
-    """PUT ``ident``'s blob ``delay_s`` from now; the list gets the time it became visible."""
+def _publish_at(delay_s: float, store: S3Store, keyspace: KeySpace, identifier: str) -> tuple[threading.Thread, list[float]]:
+    """PUT ``identifier``'s blob ``delay_s`` from now; the list gets the time it became visible."""
     visible: list[float] = []
 
     def run() -> None:
         time.sleep(delay_s)
-        put_blob(store, keyspace, ident, fake_encoder_output(ident, ROWS))
+        put_blob(store, keyspace, identifier, fake_encoder_output(identifier, ROWS))
         visible.append(time.monotonic())
 
     thread = threading.Thread(target=run, daemon=True)

@@ -39,8 +39,8 @@ def test_a_pending_item_is_waited_for_by_identifier_or_index(
                   "ecs3-not-an-identifier": {PENDING_MARK: True, "item_indices": [1]}}
 
         def publish() -> None:
-            for ident in ("img-a", "img-b"):
-                put_blob(store, keyspace, ident, fake_encoder_output(ident, ROWS))
+            for identifier in ("img-a", "img-b"):
+                put_blob(store, keyspace, identifier, fake_encoder_output(identifier, ROWS))
 
         timer = threading.Timer(1.0, publish)
         timer.start()
@@ -51,8 +51,8 @@ def test_a_pending_item_is_waited_for_by_identifier_or_index(
         assert time.monotonic() - started >= 1.0
         assert finished["r1"].finish_reason == FinishReason.LENGTH
         assert node.sim.encoded == []
-        for ident in ("img-a", "img-b"):
-            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, ROWS))
+        for identifier in ("img-a", "img-b"):
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
     finally:
         node.close()
 

@@ -75,14 +75,14 @@ def test_producer_engine_uploads_what_the_encoder_produced(
     store = make_store()
     blobs = {}
     for p in params:
-        (ident, entry), = p.items()
+        (identifier, entry), = p.items()
         blob = bytes(store.run(store.get_async(entry["key"]), timeout=30))
         assert len(blob) == entry["size_bytes"]
         ours = safetensors.torch.load(blob)["ec_cache"]
-        reference = safetensors.torch.load_file(str(tmp_path / ident / "encoder_cache.safetensors"))["ec_cache"]
+        reference = safetensors.torch.load_file(str(tmp_path / identifier / "encoder_cache.safetensors"))["ec_cache"]
         assert list(ours.shape) == entry["shape"] and ours.dtype == reference.dtype
-        assert torch.equal(ours, reference), ident
-        blobs[ident] = ours
+        assert torch.equal(ours, reference), identifier
+        blobs[identifier] = ours
     assert len(blobs) == 3 and not torch.equal(*list(blobs.values())[:2])
     print(f"\nproducer + reference engines: {time.monotonic() - started:.1f}s")
 

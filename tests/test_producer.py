@@ -37,15 +37,15 @@ def test_producer_publishes_blobs_and_params(
         assert params is not None and set(params) == {"img-a", "img-b"}
         keyspace = node.scheduler_connector.model.keyspace
         store = make_store()
-        for ident in ("img-a", "img-b"):
-            entry = params[ident]
-            assert entry["key"] == keyspace.key_for(ident) and entry["key"].startswith(keyspace.root)
+        for identifier in ("img-a", "img-b"):
+            entry = params[identifier]
+            assert entry["key"] == keyspace.key_for(identifier) and entry["key"].startswith(keyspace.root)
             assert entry["shape"] == [16, 128] and entry["dtype"] == "bfloat16"
             assert entry["modality"] == "image" and entry["item_indices"] in ([0], [1])
             blob = _blob(store, entry["key"])
             assert len(blob) == entry["size_bytes"]
             loaded = safetensors.torch.load(blob)["ec_cache"]
-            assert torch.equal(loaded, fake_encoder_output(ident, 16))
+            assert torch.equal(loaded, fake_encoder_output(identifier, 16))
         counters = node.worker.counters
         assert counters.get("blobs_uploaded") == 2 and counters.get("upload_failed") == 0
     finally:
@@ -69,11 +69,11 @@ def test_same_item_uploaded_once(
         node.close()
 
 
-def _put_old_blob(node: Any, store: S3Store, ident: str) -> str:
+def _put_old_blob(node: Any, store: S3Store, identifier: str) -> str:
     keyspace = node.scheduler_connector.model.keyspace
-    x = fake_encoder_output(ident, 16)
-    blob = encode_blob(x, BlobMeta(ident, torch.bfloat16, (16, 128), keyspace.namespace, "earlier"))
-    key = keyspace.key_for(ident)
+    x = fake_encoder_output(identifier, 16)
+    blob = encode_blob(x, BlobMeta(identifier, torch.bfloat16, (16, 128), keyspace.namespace, "earlier"))
+    key = keyspace.key_for(identifier)
     store.run(store.put_async(key, blob))
     return key
 
@@ -217,9 +217,9 @@ def test_shutdown_flushes_pending_uploads(
 ) -> None:
     node = make_node(tiny_model_dir, "ec_producer", extra_config(fault_proxy.endpoint_url, lookup="promised"))
     fault_proxy.set_latency(0.2, methods=["PUT"])
-    idents = [f"img-{i}" for i in range(pending)]
-    for i, ident in enumerate(idents):
-        node.driver.add(f"r{i}", [ident])
+    identifiers = [f"img-{i}" for i in range(pending)]
+    for i, identifier in enumerate(identifiers):
+        node.driver.add(f"r{i}", [identifier])
     drive(node.driver)
     assert node.worker._worker._publisher.pending > 0  # type: ignore[union-attr]
     started = time.monotonic()
@@ -227,7 +227,7 @@ def test_shutdown_flushes_pending_uploads(
     assert time.monotonic() - started < 30
     store = make_store()
     keyspace = node.scheduler_connector.model.keyspace
-    assert all(store.run(store.head_async(keyspace.key_for(i))) is not None for i in idents)
+    assert all(store.run(store.head_async(keyspace.key_for(i))) is not None for i in identifiers)
 
 
 def test_blob_deleted_by_gc_is_published_again(

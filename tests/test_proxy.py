@@ -41,7 +41,7 @@ def run(coro: Any, timeout: float = 30.0) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def ident_of(part: dict[str, Any], model: str | None) -> str:
+def identifier_of(part: dict[str, Any], model: str | None) -> str:
     """The fake encoder's identifier: a hash of the item and the model, like vLLM's."""
     return "mm-" + hashlib.sha256((json.dumps(part, sort_keys=True) + str(model)).encode()).hexdigest()[:24]
 
@@ -140,10 +140,10 @@ class FakeEncoder:
             "ec_transfer_params": None,
         }
         if self.with_params:
-            ident = ident_of(part, body.get("model"))
+            identifier = identifier_of(part, body.get("model"))
             answer["ec_transfer_params"] = {
-                ident: {
-                    "key": f"ec-cache/ns/{ident}.safetensors",
+                identifier: {
+                    "key": f"ec-cache/ns/{identifier}.safetensors",
                     "size_bytes": 4096,
                     "shape": [16, 128],
                     "dtype": "bfloat16",
@@ -324,10 +324,10 @@ def test_non_streaming_request_gets_merged_params_and_keeps_media() -> None:
 
             (pd_body,) = r.pds[0].bodies
             assert without_params(pd_body) == request  # the original request, media kept
-            ident = ident_of(img, MODEL)
-            assert list(params_of(pd_body)) == [ident]
-            assert params_of(pd_body)[ident]["key"] == f"ec-cache/ns/{ident}.safetensors"
-            assert params_of(pd_body)[ident]["item_indices"] == [0]
+            identifier = identifier_of(img, MODEL)
+            assert list(params_of(pd_body)) == [identifier]
+            assert params_of(pd_body)[identifier]["key"] == f"ec-cache/ns/{identifier}.safetensors"
+            assert params_of(pd_body)[identifier]["item_indices"] == [0]
             assert r.pds[0].headers[0]["X-Request-Id"] == "req-42"
             assert r.metric("ec_s3_proxy_encoder_requests_total", outcome="ok") == 1
 
@@ -383,7 +383,7 @@ def test_client_sent_ec_transfer_params_are_never_forwarded() -> None:
             assert "ec_transfer_params" not in r.pds[0].bodies[-1]
             img = image(7)
             await r.post({**chat(img), "ec_transfer_params": forged})
-            assert list(params_of(r.pds[0].bodies[-1])) == [ident_of(img, MODEL)]
+            assert list(params_of(r.pds[0].bodies[-1])) == [identifier_of(img, MODEL)]
 
     run(scenario())
 
@@ -403,10 +403,10 @@ def test_items_of_one_request_go_to_different_encoders_in_parallel() -> None:
             assert status == 200, body
             assert len(e0.bodies) == 1 and len(e1.bodies) == 1
             params = params_of(r.pds[0].bodies[0])
-            assert set(params) == {ident_of(a, MODEL), ident_of(b, MODEL)}
+            assert set(params) == {identifier_of(a, MODEL), identifier_of(b, MODEL)}
             assert {p["encoder"] for p in params.values()} == {"e0", "e1"}
-            assert params[ident_of(a, MODEL)]["item_indices"] == [0]
-            assert params[ident_of(b, MODEL)]["item_indices"] == [1]
+            assert params[identifier_of(a, MODEL)]["item_indices"] == [0]
+            assert params[identifier_of(b, MODEL)]["item_indices"] == [1]
 
     run(scenario())
 
@@ -419,8 +419,8 @@ def test_identical_items_are_encoded_once_with_every_index() -> None:
             await r.post(chat(img, other, img))
             assert len(r.encoders[0].bodies) == 2
             params = params_of(r.pds[0].bodies[0])
-            assert params[ident_of(img, MODEL)]["item_indices"] == [0, 2]
-            assert params[ident_of(other, MODEL)]["item_indices"] == [1]
+            assert params[identifier_of(img, MODEL)]["item_indices"] == [0, 2]
+            assert params[identifier_of(other, MODEL)]["item_indices"] == [1]
 
     run(scenario())
 
@@ -448,7 +448,7 @@ def test_many_concurrent_requests_each_get_their_own_params() -> None:
                 body = seen[f"request {i}"]
                 assert without_params(body) == req
                 media = req["messages"][1]["content"][1:]
-                assert set(params_of(body)) == {ident_of(p, MODEL) for p in media}
+                assert set(params_of(body)) == {identifier_of(p, MODEL) for p in media}
             assert sum(len(e.bodies) for e in encoders) == n + len(range(0, n, 3))
             assert min(len(e.bodies) for e in encoders) >= n // 3  # both encoders carry load
 

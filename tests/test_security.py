@@ -49,8 +49,8 @@ def test_hostile_identifiers_stay_in_namespace(
         finished = drive(node.driver)
         assert finished["r1"].finish_reason == FinishReason.LENGTH
         assert node.sim.encoded == []  # all published and loaded back
-        for ident in HOSTILE:
-            assert torch.equal(node.sim.encoder_cache[ident], fake_encoder_output(ident, 16))
+        for identifier in HOSTILE:
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, 16))
         keys = _paths(fault_proxy, bucket)
         assert keys and all(k.startswith(root) or k.startswith("ec-cache/_ec_s3_probe/") for k in keys), keys
         assert all(".." not in k[len(root):] and k.count("/") == root.count("/") for k in keys if k.startswith(root))

@@ -252,8 +252,8 @@ def test_a_producer_step_of_many_saves_wakes_the_loop_once(
         cache = {f"img{i}": torch.full((64, 128), float(i)).to(torch.bfloat16) for i in range(6)}
         conn.bind_connector_metadata(ECS3ConnectorMetadata())
         conn.start_save_caches(encoder_cache=cache)
-        for ident in cache:
-            conn.save_caches(cache, ident)
+        for identifier in cache:
+            conn.save_caches(cache, identifier)
         assert counting.calls == 0, "a save woke the loop inside the step"
         conn.build_connector_worker_meta()
         conn.clear_connector_metadata()

@@ -81,11 +81,11 @@ def test_blob_larger_than_free_shm_is_no_space_not_sigbus(
 ) -> None:
     """The fetcher stages a 2 MiB blob into a 1 MiB tmpfs in a child process: before
     slots were reserved, the GET's write through mmap was a SIGBUS (exit -7)."""
-    ident, ns = "img-big", "ns"
+    identifier, ns = "img-big", "ns"
     x = torch.ones(1024, 1024, dtype=torch.bfloat16)  # 2 MiB
     key = "k/big.safetensors"
     store = make_store()
-    store.run(store.put_async(key, encode_blob(x, BlobMeta(ident, x.dtype, tuple(x.shape), ns, "p"))))
+    store.run(store.put_async(key, encode_blob(x, BlobMeta(identifier, x.dtype, tuple(x.shape), ns, "p"))))
     proc = _run_python(
         """
         import json, sys, time
@@ -96,11 +96,11 @@ def test_blob_larger_than_free_shm_is_no_space_not_sigbus(
         from ec_s3.transfer.fetcher import ItemFetcher
         from ec_s3.transfer.staging import StagingArea
 
-        extra, staging_dir, key, ident, ns = json.loads(sys.argv[1])
+        extra, staging_dir, key, identifier, ns = json.loads(sys.argv[1])
         store = S3Store(ECS3Config.from_extra_config(extra, environ={}))
         area = StagingArea(staging_dir, 64 << 20)
         fetcher = ItemFetcher(store, area, Counters())
-        fetcher.start(key, BlobExpectation(identifier=ident, namespace=ns))
+        fetcher.start(key, BlobExpectation(identifier=identifier, namespace=ns))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             results = fetcher.drain()
@@ -110,7 +110,7 @@ def test_blob_larger_than_free_shm_is_no_space_not_sigbus(
             time.sleep(0.01)
         store.close()
         """,
-        json.dumps([extra_config(), str(tiny_tmpfs), key, ident, ns]),
+        json.dumps([extra_config(), str(tiny_tmpfs), key, identifier, ns]),
     )
     assert proc.returncode != -signal.SIGBUS, "staging a blob into a full tmpfs killed the process with SIGBUS"
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -256,9 +256,9 @@ def test_map_slot_never_follows_a_symlink(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- 7: generations
-def _blob(ident: str, ns: str) -> tuple[torch.Tensor, BlobMeta, bytes]:
+def _blob(identifier: str, ns: str) -> tuple[torch.Tensor, BlobMeta, bytes]:
     x = torch.arange(16 * 128, dtype=torch.float32).reshape(16, 128).to(torch.bfloat16) + 1
-    meta = BlobMeta(ident, torch.bfloat16, (16, 128), ns, "p")
+    meta = BlobMeta(identifier, torch.bfloat16, (16, 128), ns, "p")
     return x, meta, bytes(encode_blob(x, meta))
 
 
@@ -296,23 +296,23 @@ def _load(conn: Any, spec: Any) -> dict[str, torch.Tensor]:
     return cache
 
 
-def _spec(conn: Any, ident: str, path: str, meta: BlobMeta) -> Any:
+def _spec(conn: Any, identifier: str, path: str, meta: BlobMeta) -> Any:
     from ec_s3.connector.messages import LoadSpec
     from ec_s3.connector.model import host_id
 
     layout = BlobLayout.plan(meta)
-    return LoadSpec(ident, conn.model.keyspace.key_for(ident), path, layout.data_offset, layout.total_nbytes,
+    return LoadSpec(identifier, conn.model.keyspace.key_for(identifier), path, layout.data_offset, layout.total_nbytes,
                     "bfloat16", (16, 128), host_id())
 
 
 def test_slow_worker_never_reads_a_restaged_half_written_slot(worker: Any, tmp_path: Path) -> None:
     """Evict a slot in its grace period, stage the same name again (not yet written):
     a worker holding the old spec must get the old blob, never the new zeros."""
-    ident = "img-race"
-    x, meta, data = _blob(ident, worker.model.keyspace.namespace)
+    identifier = "img-race"
+    x, meta, data = _blob(identifier, worker.model.keyspace.namespace)
     area = StagingArea(str(tmp_path), capacity_bytes=len(data))  # room for one slot
     old = _stage(area, "k", data)
-    spec = _spec(worker, ident, old.path, meta)  # sent to workers in this step's metadata
+    spec = _spec(worker, identifier, old.path, meta)  # sent to workers in this step's metadata
     area.mark_dispatched(old)
     area.advance_step()
     _stage(area, "other", data)  # evicts k inside its grace
@@ -321,8 +321,8 @@ def test_slow_worker_never_reads_a_restaged_half_written_slot(worker: Any, tmp_p
     new = area.allocate("k", len(data))  # the same key staged again; its GET has not written yet
     assert new is not None
     cache = _load(worker, spec)  # the slow worker opens its spec now
-    assert ident in cache, "the old generation must still be readable during its grace"
-    assert torch.equal(cache[ident], x), "read the re-staged, half-written slot instead of the old blob"
+    assert identifier in cache, "the old generation must still be readable during its grace"
+    assert torch.equal(cache[identifier], x), "read the re-staged, half-written slot instead of the old blob"
     assert worker.counters.get("staging_read_failures") == 0
     area.close()
 
@@ -333,10 +333,10 @@ def test_worker_refuses_another_items_blob_and_symlinks(
     """A staging file that is not this item's blob (another identifier, zeros, a
     symlink) is never loaded: the worker reports it and fetches from S3."""
     ns = worker.model.keyspace.namespace
-    ident = "img-mine"
-    x, meta, data = _blob(ident, ns)
+    identifier = "img-mine"
+    x, meta, data = _blob(identifier, ns)
     store = make_store()
-    store.run(store.put_async(worker.model.keyspace.key_for(ident), data))
+    store.run(store.put_async(worker.model.keyspace.key_for(identifier), data))
     _, _, other = _blob("img-theirs", ns)
     wrong = tmp_path / "wrong.blob"
     wrong.write_bytes(other)  # same size, same layout, another item
@@ -347,8 +347,8 @@ def test_worker_refuses_another_items_blob_and_symlinks(
     link = tmp_path / "link.blob"
     link.symlink_to(good)
     for n, path in enumerate((wrong, zeros, link), start=1):
-        cache = _load(worker, _spec(worker, ident, str(path), meta))
-        assert torch.equal(cache[ident], x), path.name  # from S3, not from the file
+        cache = _load(worker, _spec(worker, identifier, str(path), meta))
+        assert torch.equal(cache[identifier], x), path.name  # from S3, not from the file
         assert worker.counters.get("staging_read_failures") == n, path.name
-    cache = _load(worker, _spec(worker, ident, str(good), meta))
-    assert torch.equal(cache[ident], x) and worker.counters.get("staging_read_failures") == 3
+    cache = _load(worker, _spec(worker, identifier, str(good), meta))
+    assert torch.equal(cache[identifier], x) and worker.counters.get("staging_read_failures") == 3

@@ -28,13 +28,13 @@ def worker(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]):
     conn.shutdown()
 
 
-def _spec(conn: ECS3Connector, store: S3Store, ident: str, *, host: str, path: str) -> tuple[LoadSpec, torch.Tensor]:
-    x = fake_encoder_output(ident, 16)
-    meta = BlobMeta(ident, torch.bfloat16, (16, 128), conn.model.keyspace.namespace, "p")
-    key = conn.model.keyspace.key_for(ident)
+def _spec(conn: ECS3Connector, store: S3Store, identifier: str, *, host: str, path: str) -> tuple[LoadSpec, torch.Tensor]:
+    x = fake_encoder_output(identifier, 16)
+    meta = BlobMeta(identifier, torch.bfloat16, (16, 128), conn.model.keyspace.namespace, "p")
+    key = conn.model.keyspace.key_for(identifier)
     store.run(store.put_async(key, encode_blob(x, meta)))
     layout = BlobLayout.plan(meta)
-    return LoadSpec(ident, key, path, layout.data_offset, layout.total_nbytes, "bfloat16", (16, 128), host), x
+    return LoadSpec(identifier, key, path, layout.data_offset, layout.total_nbytes, "bfloat16", (16, 128), host), x
 
 
 def _load(conn: ECS3Connector, spec: LoadSpec) -> dict[str, torch.Tensor]:

@@ -86,6 +86,7 @@ class ECS3Connector(ECConnectorBase):
         self._worker.start_load_caches(encoder_cache, self._metadata())
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        # vLLM passes the item identifier by this keyword (its older name for it).
         assert self._worker is not None
         self._worker.save_caches(encoder_cache, mm_hash, self._metadata())
 

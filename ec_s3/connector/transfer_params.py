@@ -57,18 +57,18 @@ def build_transfer_params(
     promise, and a consumer waits up to ``promised_wait_s`` for a promised blob."""
     items = collect_ec_item_metadata(request.mm_features, resolver)
     dtype = model.dtype
-    for ident, entry in items.items():
+    for identifier, entry in items.items():
         feature = request.mm_features[entry["item_indices"][0]]
         entry.setdefault("modality", feature.modality)  # vLLM 0.32 omits it; 0.33 adds it
         if not promise:
             continue
-        entry["key"] = model.keyspace.key_for(ident, cache_salt=request.cache_salt)
+        entry["key"] = model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
         entry["dtype"] = str(dtype).removeprefix("torch.")
         width = model.width_for(feature.modality)
         if width is not None:
             shape = (feature.mm_position.get_num_embeds(), width)
             entry["shape"] = list(shape)
-            layout = BlobLayout.plan(BlobMeta(ident, dtype, shape, model.keyspace.namespace, model.engine_id))
+            layout = BlobLayout.plan(BlobMeta(identifier, dtype, shape, model.keyspace.namespace, model.engine_id))
             entry["size_bytes"] = layout.total_nbytes
     return items
 
@@ -84,21 +84,21 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
     features = {f.identifier: f for f in request.mm_features}
     promises: dict[str, Promise] = {}
     problems: list[str] = []
-    for ident, entry in (raw or {}).items():
+    for identifier, entry in (raw or {}).items():
         if isinstance(entry, dict) and entry.get(PENDING_MARK) is True:
-            for feature in pending_features(request, ident, entry):
+            for feature in pending_features(request, identifier, entry):
                 key = model.keyspace.key_for(feature.identifier, cache_salt=request.cache_salt)
                 promises.setdefault(feature.identifier, Promise(key=key, size_bytes=None))
             continue
         if not isinstance(entry, dict) or "key" not in entry:
             continue  # not an ec-s3 promise (another connector's, or metadata only)
-        feature = features.get(ident) if isinstance(ident, str) else None
+        feature = features.get(identifier) if isinstance(identifier, str) else None
         problem = check_promise(request, feature, entry, model, max_blob_bytes)
         if problem:
-            problems.append(f"{str(ident)[:32]!r}: {problem}")
+            problems.append(f"{str(identifier)[:32]!r}: {problem}")
             continue
         size = entry.get("size_bytes")
-        promises[ident] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None)
+        promises[identifier] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None)
     if problems:
         counters.inc("promises_ignored", len(problems))
         logger.warning(
@@ -108,14 +108,14 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
     return promises
 
 
-def pending_features(request: Request, ident: object, entry: dict[str, Any]) -> list[MultiModalFeatureSpec]:
+def pending_features(request: Request, identifier: object, entry: dict[str, Any]) -> list[MultiModalFeatureSpec]:
     """The items a pending mark (``ec_s3 proxy``'s parallel dispatch: an encoder is
     encoding them now) stands for: the item whose identifier is the mark's, else those
     at its ``item_indices`` (an identifier hashed with processor kwargs is not the
     ``uuid`` the proxy set). The mark is untrusted, and needs no check: the key is this
     consumer's own, so a false mark costs at most ``promised_wait_s`` of waiting."""
     features = request.mm_features
-    same = [f for f in features if f.identifier == ident]
+    same = [f for f in features if f.identifier == identifier]
     if same:
         return same[:1]
     indices = entry.get("item_indices")

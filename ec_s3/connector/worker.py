@@ -105,16 +105,16 @@ class ECS3Worker:
 
     # ------------------------------------------------------------------ saving
     def save_caches(
-        self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, metadata: ECConnectorMetadata | None
+        self, encoder_cache: dict[str, torch.Tensor], identifier: str, metadata: ECConnectorMetadata | None
     ) -> None:
         if self._publisher is None:
             return
-        tensor = encoder_cache.get(mm_hash)
+        tensor = encoder_cache.get(identifier)
         if tensor is None:
             return
         save_keys = metadata.save_keys if isinstance(metadata, ECS3ConnectorMetadata) else {}
-        key = save_keys.get(mm_hash) or self._model.keyspace.key_for(mm_hash)
-        self._publisher.publish(mm_hash, tensor, key)
+        key = save_keys.get(identifier) or self._model.keyspace.key_for(identifier)
+        self._publisher.publish(identifier, tensor, key)
 
     def start_save_caches(
         self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None
@@ -129,9 +129,9 @@ class ECS3Worker:
             self._publisher.defer_wakeups()
         if encoder_cache is None or not isinstance(metadata, ECS3ConnectorMetadata):
             return
-        for ident in metadata.save_keys:
-            if ident in encoder_cache:
-                self.save_caches(encoder_cache, ident, metadata)
+        for identifier in metadata.save_keys:
+            if identifier in encoder_cache:
+                self.save_caches(encoder_cache, identifier, metadata)
 
     # ------------------------------------------------------------------ loading
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], metadata: ECConnectorMetadata | None) -> None:

@@ -233,13 +233,13 @@ def merge_params(results: Sequence[tuple[MediaItem, dict[str, Any] | None]]) -> 
     answered twice keeps the first entry with the union of item indices."""
     merged: dict[str, Any] = {}
     for item, params in results:
-        for ident, entry in (params or {}).items():
+        for identifier, entry in (params or {}).items():
             if isinstance(entry, dict) and "item_indices" in entry:
                 entry = {**entry, "item_indices": list(item.indices)}
-            if ident not in merged:
-                merged[ident] = entry
-            elif isinstance(merged[ident], dict) and isinstance(entry, dict) and "item_indices" in entry:
-                seen = merged[ident].setdefault("item_indices", [])
+            if identifier not in merged:
+                merged[identifier] = entry
+            elif isinstance(merged[identifier], dict) and isinstance(entry, dict) and "item_indices" in entry:
+                seen = merged[identifier].setdefault("item_indices", [])
                 seen.extend(i for i in entry["item_indices"] if i not in seen)
     return merged
 

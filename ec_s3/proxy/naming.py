@@ -107,7 +107,7 @@ def pending_params(items: Sequence[MediaItem], marked: Collection[int]) -> dict[
     params: dict[str, Any] = {}
     for n in sorted(marked):
         item = items[n]
-        ident = item.part.get("uuid")
-        if isinstance(ident, str):
-            params[ident] = {PENDING_MARK: True, "item_indices": list(item.indices)}
+        identifier = item.part.get("uuid")
+        if isinstance(identifier, str):
+            params[identifier] = {PENDING_MARK: True, "item_indices": list(item.indices)}
     return params

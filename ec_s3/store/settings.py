@@ -74,7 +74,7 @@ def shared_key(config: StoreConfig) -> SharedKey:
     where a repr or a log could show it.
     """
 
-    def ident(value: Any) -> Any:
+    def comparable(value: Any) -> Any:
         if isinstance(value, Secret):
             return "hmac-sha256:" + hmac.new(_KEY_SALT, value.reveal().encode(), hashlib.sha256).hexdigest()
         try:
@@ -83,4 +83,4 @@ def shared_key(config: StoreConfig) -> SharedKey:
             return repr(value)
         return value
 
-    return tuple((f.name, ident(getattr(config, f.name))) for f in dataclasses.fields(config))
+    return tuple((f.name, comparable(getattr(config, f.name))) for f in dataclasses.fields(config))

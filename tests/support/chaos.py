@@ -545,25 +545,25 @@ class WatchedNode:
             before = set(encoder_cache)
             fn(encoder_cache, **kwargs)
             for spec in self._current_loads:
-                ident = spec.identifier
-                if ident in before:
+                identifier = spec.identifier
+                if identifier in before:
                     continue
-                got = encoder_cache.get(ident)
+                got = encoder_cache.get(identifier)
                 if got is None:
-                    self.undelivered.append(ident)
+                    self.undelivered.append(identifier)
                     continue
                 self.loads += 1
                 for rid in self._step_requests:
-                    if ident in self.requests.get(rid, ()):
+                    if identifier in self.requests.get(rid, ()):
                         self.loaded_by_req[rid] += 1
-                want = self.expected(ident)
+                want = self.expected(identifier)
                 if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
                     diff = (
                         f"dtype {got.dtype} shape {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
                         if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape)
                         else f"{int((got.cpu() != want).sum())} of {want.numel()} values differ"
                     )
-                    self.mismatches.append(f"item {ident} (key {spec.key}, staged {spec.path}): {diff}")
+                    self.mismatches.append(f"item {identifier} (key {spec.key}, staged {spec.path}): {diff}")
 
         return load
 

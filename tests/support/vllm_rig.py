@@ -290,16 +290,16 @@ def make_mm_request(
     prompt: list[int] = [1] + body[:head]
     pos = head
     features = []
-    for ident in identifiers:
+    for identifier in identifiers:
         offset = len(prompt)
         prompt.extend([image_token_id] * num_image_tokens)
         features.append(
             MultiModalFeatureSpec(
                 data=MultiModalKwargsItem.dummy() if with_media else None,
                 modality="image",
-                identifier=ident,
+                identifier=identifier,
                 mm_position=PlaceholderRange(offset=offset, length=num_image_tokens),
-                mm_hash=ident,
+                mm_hash=identifier,
             )
         )
         prompt.append(body[pos])
@@ -326,10 +326,10 @@ def make_mm_request(
 
 
 def fake_encoder_output(
-    mm_hash: str, num_embeds: int, hidden: int = 128, dtype: torch.dtype = torch.bfloat16
+    identifier: str, num_embeds: int, hidden: int = 128, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Deterministic "encoder output" for an item: same hash -> same tensor."""
-    g = torch.Generator().manual_seed(zlib.crc32(mm_hash.encode("utf-8", "surrogatepass")))
+    g = torch.Generator().manual_seed(zlib.crc32(identifier.encode("utf-8", "surrogatepass")))
     return torch.randn(num_embeds, hidden, generator=g).to(dtype)
 
 
@@ -361,7 +361,7 @@ class ECWorkerSim:
        ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
 
     Returns the ``ECConnectorOutput``. ``connector=None`` runs the model-runner
-    bookkeeping without a connector (returns None). ``encode_fn(mm_hash,
+    bookkeeping without a connector (returns None). ``encode_fn(identifier,
     num_embeds) -> Tensor`` overrides the fake encoder; ``encoded`` lists every
     hash the encoder ran for, ``gathered`` every (req_id, hash) gathered.
     """
@@ -395,8 +395,8 @@ class ECWorkerSim:
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
-        for mm_hash in so.free_encoder_mm_hashes:
-            self.encoder_cache.pop(mm_hash, None)
+        for identifier in so.free_encoder_mm_hashes:
+            self.encoder_cache.pop(identifier, None)
         for nr in so.scheduled_new_reqs:
             self.requests[nr.req_id] = _ReqState(list(nr.mm_features), nr.num_computed_tokens)
         cached = so.scheduled_cached_reqs
