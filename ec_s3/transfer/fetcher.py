@@ -10,6 +10,13 @@ Every lookup started reports exactly one result, whatever happens to it (an erro
 any type, cancellation at shutdown, a loop that is gone): an item without a result
 would wait for it forever. A slot is kept only for a ``Staged`` result.
 
+Words: a *lookup* is admission's question to the bucket about one item, whatever it
+costs (a producer's HEAD, a consumer's GET), counted in ``lookups_started`` and bounded
+by ``lookup_wait_s``; a *fetch* is a GET of a blob's bytes, here (a consumer's lookup
+fetches into a slot) or in a worker that cannot read staging (its own fetch, bounded
+by ``remote_load_timeout_s``). So every fetch here is a lookup, and a producer's lookup
+fetches nothing. A :data:`FetchResult` is the result of any lookup.
+
 Owns lookups in flight and the mapping of their outcomes to results. Does not own
 item states or retries (the scheduler), slot lifetimes (staging) or S3 (the store).
 """
