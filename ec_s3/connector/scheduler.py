@@ -192,20 +192,20 @@ class ECS3Scheduler:
             self._stop_waiting(state, identifier, now)
             state.local.add(identifier)
 
-    def _hold(self, state: RequestState, ident: str, item: Item) -> bool:
+    def _hold(self, state: RequestState, identifier: str, item: Item) -> bool:
         """Pin ``item``'s staging slot for this request (consumers); False, and the
         item is forgotten, if staging evicted it meanwhile."""
         if self._staging is None:
             return True  # a producer's hit is in the bucket: nothing here to hold
         slot = item.slot
         assert slot is not None
-        pinned = state.pins.get(ident)
+        pinned = state.pins.get(identifier)
         if pinned is slot and not slot.evicted:
             return True
         if pinned is not None:  # evicted, or a slot of an earlier lookup of this item
-            self._staging.unpin(state.pins.pop(ident))
+            self._staging.unpin(state.pins.pop(identifier))
         if self._staging.pin(slot):
-            state.pins[ident] = slot
+            state.pins[identifier] = slot
             return True
         self._items.drop(item)
         return False
@@ -226,30 +226,30 @@ class ECS3Scheduler:
         self._looking += 1
         self._fetcher.start(item.key, expect)
 
-    def _stop_waiting(self, state: RequestState, ident: str, now: float) -> None:
-        """End ``ident``'s wait (served or given up); a promised item's wait is observed."""
-        since = state.waiting_since.pop(ident, None)
-        if since is not None and ident in state.promises and self._admission.observes_promise_wait:
+    def _stop_waiting(self, state: RequestState, identifier: str, now: float) -> None:
+        """End ``identifier``'s wait (served or given up); a promised item's wait is observed."""
+        since = state.waiting_since.pop(identifier, None)
+        if since is not None and identifier in state.promises and self._admission.observes_promise_wait:
             self._counters.observe("promise_wait_seconds", max(0.0, now - since))
 
     def _fall_back(self, state: RequestState, feature: MultiModalFeatureSpec, why: str) -> bool:
         """Encode locally if the request still carries the media (True); otherwise
         record it for ``take_unavailable_requests`` (False)."""
-        req_id, ident = state.request.request_id, feature.identifier
-        self._stop_waiting(state, ident, time.monotonic())
+        req_id, identifier = state.request.request_id, feature.identifier
+        self._stop_waiting(state, identifier, time.monotonic())
         if feature.data is not None:
-            state.local.add(ident)
+            state.local.add(identifier)
             self._counters.inc("fallbacks_local")
             quiet = self._store.breaker.is_open or not self._topology.workers_read_staging
             (logger.debug if quiet else logger.warning)(
-                "ec-s3: request %s item %s: %s; encoding it locally", req_id, ident[:64], why
+                "ec-s3: request %s item %s: %s; encoding it locally", req_id, identifier[:64], why
             )
             return True
         self._unavailable.add(req_id)
         self._counters.inc("requests_unavailable")
         logger.error(
             "ec-s3: request %s needs item %s from the store but %s, and it carries no media to "
-            "encode locally; failing the request (a retry re-runs the encoder)", req_id, ident[:64], why,
+            "encode locally; failing the request (a retry re-runs the encoder)", req_id, identifier[:64], why,
         )
         return False
 
@@ -302,19 +302,19 @@ class ECS3Scheduler:
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
-        ident = feature.identifier
-        item = self._hits.get(ident)
+        identifier = feature.identifier
+        item = self._hits.get(identifier)
         staged = item.staged if item is not None else None
         if item is None or staged is None:
             return  # vLLM encodes this one itself, or (a producer's hit) skips it: nothing to load
         state = self._requests.get(request.request_id)
-        if state is None or not self._hold(state, ident, item):
+        if state is None or not self._hold(state, identifier, item):
             # has_cache_item said yes a moment ago (and touched the slot), so this
             # should not happen; the load still goes out: a worker that cannot read
             # the slot fetches the blob from S3 and reports it.
-            logger.warning("ec-s3: staged item %s could not be pinned before dispatch", ident[:64])
+            logger.warning("ec-s3: staged item %s could not be pinned before dispatch", identifier[:64])
         spec = LoadSpec(
-            identifier=ident, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
+            identifier=identifier, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
             nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
             request_id=request.request_id, input_index=index, has_media=feature.data is not None,
         )
@@ -378,10 +378,10 @@ class ECS3Scheduler:
         if not isinstance(meta, ECS3WorkerMetadata):
             return
         self._topology.learn(meta.hosts)
-        for ident in meta.failed_loads:
-            item = self._items.current(ident)
+        for identifier in meta.failed_loads:
+            item = self._items.current(identifier)
             if item is not None and item.slot is not None and self._staging is not None:
-                logger.error("ec-s3: a worker could not read staged item %s; dropping it", ident[:64])
+                logger.error("ec-s3: a worker could not read staged item %s; dropping it", identifier[:64])
                 self._staging.discard(item.slot.name)
                 self._items.drop(item)
 
