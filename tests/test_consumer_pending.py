@@ -57,6 +57,39 @@ def test_a_pending_item_is_waited_for_by_identifier_or_index(
         node.close()
 
 
+def test_an_idle_engine_loop_waits_for_the_blob_instead_of_spinning(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """vLLM's engine loop does not sleep between steps. While its only request waits for
+    a pending blob (parallel dispatch: p/d has the request while the encoder encodes),
+    a step that schedules nothing must wait for the I/O thread's result rather than spin
+    and keep the GIL from it: at most about one step per millisecond of waiting (it
+    took thousands of steps per second before), and the blob is still taken as soon as
+    it lands."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=15, lookup="promised"))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        timer = threading.Timer(1.0, lambda: put_blob(store, keyspace, "img-a", fake_encoder_output("img-a", ROWS)))
+        steps = 0
+
+        def count(_: Any) -> bool:
+            nonlocal steps
+            steps += 1
+            return False
+
+        timer.start()
+        started = time.monotonic()
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": {PENDING_MARK: True, "item_indices": [0]}})
+        finished = drive(node.driver, timeout_s=30, until=count, idle_sleep_s=0.0)  # as vLLM's loop: no sleep
+        timer.join()
+        waited_ms = 1000 * (time.monotonic() - started)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH and node.sim.encoded == []
+        assert steps <= waited_ms + 100, f"{steps} engine steps in {waited_ms:.0f} ms"
+    finally:
+        node.close()
+
+
 def test_false_and_hostile_marks_cost_at_most_the_wait(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
 ) -> None:

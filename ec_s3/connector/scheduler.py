@@ -73,6 +73,11 @@ if TYPE_CHECKING:
 __all__ = ["ECS3Scheduler"]
 
 _PRUNE_EVERY_STEPS = 256
+# The longest an engine step that scheduled nothing waits for a lookup's result while
+# requests wait for blobs: its loop does not sleep between steps, and spinning kept the
+# GIL from the I/O thread that runs those lookups (bench/ttft.py). A result ends the
+# wait at once; a new request waits this long at most before its first schedule.
+_IDLE_WAIT_S = 0.001
 
 
 class ECS3Scheduler:
@@ -107,6 +112,7 @@ class ECS3Scheduler:
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
         self._looking = 0  # lookups running on the I/O loop
+        self._deferred = False  # a request waited for a blob in this step's schedule
         self._steps = 0
         self._retries_reported = 0
         self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
@@ -126,7 +132,7 @@ class ECS3Scheduler:
                 continue
             decision = self._admit(state, feature, now)
             if decision.action is Action.WAIT:
-                ready = False
+                ready, self._deferred = False, True
             elif decision.action is Action.UNAVAILABLE and not self._fall_back(state, feature, decision.reason):
                 return False
         return ready
@@ -321,11 +327,10 @@ class ECS3Scheduler:
         self._loads.append((spec, staged.slot))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECS3ConnectorMetadata:
-        if self._looking and not scheduler_output.total_num_scheduled_tokens:
-            # The engine has nothing to run but our transfers, and its loop does not
-            # sleep between steps: without this it would keep the GIL from the I/O
-            # thread that runs them (bench/scheduler_cost.py measures the difference).
-            time.sleep(0)
+        if (self._looking or self._deferred) and not scheduler_output.total_num_scheduled_tokens:
+            # The engine has nothing to run but requests waiting for our transfers.
+            self._fetcher.wait_for_result(_IDLE_WAIT_S)
+        self._deferred = False
         meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
         if self._loads:
             meta.encoder_inputs = scheduler_output.scheduled_encoder_inputs

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import threading
 import time
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
@@ -83,6 +84,8 @@ class ItemFetcher:
         self._counters = counters
         # deque.append/popleft are atomic: the loop appends, the scheduler pops.
         self._done: collections.deque[tuple[str, FetchResult]] = collections.deque()
+        # Set with every result: an idle scheduler waits on it instead of spinning.
+        self._arrived = threading.Event()
         self._seen_unexpected: set[type[BaseException]] = set()
 
     def start(self, key: str, expect: BlobExpectation | None) -> None:
@@ -92,13 +95,23 @@ class ItemFetcher:
         try:
             self._store.background.call_soon(self._spawn, key, expect)
         except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown)
-            self._done.append((key, Failed(f"I/O loop unavailable: {exc}")))
+            self._report(key, Failed(f"I/O loop unavailable: {exc}"))
 
     def drain(self) -> list[tuple[str, FetchResult]]:
+        self._arrived.clear()  # before popping: a result appended meanwhile sets it again
         out = []
         while self._done:
             out.append(self._done.popleft())
         return out
+
+    def wait_for_result(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a result is ready to :meth:`drain` (True), the
+        GIL released meanwhile. For a scheduler step that has nothing else to do."""
+        return self._arrived.wait(timeout_s)
+
+    def _report(self, key: str, result: FetchResult) -> None:
+        self._done.append((key, result))
+        self._arrived.set()
 
     def _spawn(self, key: str, expect: BlobExpectation | None) -> None:
         coro = self._head(key) if expect is None else self._fetch(key, expect)
@@ -106,7 +119,7 @@ class ItemFetcher:
             self._store.submit(coro)
         except Exception as exc:  # noqa: BLE001 - closed while shutting down
             coro.close()
-            self._done.append((key, Failed(f"store closed: {exc}")))
+            self._report(key, Failed(f"store closed: {exc}"))
 
     async def _head(self, key: str) -> None:
         result: FetchResult = Failed("lookup cancelled")
@@ -118,7 +131,7 @@ class ItemFetcher:
         except Exception as exc:  # noqa: BLE001 - a lookup must always report
             result = self._unexpected(key, exc)
         finally:
-            self._done.append((key, result))
+            self._report(key, result)
 
     def _failed(self, exc: StoreError) -> Failed:
         transient = isinstance(exc, StoreUnavailable)
@@ -149,7 +162,7 @@ class ItemFetcher:
         finally:
             if isinstance(result, NoSpace):
                 self._counters.inc("staging_no_space")
-            self._done.append((key, result))
+            self._report(key, result)
 
     async def _download(self, key: str, expect: BlobExpectation) -> Staged | NoSpace:
         """The GET in its two phases: the size, a staging slot of that size (or
