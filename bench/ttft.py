@@ -50,9 +50,7 @@ example) nor the stack bench's helpers it reuses (:mod:`bench.epd_stack`).
 from __future__ import annotations
 
 import argparse
-import base64
 import http.client
-import io
 import json
 import os
 import shutil
@@ -127,21 +125,14 @@ def stream_chat(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[
     return out
 
 
-def image_url(seed: int, size: int) -> str:
-    """A PNG data URL of :func:`~ec_s3.sandbox.tiny_model.make_test_image` at the model's size."""
-    from ec_s3.sandbox.tiny_model import make_test_image
-
-    buf = io.BytesIO()
-    make_test_image(seed, size).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
-
-
 def chat_request(model: str, seed: int, size: int, max_tokens: int) -> dict[str, Any]:
     """A streamed greedy request with one image; ``ignore_eos`` makes every answer as long."""
+    from ec_s3.demo.chat import image_data_url
+
     return {
         "model": model, "stream": True, "temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
         "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_url(seed, size)}},
+            {"type": "image_url", "image_url": {"url": image_data_url(seed, size)}},
             {"type": "text", "text": "What is in this picture?"}]}],
     }
 

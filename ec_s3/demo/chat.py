@@ -95,12 +95,13 @@ def default_schedule(seeds: Sequence[int] = (1, 2, 3, 4),
 
 
 @functools.lru_cache(maxsize=64)
-def image_data_url(seed: int) -> str:
-    """A ``data:`` URL of the PNG of :func:`ec_s3.tiny_model.make_test_image` (seed)."""
+def image_data_url(seed: int, size: int | None = None) -> str:
+    """A ``data:`` URL of the PNG of :func:`ec_s3.tiny_model.make_test_image` (seed; at
+    ``size`` pixels, the default model's when None)."""
     from ec_s3.sandbox.tiny_model import make_test_image
 
     buf = io.BytesIO()
-    make_test_image(seed).save(buf, format="PNG")
+    (make_test_image(seed) if size is None else make_test_image(seed, size)).save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
