@@ -1,16 +1,23 @@
 """deploy/kubernetes: what `kubectl apply -k` would create, checked offline.
 
-No cluster and no kustomize binary here, so :func:`render` builds each kustomization the
-way kustomize does for the features these files use (resources, components, generators
-with ``behavior: merge``, namespace, labels, images, JSON 6902 patches, and the rule that a
-kustomization reads files only below its own directory); it refuses any other field, so a
-kustomization cannot use something this test does not understand. Every rendered object
+No cluster here, so :func:`render` builds each kustomization the way kustomize does for
+the features these files use (resources, components applied to what their parent
+accumulated, generators with ``behavior: merge``, namespace, labels, images, JSON 6902
+and strategic merge patches, and the rule that a kustomization reads files only below its
+own directory); it refuses any other field, so a kustomization cannot use something this
+test does not understand, and where a kustomize >= 5 is installed (kubectl's) every
+target and component must render the same there. Every rendered object
 is then validated against the Kubernetes schemas of a pinned version
 (``kubernetes-validate``, bundled schemas, no network), and checked the way ec-s3 needs
 it: every ConfigMap's ec-s3 config passes ``ECS3Config.from_extra_config`` in the
 container's own environment, every ``file:`` it names is a mounted Secret key and every
 ``env:`` a defined variable, ``staging_dir`` is a Memory ``emptyDir`` of at least
-``staging_bytes``, and the commands parse with ec-s3's own CLI parsers.
+``staging_bytes``, and the commands parse with ec-s3's own CLI parsers. Issue 27's
+day-two properties are checked on every target and component: rollouts that fit a full
+GPU pool and drain before they stop, PDBs that let a drain through at every replica
+count, one identity per role with its own policy, the store named in ec-s3.env only, Pod
+Security "restricted", bounded disks and probes, a NetworkPolicy, and images that run as
+the manifests' user with pinned dependencies.
 """
 
 from __future__ import annotations
@@ -44,9 +51,15 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 #: Every kustomization applied as is (the base and each overlay).
 TARGETS = ("", "overlays/minio", "overlays/prometheus-operator")
+#: The optional components (components/*); each is rendered on top of the base alone, and
+#: all of them together ("+all"), and must pass every check a target passes.
+COMPONENTS = tuple(sorted(p.name for p in (KUSTOMIZE / "components").iterdir() if p.is_dir()))
+RENDERED = (*TARGETS, *(f"+{c}" for c in COMPONENTS), "+all")
+#: The GPU Deployments, the ones a rollout or a drain must not lose requests of.
+GPU_DEPLOYMENTS = ("ec-s3-encoder", "ec-s3-pd")
 #: Objects the operator creates before the first apply (docs/deploy.md); optional ones
 #: are referenced with ``optional: true``.
-EXTERNAL_SECRETS = {"ec-s3-credentials"}
+EXTERNAL_SECRETS = {"ec-s3-encoder-credentials", "ec-s3-pd-credentials", "ec-s3-gc-credentials"}
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 CLUSTER_SCOPED = {"Namespace"}
 _KNOWN_FIELDS = {"apiVersion", "kind", "namespace", "labels", "resources", "components", "images",
@@ -114,11 +127,17 @@ def _json_pointer(doc: Any, path: str) -> tuple[Any, str | int]:
     return doc, last
 
 
-def _apply_patch(objs: list[dict[str, Any]], patch: dict[str, Any]) -> None:
-    target = patch["target"]
-    matched = [o for o in objs if o["kind"] == target["kind"] and o["metadata"]["name"] == target["name"]]
+def _targets(objs: list[dict[str, Any]], target: dict[str, Any]) -> list[dict[str, Any]]:
+    unknown = set(target) - {"kind", "name"}
+    assert not unknown, f"patch target fields this test does not render: {unknown}"
+    matched = [o for o in objs if o["kind"] == target["kind"]
+               and ("name" not in target or o["metadata"]["name"] == target["name"])]
     assert matched, f"patch target {target} matches nothing"
-    for op in yaml.safe_load(patch["patch"]):
+    return matched
+
+
+def _apply_json6902(matched: list[dict[str, Any]], ops: list[dict[str, Any]]) -> None:
+    for op in ops:
         assert op["op"] in ("replace", "add", "remove"), op
         for obj in matched:
             parent, key = _json_pointer(obj, op["path"])
@@ -132,6 +151,68 @@ def _apply_patch(objs: list[dict[str, Any]], patch: dict[str, Any]) -> None:
                     parent[key] = op["value"]
             else:
                 del parent[key]
+
+
+#: The lists a strategic merge patch merges element by element, and the key it matches
+#: them by (the x-kubernetes-patch-merge-key of the Kubernetes API); every other list
+#: (args, tolerations, envFrom, ...) is replaced whole, as kustomize does.
+SMP_MERGE_KEYS = {"containers": "name", "initContainers": "name", "volumes": "name", "env": "name",
+                  "volumeMounts": "mountPath", "imagePullSecrets": "name",
+                  "topologySpreadConstraints": "topologyKey"}
+
+
+def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
+    """``patch`` merged into ``base`` the way kustomize's strategic merge patch does for the
+    fields these files patch: maps merge key by key (``null`` deletes), the lists of
+    :data:`SMP_MERGE_KEYS` merge by their key (``$patch: delete`` removes an element), and
+    any other list or scalar replaces."""
+    if isinstance(patch, dict) and isinstance(base, dict):
+        assert set(patch) & {"$retainKeys", "$setElementOrder", "$deleteFromPrimitiveList"} == set(), patch
+        if patch.get("$patch") == "replace":
+            return {k: v for k, v in patch.items() if k != "$patch"}
+        assert "$patch" not in patch, f"{field}: $patch {patch['$patch']} is not rendered here"
+        merged = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                merged.pop(key, None)
+            elif key in merged:
+                merged[key] = strategic_merge(merged[key], value, key)
+            else:
+                merged[key] = strategic_merge({}, value, key) if isinstance(value, dict) else value
+        return merged
+    if isinstance(patch, list) and isinstance(base, list) and field in SMP_MERGE_KEYS:
+        # kustomize's order: the patch's elements first (in its order), then the others.
+        key = SMP_MERGE_KEYS[field]
+        old = {item[key]: item for item in base}
+        patched: list[Any] = []
+        for item in patch:
+            assert key in item, f"{field}: an element without its merge key {key!r}: {item}"
+            if item.get("$patch") == "delete":
+                assert item[key] in old, f"{field}: $patch delete of {item[key]!r}, which is not there"
+            elif item[key] in old:
+                patched.append(strategic_merge(old[item[key]], item, field))
+            else:
+                patched.append(item)
+        named = {item[key] for item in patch}
+        return patched + [item for item in base if item[key] not in named]
+    return patch
+
+
+def _apply_patch(root: Path, objs: list[dict[str, Any]], patch: dict[str, Any]) -> None:
+    unknown = set(patch) - {"target", "patch", "path"}
+    assert not unknown, f"patch fields this test does not render: {unknown}"
+    text = patch["patch"] if "patch" in patch else _inside(root, patch["path"]).read_text()
+    body = yaml.safe_load(text)
+    if isinstance(body, list):  # JSON 6902: needs a target
+        _apply_json6902(_targets(objs, patch["target"]), body)
+        return
+    target = patch.get("target") or {"kind": body["kind"], "name": body["metadata"]["name"]}
+    for obj in _targets(objs, target):
+        merged = strategic_merge(obj, {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")})
+        merged["metadata"] = strategic_merge(obj["metadata"], {k: v for k, v in body.get("metadata", {}).items()
+                                                               if k not in ("name", "namespace")})
+        obj.clear()
+        obj.update(merged)
 
 
 def _containers(pod_spec: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -148,14 +229,17 @@ def pod_specs(objs: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict
             yield obj, obj["spec"]["jobTemplate"]["spec"]["template"]["spec"]
 
 
-def render(directory: Path, _visited: tuple[Path, ...] = ()) -> list[dict[str, Any]]:
-    """The objects ``kubectl kustomize directory`` prints (without generator hashes)."""
+def render(directory: Path, _visited: tuple[Path, ...] = (),
+           _accumulated: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize directory`` prints (without generator hashes). A
+    Component is built on top of what its parent accumulated so far (``_accumulated``):
+    its generators merge into, and its patches apply to, the parent's objects."""
     directory = directory.resolve()
     visited = (*_visited, directory)
     spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
     unknown = set(spec) - _KNOWN_FIELDS
     assert not unknown, f"{directory}: kustomization fields this test does not render: {unknown}"
-    objs: list[dict[str, Any]] = []
+    objs: list[dict[str, Any]] = _accumulated if _accumulated is not None else []
     for rel in spec.get("resources", []):
         path = (directory / rel).resolve()
         if path.is_dir():
@@ -170,7 +254,7 @@ def render(directory: Path, _visited: tuple[Path, ...] = ()) -> list[dict[str, A
     for rel in spec.get("components", []):
         component = (directory / rel).resolve()
         assert yaml.safe_load((component / "kustomization.yaml").read_text())["kind"] == "Component"
-        objs += render(component, visited)
+        objs = render(component, visited, objs)
     for field, kind in (("configMapGenerator", "ConfigMap"), ("secretGenerator", "Secret")):
         for gen in spec.get(field, []):
             new = _generate(directory, gen, kind)
@@ -183,7 +267,7 @@ def render(directory: Path, _visited: tuple[Path, ...] = ()) -> list[dict[str, A
                 assert not [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == gen["name"]], gen["name"]
                 objs.append(new)
     for patch in spec.get("patches", []):
-        _apply_patch(objs, patch)
+        _apply_patch(directory, objs, patch)
     if spec.get("namespace"):
         for obj in objs:
             if obj["kind"] not in CLUSTER_SCOPED:
@@ -199,9 +283,28 @@ def render(directory: Path, _visited: tuple[Path, ...] = ()) -> list[dict[str, A
     return objs
 
 
-@pytest.fixture(scope="module", params=TARGETS, ids=lambda t: t or "base")
-def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, render(KUSTOMIZE / request.param)
+def overlay(directory: Path, components: tuple[str, ...] = (), base: str = "", **fields: Any) -> Path:
+    """An overlay of one's own in ``directory``: ``base`` (a target) plus ``components``
+    and any other kustomization ``fields``, the way docs/deploy.md's step 2 writes it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(KUSTOMIZE / base, directory)],
+            "components": [os.path.relpath(KUSTOMIZE / "components" / c, directory) for c in components], **fields}
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return directory
+
+
+def render_target(target: str, tmp: Path) -> list[dict[str, Any]]:
+    """A target of :data:`RENDERED`: a kustomization of the kit, or ``+component`` on the base."""
+    if not target.startswith("+"):
+        return render(KUSTOMIZE / target)
+    components = COMPONENTS if target == "+all" else (target[1:],)
+    return render(overlay(tmp / target[1:], components))
+
+
+@pytest.fixture(scope="module", params=RENDERED, ids=lambda t: t or "base")
+def rendered(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render_target(request.param, tmp_path_factory.mktemp("overlay"))
 
 
 # --------------------------------------------------------------------------- schemas
@@ -237,21 +340,26 @@ def _kustomize_cli() -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t or "base")
-def test_kustomize_builds_what_the_renderer_renders(target: str) -> None:
-    """Where a kustomize exists, it accepts each target and prints the same objects
-    (generated names carry a content hash there; the renderer leaves it off)."""
+@pytest.mark.parametrize("target", RENDERED, ids=lambda t: t or "base")
+def test_kustomize_builds_what_the_renderer_renders(target: str, tmp_path: Path) -> None:
+    """Where a kustomize exists, it accepts each target (and each component) and prints
+    the same objects (generated names carry a content hash there; the renderer leaves it
+    off; kustomize wraps a Secret's base64 lines)."""
     cli = _kustomize_cli()
     if cli is None:
         pytest.skip("no kustomize >= 5 here (kustomize, kubectl or $EC_S3_KUSTOMIZE_BIN): the renderer alone "
                     "checks the kustomizations")
-    proc = subprocess.run([*cli, str(KUSTOMIZE / target)], capture_output=True, text=True, timeout=120)
+    ours = render_target(target, tmp_path)
+    directory = KUSTOMIZE / target if not target.startswith("+") else tmp_path / target[1:]
+    proc = subprocess.run([*cli, str(directory)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cli)} rejects {target or 'the base'}:\n{proc.stderr}"
-    ours = render(KUSTOMIZE / target)
     text = json.dumps([d for d in yaml.safe_load_all(proc.stdout) if d])
     for name in {o["metadata"]["name"] for o in ours if o["kind"] in ("ConfigMap", "Secret")}:
         text = re.sub(rf'"{re.escape(name)}-[a-z0-9]{{10}}"', json.dumps(name), text)
     theirs = json.loads(text)
+    for obj in theirs:
+        if obj["kind"] == "Secret":
+            obj["data"] = {k: re.sub(r"\s", "", v) for k, v in obj["data"].items()}
 
     def key(o: dict[str, Any]) -> tuple[str, str]:
         return o["kind"], o["metadata"]["name"]
@@ -284,7 +392,7 @@ def test_base_has_the_pieces_of_an_epd_fleet() -> None:
     kinds = {(o["kind"], o["metadata"]["name"]) for o in objs}
     assert {("Deployment", "ec-s3-encoder"), ("Deployment", "ec-s3-pd"), ("Deployment", "ec-s3-proxy"),
             ("Service", "ec-s3-encoder"), ("Service", "ec-s3-pd"), ("Service", "ec-s3-proxy"),
-            ("ConfigMap", "ec-s3-config"), ("ConfigMap", "ec-s3-env"), ("ServiceAccount", "ec-s3"),
+            ("ConfigMap", "ec-s3-config"), ("ConfigMap", "ec-s3-env"),
             ("CronJob", "ec-s3-gc"), ("CronJob", "ec-s3-abort-stale-uploads"),
             ("ConfigMap", "ec-s3-grafana-dashboard"), ("ConfigMap", "ec-s3-prometheus-rules")} <= kinds
     assert not {k for k, _ in kinds} & CRD_KINDS, "CRDs belong in the optional component, not the base"
@@ -428,6 +536,11 @@ def test_every_ec_s3_config_is_valid_where_it_runs(rendered: tuple[str, list[dic
         assert transfer["ec_connector"] == "ECS3Connector", name
         extra = dict(transfer.get("ec_connector_extra_config", {}))
         files = mounted_files(objs, pod, c, target)
+        # The store and the identity are named once, outside the config (issue 27 item 3).
+        named = {"bucket", "endpoint_url", "region", "access_key_id", "secret_access_key", "session_token"} & set(extra)
+        assert not named, f"{name}: the config names {sorted(named)}: ec-s3.env and the pod's identity do"
+        credentials = env.get("AWS_SHARED_CREDENTIALS_FILE")
+        assert credentials is None or credentials in files, f"{name}: {credentials} is not a mounted Secret file"
         for key, value in list(extra.items()):
             if isinstance(value, str) and value.startswith("file:"):
                 path = value[len("file:"):]
@@ -613,12 +726,17 @@ def test_minio_overlay_is_self_contained() -> None:
     mc = _find(objs, "Job", "minio-create-bucket")["spec"]["template"]["spec"]["containers"][0]
     assert mc["image"] == compose["minio-create-bucket"]["image"]
     assert '"local/$EC_S3_BUCKET"' in mc["args"][0] and "EC_S3_BUCKET" in container_env(objs, mc)
-    # MinIO's root user is the identity ec-s3 signs with.
-    secret = _find(objs, "Secret", "ec-s3-credentials")
+    # MinIO's root user is the identity every role's credentials file names.
+    root = {k: base64.b64decode(v).decode() for k, v in _find(objs, "Secret", "minio-root")["data"].items()}
     refs = {v["name"]: v["valueFrom"]["secretKeyRef"] for v in minio["env"]}
-    assert refs["MINIO_ROOT_USER"] == {"name": "ec-s3-credentials", "key": "access-key-id"}
-    assert refs["MINIO_ROOT_PASSWORD"] == {"name": "ec-s3-credentials", "key": "secret-access-key"}
-    assert {"access-key-id", "secret-access-key"} <= set(secret["data"])
+    assert refs["MINIO_ROOT_USER"] == {"name": "minio-root", "key": "user"}
+    assert refs["MINIO_ROOT_PASSWORD"] == {"name": "minio-root", "key": "password"}
+    import configparser
+
+    for role in ("encoder", "pd", "gc"):
+        ini = configparser.ConfigParser()
+        ini.read_string(base64.b64decode(_find(objs, "Secret", f"ec-s3-{role}-credentials")["data"]["credentials"]).decode())
+        assert (ini["default"]["aws_access_key_id"], ini["default"]["aws_secret_access_key"]) == (root["user"], root["password"])
 
 
 # --------------------------------------------------------------------------- the commands, run
@@ -628,12 +746,31 @@ def _run_as_in_the_pod(objs: list[dict[str, Any]], c: dict[str, Any], s3_endpoin
     against the test's S3 server; the Secret's mount is ``secrets_dir``."""
     env = container_env(objs, c)
     env.update(EC_S3_BUCKET=bucket, EC_S3_ENDPOINT_URL=s3_endpoint.url)
-    env["EC_TRANSFER_CONFIG"] = env["EC_TRANSFER_CONFIG"].replace("file:/var/run/secrets/ec-s3/", f"file:{secrets_dir}/")
+    if "AWS_SHARED_CREDENTIALS_FILE" in env:
+        env["AWS_SHARED_CREDENTIALS_FILE"] = str(secrets_dir / Path(env["AWS_SHARED_CREDENTIALS_FILE"]).name)
     argv = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in c["command"]]
     assert argv[0] == "ec-s3"
-    proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(sys.path), **env}
+    path = sys.path
+    if c["image"].split(":")[0].endswith("/ec-s3"):
+        # The slim image has neither torch nor vLLM: any import of them fails here too.
+        blocker = secrets_dir.parent / "slim-image"
+        blocker.mkdir(exist_ok=True)
+        (blocker / "sitecustomize.py").write_text(
+            "import sys\n"
+            "class _NotInTheSlimImage:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('torch', 'vllm', 'safetensors'):\n"
+            "            raise ImportError(name + ' is not in the slim image (deploy/Dockerfile, target slim)')\n"
+            "sys.meta_path.insert(0, _NotInTheSlimImage())\n")
+        path = [str(blocker), *sys.path]
+    proc_env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.pathsep.join(path), **env}
     return subprocess.run([sys.executable, "-m", "ec_s3.cli", *argv[1:]], env=proc_env, capture_output=True,
                           text=True, timeout=120)
+
+
+def _write_credentials_file(path: Path, key_id: str, secret: str) -> None:
+    """What the operator puts in a role's Secret (key ``credentials``): an AWS credentials file."""
+    path.write_text(f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n")
 
 
 def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
@@ -641,8 +778,7 @@ def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint:
     good, bad = tmp_path / "good", tmp_path / "bad"
     for d, secret in ((good, s3_endpoint.credentials.secret_access_key), (bad, "not-the-secret")):
         d.mkdir()
-        (d / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
-        (d / "secret-access-key").write_text(secret)
+        _write_credentials_file(d / "credentials", s3_endpoint.credentials.access_key_id, secret)
     for name in ("ec-s3-encoder", "ec-s3-pd"):
         check = _find(objs, "Deployment", name)["spec"]["template"]["spec"]["initContainers"][0]
         ok = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, good)
@@ -658,10 +794,12 @@ def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint:
 @pytest.mark.parametrize("name", ["ec-s3-gc", "ec-s3-abort-stale-uploads"])
 def test_gc_cronjob_runs(name: str, s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
     objs = render(KUSTOMIZE)
-    (tmp_path / "access-key-id").write_text(s3_endpoint.credentials.access_key_id)
-    (tmp_path / "secret-access-key").write_text(s3_endpoint.credentials.secret_access_key)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    _write_credentials_file(secrets / "credentials", s3_endpoint.credentials.access_key_id,
+                            s3_endpoint.credentials.secret_access_key)
     c = _find(objs, "CronJob", name)["spec"]["jobTemplate"]["spec"]["template"]["spec"]["containers"][0]
-    proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, tmp_path)
+    proc = _run_as_in_the_pod(objs, c, s3_endpoint, bucket, secrets)
     assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
 
 
@@ -679,8 +817,438 @@ def test_the_guides_overlay_builds(tmp_path: Path) -> None:
     env = _config_map_data(objs, "ec-s3-env")
     assert env["EC_S3_BUCKET"] == "my-ec-cache" and env["EC_S3_ENDPOINT_URL"] == ""
     images = {c["image"] for _, pod in pod_specs(objs) for c in _containers(pod)}
-    assert images == {"registry.example.com/ec-s3-vllm:0.1.0-vllm0.33.0"}
+    assert images == {"registry.example.com/ec-s3-vllm:0.1.0-vllm0.33.0", "registry.example.com/ec-s3:0.1.0"}
+    # A bucket outside us-east-1, IRSA, tainted GPU nodes, the weights on a claim.
+    assert env["AWS_REGION"] == "eu-west-1"
+    for role in ("encoder", "pd", "gc"):
+        arn = _find(objs, "ServiceAccount", f"ec-s3-{role}")["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+        assert arn == f"arn:aws:iam::444455556666:role/my-ec-s3-{role}", "the guide's ARNs replace the component's"
+    for obj, pod in pod_specs(objs):
+        assert not [v for v in pod.get("volumes", []) if "secret" in v], obj["metadata"]["name"]
+    for name in GPU_DEPLOYMENTS:
+        pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
+        assert pod["tolerations"] and {"persistentVolumeClaim": {"claimName": "ec-s3-models"}, "name": "hf-cache"} in pod["volumes"]
+    assert _find(objs, "PersistentVolumeClaim", "ec-s3-models")["spec"]["storageClassName"] == "efs-sc"
+    for obj in objs:
+        if obj["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(copy.deepcopy(obj), K8S_VERSIONS[0], strict=True)
     cli = _kustomize_cli()
     if cli is not None:
         proc = subprocess.run([*cli, str(fleet)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
+
+
+# --------------------------------------------------------------------------- rollouts and drains (issue 27 item 1)
+#: Each rollout strategy the kit renders: the components that select it.
+STRATEGIES = {"full-pool": (), "surge": ("surge-rollout",)}
+
+
+def _count(value: int | str, replicas: int, round_up: bool) -> int:
+    """An int-or-percent field of a Deployment or PDB, as Kubernetes resolves it."""
+    if isinstance(value, int):
+        return value
+    percent = int(value.rstrip("%"))
+    return -(-replicas * percent // 100) if round_up else replicas * percent // 100
+
+
+def _arg(args: list[str], flag: str) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    assert len(values) == 1, f"{flag} given {len(values)} times"
+    return values[0]
+
+
+def _pre_stop_seconds(c: dict[str, Any]) -> float:
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_gpu_rollout_loses_no_request(strategy: str, tmp_path: Path) -> None:
+    """Each strategy, rendered: it progresses on the GPUs it says it needs (the default on
+    a pool with none to spare), and an old pod drains: out of the endpoints first
+    (preStop), then vLLM finishes in-flight requests (--shutdown-timeout > 0), all within
+    the grace period."""
+    objs = render(overlay(tmp_path / strategy, STRATEGIES[strategy]))
+    for name in GPU_DEPLOYMENTS:
+        deployment = _find(objs, "Deployment", name)
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(copy.deepcopy(deployment), version, strict=True)
+        replicas = deployment["spec"]["replicas"]
+        rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+        pod = deployment["spec"]["template"]["spec"]
+        vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
+        gpus = int(vllm["resources"]["requests"]["nvidia.com/gpu"])
+        for count in sorted({replicas, 1, 2, 3, 8}):
+            surge = _count(rolling["maxSurge"], count, round_up=True)
+            unavailable = _count(rolling["maxUnavailable"], count, round_up=False)
+            assert surge + unavailable >= 1, f"{name}: a rollout of {count} replicas cannot progress"
+            if strategy == "full-pool":
+                # Nothing beyond the replicas' own GPUs: never a Pending surge pod.
+                assert surge == 0 and unavailable == 1, f"{name} ({count} replicas): needs {surge * gpus} spare GPUs"
+            else:
+                assert unavailable == 0 and surge * gpus == gpus, f"{name}: the surge variant keeps every replica serving"
+        pre_stop = _pre_stop_seconds(vllm)
+        timeout = int(_arg(vllm["args"], "--shutdown-timeout"))
+        assert pre_stop >= 5, f"{name}: the endpoints need a moment to drop the pod before SIGTERM"
+        assert timeout > 0, f"{name}: vLLM's default --shutdown-timeout 0 aborts in-flight requests"
+        assert pod["terminationGracePeriodSeconds"] > pre_stop + timeout, (
+            f"{name}: the kubelet kills the pod after {pod['terminationGracePeriodSeconds']} s, before preStop "
+            f"({pre_stop:g} s) and the drain ({timeout} s) are over")
+        assert vllm["readinessProbe"]["httpGet"]["path"] == "/health", f"{name}: a new pod serves once ready"
+        if name == "ec-s3-pd":
+            assert timeout >= 60, "prefill/decode: a long generation needs its minute"
+
+
+def test_vllm_parses_the_drain_flags() -> None:
+    """The GPU containers' args, as vLLM's own `vllm serve` parser reads them."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    objs = render(KUSTOMIZE)
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for name in GPU_DEPLOYMENTS:
+        vllm = next(c for c in _find(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+                    if c["name"] == "vllm")
+        env = container_env(objs, vllm)
+        args = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in vllm["args"]]
+        parsed = parser.parse_args(args)
+        assert parsed.shutdown_timeout == int(_arg(vllm["args"], "--shutdown-timeout")) > 0, name
+
+
+def _allowed_disruptions(pdb: dict[str, Any], replicas: int) -> int:
+    """What the eviction API allows with every one of ``replicas`` pods healthy."""
+    spec = pdb["spec"]
+    if "maxUnavailable" in spec:
+        return min(replicas, _count(spec["maxUnavailable"], replicas, round_up=True))
+    return max(0, replicas - _count(spec["minAvailable"], replicas, round_up=True))
+
+
+def test_every_pdb_lets_a_drain_through_at_every_replica_count(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """`kubectl drain` evicts one pod of each budget at every replica count: the one each
+    target renders, and any an operator scales to."""
+    target, objs = rendered
+    budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
+    assert {b["metadata"]["name"] for b in budgets} >= {"ec-s3-proxy", *GPU_DEPLOYMENTS}
+    for pdb in budgets:
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        selected = [o for o in objs if o["kind"] == "Deployment"
+                    and selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(selected) == 1, f"PDB {pdb['metadata']['name']} selects {len(selected)} Deployments"
+        for replicas in sorted({selected[0]["spec"]["replicas"], *range(1, 9)}):
+            assert _allowed_disruptions(pdb, replicas) >= 1, (
+                f"{target or 'base'}: PDB {pdb['metadata']['name']} allows no eviction at {replicas} replica(s): "
+                "kubectl drain blocks forever")
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3, 5])
+def test_the_proxy_pdb_drains_at_each_replica_count(replicas: int, tmp_path: Path) -> None:
+    objs = render(overlay(tmp_path, patches=[{"patch": yaml.safe_dump(
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "ec-s3-proxy"},
+         "spec": {"replicas": replicas}})}]))
+    assert _find(objs, "Deployment", "ec-s3-proxy")["spec"]["replicas"] == replicas
+    assert _allowed_disruptions(_find(objs, "PodDisruptionBudget", "ec-s3-proxy"), replicas) >= 1
+    assert _allowed_disruptions(_find(objs, "PodDisruptionBudget", "ec-s3-proxy"), 1) == 1, "the minio overlay's count"
+
+
+# --------------------------------------------------------------------------- one identity per role (issue 27 item 2)
+IAM = ROOT / "deploy" / "iam"
+#: Each role: the workloads that run as it, and the S3 actions its policy grants (no more).
+ROLES = {
+    "encoder": ({"ec-s3-encoder"}, {"s3:PutObject", "s3:GetObject", "s3:AbortMultipartUpload", "s3:ListBucket"}),
+    "pd": ({"ec-s3-pd"}, {"s3:GetObject", "s3:ListBucket"}),
+    "gc": ({"ec-s3-gc", "ec-s3-abort-stale-uploads"},
+           {"s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListBucket", "s3:ListBucketMultipartUploads"}),
+}
+
+
+def _s3_secrets(objs: list[dict[str, Any]], pod: dict[str, Any]) -> set[str]:
+    """The credential Secrets a pod reads (volumes and env)."""
+    names = {v["secret"]["secretName"] for v in pod.get("volumes", []) if "secret" in v}
+    for c in _containers(pod):
+        names |= {v["valueFrom"]["secretKeyRef"]["name"] for v in c.get("env", [])
+                  if "secretKeyRef" in v.get("valueFrom", {})}
+    return {n for n in names if n.endswith("-credentials")}
+
+
+def test_each_role_has_its_own_identity_and_only_its_rights(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    target, objs = rendered
+    env = _config_map_data(objs, "ec-s3-env")
+    prefix = ECS3Config.from_extra_config({}, environ=env).prefix
+    irsa = target in ("+irsa", "+all")
+    for role, (workloads, actions) in ROLES.items():
+        account = _find(objs, "ServiceAccount", f"ec-s3-{role}")
+        assert account["automountServiceAccountToken"] is False, role
+        for obj, pod in pod_specs(objs):
+            if obj["metadata"]["name"] in workloads:
+                assert pod["serviceAccountName"] == f"ec-s3-{role}", obj["metadata"]["name"]
+                assert _s3_secrets(objs, pod) == (set() if irsa else {f"ec-s3-{role}-credentials"}), (
+                    f"{obj['metadata']['name']} reads another role's keys")
+        policy = json.loads((IAM / f"{role}-policy.json").read_text())
+        granted: set[str] = set()
+        for statement in policy["Statement"]:
+            assert statement["Effect"] == "Allow"
+            granted |= set([statement["Action"]] if isinstance(statement["Action"], str) else statement["Action"])
+            resource = statement["Resource"]
+            if statement["Action"] in ("s3:ListBucket", "s3:ListBucketMultipartUploads"):
+                assert resource == f"arn:aws:s3:::{env['EC_S3_BUCKET']}", role
+            else:
+                assert resource == f"arn:aws:s3:::{env['EC_S3_BUCKET']}/{prefix}/*", f"{role}: only the prefix"
+        assert granted == actions, f"{role}: {sorted(granted ^ actions)}"
+        if irsa:
+            assert account["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(f":role/ec-s3-{role}")
+    proxy = _find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"]
+    assert proxy["serviceAccountName"] == "ec-s3-proxy" and not _s3_secrets(objs, proxy)
+    # One role's Secret, one role's pods: no Secret is shared.
+    used = [s for _, pod in pod_specs(objs) for s in _s3_secrets(objs, pod)]
+    assert len(set(used)) == (0 if irsa else 3)
+
+
+def test_irsa_leaves_no_secret_behind(tmp_path: Path) -> None:
+    """With components/irsa no pod waits for a Secret that never comes, and every ec-s3
+    process finds its credentials through the AWS chain alone."""
+    objs = render(overlay(tmp_path, ("irsa",)))
+    for obj, pod in pod_specs(objs):
+        assert not [v for v in pod.get("volumes", []) if "secret" in v and not v["secret"].get("optional")], obj["metadata"]["name"]
+        for c in _containers(pod):
+            assert "AWS_SHARED_CREDENTIALS_FILE" not in {v["name"] for v in c.get("env", [])}, c["name"]
+            assert not [m for m in c.get("volumeMounts", []) if m["mountPath"] == "/var/run/secrets/ec-s3"], c["name"]
+
+
+# --------------------------------------------------------------------------- region and endpoint (issue 27 item 3)
+def test_no_config_names_the_store_and_the_env_file_region_wins(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
+    """Region and endpoint come from ec-s3.env alone: a bucket outside us-east-1 is one
+    line there, and `ec-s3 check` (as each pod runs it) signs for that region."""
+    for path in sorted(KUSTOMIZE.rglob("config/*.json")):
+        extra = json.loads(path.read_text())["ec_connector_extra_config"]
+        assert not {"region", "endpoint_url", "bucket"} & set(extra), f"{path}: the store is named in ec-s3.env"
+    objs = render(overlay(tmp_path / "eu", configMapGenerator=[
+        {"name": "ec-s3-env", "namespace": "ec-s3", "behavior": "merge", "literals": ["AWS_REGION=eu-central-1"]}]))
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    _write_credentials_file(secrets / "credentials", s3_endpoint.credentials.access_key_id,
+                            s3_endpoint.credentials.secret_access_key)
+    for obj, pod, c in ec_containers(objs):
+        region = next(v for v in c["env"] if v["name"] == "AWS_REGION")
+        # In env, not only envFrom: the EKS webhook adds AWS_REGION only where it is absent.
+        assert region["valueFrom"]["configMapKeyRef"] == {"name": "ec-s3-env", "key": "AWS_REGION"}, c["name"]
+        assert container_env(objs, c)["AWS_REGION"] == "eu-central-1"
+    check = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]["initContainers"][0]
+    proc = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, secrets)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "region: eu-central-1 (from AWS_REGION)" in proc.stdout, proc.stdout
+
+
+# --------------------------------------------------------------------------- real-cluster knobs (issue 27 item 4)
+_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                       "projected", "secret"}
+
+
+def test_every_pod_meets_pod_security_restricted(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """The rules of the "restricted" Pod Security Standard, which the namespace enforces."""
+    target, objs = rendered
+    namespace = _find(objs, "Namespace", "ec-s3")
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    for obj, pod in pod_specs(objs):
+        name = f"{target or 'base'}:{obj['metadata']['name']}"
+        context = pod.get("securityContext", {})
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & {k for k, v in pod.items() if v}, name
+        for volume in pod.get("volumes", []):
+            assert set(volume) - {"name"} <= _RESTRICTED_VOLUMES, f"{name}: volume {volume['name']}"
+        for c in _containers(pod):
+            sc = c.get("securityContext", {})
+            assert sc.get("runAsNonRoot", context.get("runAsNonRoot")) is True, f"{name}/{c['name']}: runAsNonRoot"
+            assert sc.get("runAsUser", context.get("runAsUser")) not in (0, None), f"{name}/{c['name']}: a numeric non-root user"
+            assert sc.get("allowPrivilegeEscalation") is False, f"{name}/{c['name']}"
+            assert not sc.get("privileged"), f"{name}/{c['name']}"
+            assert "ALL" in sc.get("capabilities", {}).get("drop", []), f"{name}/{c['name']}: capabilities.drop [ALL]"
+            assert set(sc.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}, f"{name}/{c['name']}"
+            seccomp = sc.get("seccompProfile", context.get("seccompProfile", {})).get("type")
+            assert seccomp in ("RuntimeDefault", "Localhost"), f"{name}/{c['name']}: seccompProfile"
+            assert not [p for p in c.get("ports", []) if p.get("hostPort")], f"{name}/{c['name']}"
+
+
+def test_probes_resources_and_disks_are_bounded(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """Every probe has a timeout (the default 1 s fails a busy vLLM's /health), every
+    container asks for ephemeral storage, and no disk volume is unbounded: the pod's
+    request covers its emptyDirs, so a node is never filled into DiskPressure."""
+    target, objs = rendered
+    for obj, pod in pod_specs(objs):
+        name = f"{target or 'base'}:{obj['metadata']['name']}"
+        disks = [v for v in pod.get("volumes", []) if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"]
+        for v in disks:
+            assert "sizeLimit" in v["emptyDir"], f"{name}: emptyDir {v['name']} is unbounded"
+        requested = 0
+        for c in _containers(pod):
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if probe in c:
+                    assert c[probe].get("timeoutSeconds", 1) >= 2, f"{name}/{c['name']}: {probe} without timeoutSeconds"
+            ephemeral = c.get("resources", {}).get("requests", {}).get("ephemeral-storage")
+            assert ephemeral, f"{name}/{c['name']}: no ephemeral-storage request"
+            if c in pod["containers"]:
+                requested += _parse_quantity(ephemeral)
+        assert requested >= sum(_parse_quantity(v["emptyDir"]["sizeLimit"]) for v in disks), (
+            f"{name}: ephemeral-storage requests below its emptyDirs' sizeLimits")
+
+
+def test_the_proxy_spreads_and_the_gpu_pods_reach_gpu_nodes(tmp_path: Path) -> None:
+    objs = render(KUSTOMIZE)
+    proxy = _find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]
+    spread = {t["topologyKey"]: t for t in proxy["spec"]["topologySpreadConstraints"]}
+    assert {"kubernetes.io/hostname", "topology.kubernetes.io/zone"} <= set(spread)
+    for t in spread.values():
+        assert t["labelSelector"]["matchLabels"].items() <= proxy["metadata"]["labels"].items()
+    objs = render(overlay(tmp_path / "gpu", ("gpu-nodes", "model-pvc")))
+    claim = _find(objs, "PersistentVolumeClaim", "ec-s3-models")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every GPU pod mounts the one claim"
+    for name in GPU_DEPLOYMENTS:
+        pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"], name
+        assert pod["nodeSelector"] and pod["runtimeClassName"] == "nvidia", name
+        cache = next(v for v in pod["volumes"] if v["name"] == "hf-cache")
+        assert cache == {"name": "hf-cache", "persistentVolumeClaim": {"claimName": "ec-s3-models"}}, name
+        vllm = pod["containers"][0]
+        env = container_env(objs, vllm)
+        assert _volume_at(pod, vllm, env["HF_HOME"]) is cache, f"{name}: HF_HOME is not on the claim"
+    # The proxy and gc stay off GPU nodes: no toleration for them.
+    for obj, pod in pod_specs(objs):
+        if obj["metadata"]["name"] not in GPU_DEPLOYMENTS:
+            assert "tolerations" not in pod, obj["metadata"]["name"]
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] in ("In", "NotIn", "Exists", "DoesNotExist"), expr
+        present, value = expr["key"] in labels, labels.get(expr["key"])
+        ok = {"In": present and value in expr.get("values", []), "NotIn": not present or value not in expr["values"],
+              "Exists": present, "DoesNotExist": not present}[expr["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def test_vllm_pods_are_reachable_only_through_the_proxy(tmp_path: Path) -> None:
+    objs = render(overlay(tmp_path, ("network-policy",), base="overlays/minio"))
+    policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
+    assert policies
+    pods = {obj["metadata"]["name"]: (obj["spec"]["jobTemplate"]["spec"] if obj["kind"] == "CronJob" else obj["spec"])
+            ["template"].get("metadata", {}).get("labels", {}) for obj, _ in pod_specs(objs)}
+    for name, labels in pods.items():
+        applying = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
+        if name not in GPU_DEPLOYMENTS:
+            continue
+        assert applying and all("Ingress" in p["spec"]["policyTypes"] for p in applying), f"{name} is open"
+        for policy in applying:
+            for rule in policy["spec"]["ingress"]:
+                assert [p["port"] for p in rule["ports"]] == [8000]
+                for peer in rule["from"]:
+                    if "podSelector" in peer:
+                        # Pods of this namespace: the proxy's, and nothing else here.
+                        assert "namespaceSelector" not in peer
+                        senders = {n for n, lb in pods.items() if _selects(peer["podSelector"], lb)}
+                        assert senders == {"ec-s3-proxy"}, f"{name} is reachable from {senders}"
+                    else:
+                        assert set(peer) == {"namespaceSelector"}, peer
+                        assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+# --------------------------------------------------------------------------- the images
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+
+
+def _stages(text: str) -> dict[str, list[str]]:
+    """The Dockerfile's stages by name, each its instructions (continuations joined)."""
+    stages: dict[str, list[str]] = {}
+    current: list[str] = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            current = stages.setdefault(line.split()[-1], [])
+        current.append(line)
+    return stages
+
+
+def _dockerignored(rel: str, patterns: list[str]) -> bool:
+    """Docker's rule for a path: the last matching pattern wins (``!`` re-includes), and a
+    pattern that matches a directory covers what is below it."""
+    import fnmatch
+
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        parts = rel.split("/")
+        prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        if pattern.startswith("**/"):
+            hit = any(fnmatch.fnmatch(p, pattern[3:]) for p in parts)
+        else:
+            hit = any(fnmatch.fnmatch(p, pattern) for p in prefixes)
+        if hit:
+            ignored = not negate
+    return ignored
+
+
+def test_the_images_run_as_the_manifests_non_root_user_with_pinned_dependencies() -> None:
+    stages = _stages(DOCKERFILE.read_text())
+    assert set(stages) >= {"slim", "vllm"} and list(stages)[-1] == "vllm", "vllm is the default target"
+    objs = render(KUSTOMIZE)
+    users = {(pod.get("securityContext", {}).get("runAsUser"), c["image"].split(":")[0].rsplit("/", 1)[-1])
+             for _, pod in pod_specs(objs) for c in _containers(pod)}
+    for stage, image in (("slim", "ec-s3"), ("vllm", "ec-s3-vllm")):
+        user = [line.split()[1] for line in stages[stage] if line.upper().startswith("USER ")][-1]
+        uid = int(user.split(":")[0])
+        assert uid != 0, stage
+        assert {u for u, i in users if i == image} == {uid}, f"{image}: the manifests' runAsUser is not the image's USER"
+        for line in stages[stage]:
+            if " pip install" in f" {line}":
+                assert "--no-deps" in line, f"{stage}: pip resolves dependencies itself: {line}"
+    # Every dependency of ec-s3 (but torch) and everything they need is pinned, in range.
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "deploy" / "image-requirements.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[req.name.lower().replace("_", "-")] = spec.version
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.S | re.M).group(1)
+    # (requirement, the extras its dependent asked for): a marker `extra == "boto3"` counts
+    # where the dependent named aiobotocore[boto3].
+    todo = [(Requirement(m), frozenset[str]()) for m in re.findall(r'^\s*"([^"]+)"', block, re.M)]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        req, extras = todo.pop()
+        name = req.name.lower().replace("_", "-")
+        if req.marker and not any(req.marker.evaluate({"extra": e}) for e in ("", *extras)):
+            continue
+        if name in ("torch", "safetensors") or (name, frozenset(req.extras)) in seen:
+            continue  # torch is the vLLM image's; safetensors comes with it (ec-s3 reads it only there)
+        seen.add((name, frozenset(req.extras)))
+        assert name in pins, f"{name} (needed by ec-s3) is not pinned in deploy/image-requirements.txt"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is not {req}"
+        todo += [(Requirement(r), frozenset(req.extras)) for r in distribution(name).requires or []]
+    seen_names = {n for n, _ in seen}
+    assert set(pins) == seen_names, f"pinned but not needed: {sorted(set(pins) - seen_names)}"
+
+
+def test_the_build_context_is_what_the_dockerfile_copies() -> None:
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    copied = [src for line in _stages(DOCKERFILE.read_text())["slim"] + _stages(DOCKERFILE.read_text())["vllm"]
+              if line.upper().startswith("COPY ") for src in line.split()[1:-1]]
+    for src in copied:
+        assert (ROOT / src).exists() and not _dockerignored(src, patterns), f"COPY {src} is not in the context"
+    for rel in (".venv", ".git", "tests/test_deploy.py", "bench/results", "ec_s3/__pycache__/x.pyc"):
+        assert _dockerignored(rel, patterns), f"{rel} is sent to the builder"
+    sent = [p for p in ROOT.rglob("*") if p.is_file() and ".venv" not in p.parts and ".git" not in p.parts
+            and not _dockerignored(p.relative_to(ROOT).as_posix(), patterns)]
+    assert sum(p.stat().st_size for p in sent) < 20 * 2**20, "the build context is over 20 MiB"
