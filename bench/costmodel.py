@@ -190,6 +190,12 @@ FLEET_ASSUMPTIONS: dict[str, Any] = {
     "proxy_skips_encoder_for_known_blobs": True,
     "why_skip": ("issue 26 item 2: a repeat costs one GET and no encoder request; without it add one "
                  "HEAD per image (the producer's lookup) and e0 of encoder work"),
+    "why_hosts": ("the hosts only set the split's granularity (whole hosts): per-GPU costs and the bucket's "
+                  "hit rate are taken as independent of fleet size; a larger fleet mostly raises the repeat rate "
+                  "the bucket sees (more encoders publish into it), read it off the rows"),
+    "left_out": ("interference (a plain replica's encoder steps stall its decodes: vLLM's write-up's reason EPD "
+                 "wins even on fresh images on GPUs), queueing at the SLO, network time, encoder output larger "
+                 "than a GET can carry in time; every one of these moves the rows, the first towards EPD"),
     "hosts": [8, 32, 128, 1000],
     "repeat_rates": [0.0, 0.25, 0.5, 0.8, 0.9, 0.95],
     "one_gpu_per_host": True,

@@ -348,9 +348,31 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def verdict(g: Mapping[str, Mapping[str, Any]], pred: Mapping[str, Any]) -> str:
+    """Whether the measurement agrees with the model's "should win": yes / NO / undecided."""
+    if not pred:
+        return "-"
+    best = max(EPD_TOPOLOGIES, key=lambda t: (g[t].get("rate") or 0.0))
+    q, bound = _ratio(g[best], g["plain-dp"])
+    if q is None or bound == "~":
+        return "undecided"
+    won = q > 1.0 if bound in ("=", ">=") else (False if q <= 1.0 else None)
+    lost = q <= 1.0 if bound in ("=", "<=") else None
+    if pred["should_win"]:
+        return "yes" if won else ("NO" if lost else "undecided")
+    return "yes" if lost else ("NO" if won else "undecided")
+
+
 def why(d: Mapping[str, Any], w: str, epd: str, other: str = "plain-dp") -> str:
     """What the servers' metrics show took the time, for a goal on workload ``w``."""
     runs = [r for r in d.get("runs") or [] if r["workload"] == w]
+    g = goodput_by_topology(runs, w)
+    censored = ""
+    if g[epd].get("bound") == ">=" and g[other].get("bound") == ">=":
+        censored = (f"not decided: {epd} and {other} both met the SLO for 90% at every swept rate (up to "
+                    f"{g[other]['rate']:g}/s): sweep higher rates (--rates-1/--rates-4); ")
+    elif g[epd].get("bound") == "<" and g[other].get("bound") == "<":
+        censored = f"not decided: {epd} and {other} both missed at the lowest rate swept: sweep lower rates; "
     pick = {t: [r for r in runs if r["topology"] == t] for t in (epd, other)}
     if not pick[epd] or not pick[other]:
         return "not measured"
@@ -366,7 +388,7 @@ def why(d: Mapping[str, Any], w: str, epd: str, other: str = "plain-dp") -> str:
     c = e.get("counts") or {}
     model = (d.get("model") or {}).get("costs_s") or {}
     rule = ((d.get("model") or {}).get("predicted") or {}).get(w, {}).get("why", "")
-    return (f"at {e['rate']:g} req/s: {epd} p99 TTFT {e['vllm']['p99_ttft_ms']:.0f} ms vs {other} "
+    return censored + (f"at {e['rate']:g} req/s: {epd} p99 TTFT {e['vllm']['p99_ttft_ms']:.0f} ms vs {other} "
             f"{o['vllm']['p99_ttft_ms']:.0f} ms; {epd} encoder inference {per('producer', HISTOGRAMS[0], e):.0f} ms "
             f"and queue {per('producer', HISTOGRAMS[2], e):.0f} ms per encoder request, p/d inference "
             f"{per('consumer', HISTOGRAMS[0], e):.0f} ms and queue (its wait for blobs) "
@@ -628,8 +650,8 @@ def print_tables(d: Mapping[str, Any]) -> None:
         pred = ((d.get("model") or {}).get("predicted") or {}).get(w, {})
         rows.append([w, *(f"{g[t]['bound'] if g[t]['bound'] != '=' else ''}{g[t]['rate']:.2f}"
                           if g[t]["rate"] is not None else "-" for t in TOPOLOGIES),
-                     pred.get("ratio"), "yes" if pred.get("should_win") else "no"])
-    print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win"], rows,
+                     pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred)])
+    print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees"], rows,
                    title="Highest rate (req/s) with >= 90% of requests under the TTFT SLO"))
     c = (d.get("model") or {}).get("costs_s")
     if c:
@@ -679,7 +701,8 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
           f"{a['images_per_request']} images per request, by hosts and repeat rate (the share of images already "
           "in the bucket). Goodput at a TTFT SLO is taken as proportional to capacity for both.", "",
           "Assumptions:", ""]
-    for key in ("gpu_costs_s", "why_costs", "why_local", "why_s3", "gpu_usd_per_hour", "why_skip"):
+    for key in ("gpu_costs_s", "why_costs", "why_local", "why_s3", "gpu_usd_per_hour", "why_skip", "why_hosts",
+                "left_out"):
         md.append(f"- {key}: {a[key]}")
     md.append("- one GPU per host; the split is whole hosts (1 <= encoders < hosts)")
     md.append("")
@@ -739,7 +762,8 @@ def main() -> int:
     if args.report_only:
         d = json.loads(((args.out_dir or bl.RESULTS_DIR) / "goodput.json").read_text())
         d.pop("benchmark", None)
-        d.pop("environment", None)
+        # The run's own environment (its date, load, revision) stays with its numbers.
+        d["run_environment"] = d.pop("run_environment", None) or d.pop("environment", None)
         d["model"] = model_section(d["runs"])
         d["goals"] = goals(d)
         print_tables(d)
