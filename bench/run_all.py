@@ -24,19 +24,19 @@ from pathlib import Path
 from typing import Any
 
 from bench import benchlib as bl
-from bench import ttft
+from bench import goodput, ttft
 
 BENCHES = ["producer_save", "transfer", "scheduler_cost", "stats_cost", "prefetch", "memory", "gil",
-           "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft"]
+           "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft", "goodput"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
             "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
             "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900),
-            "ttft": (900, 600)}
+            "ttft": (900, 600), "goodput": (3600, 900)}
 # Benchmarks that start real vLLM engines (the slowest): --skip-e2e leaves them out.
-ENGINE_BENCHES = {"e2e", "ttft"}
+ENGINE_BENCHES = {"e2e", "ttft", "goodput"}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
 OPTIONAL = {"promise_pickup"}
 # Exit status 2 of gpu_check: no CUDA (a CPU dry run), reported "not run: no GPU", not a failure.
@@ -223,6 +223,7 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
         rows.append(["6. e2e: consumer outputs == plain outputs (greedy)", "all", str(s["outputs_match_plain"]), "True",
                      _yes(s["outputs_match_plain"])])
     rows.extend(ttft.measurement_rows(load(out_dir, "ttft")))
+    rows.extend(goodput.measurement_rows(load(out_dir, "goodput")))
     return rows, goals
 
 
@@ -417,6 +418,8 @@ def goal_rows(out_dir: Path) -> list[dict[str, str]]:
     rows.append(_gpu(out_dir))
     # 8. time to first token (issue 20): bench/ttft.py owns its goals
     rows.extend(ttft.goal_rows(load(out_dir, "ttft")))
+    # 10. goodput under load (issue 26): bench/goodput.py owns its goals
+    rows.extend(goodput.goal_rows(load(out_dir, "goodput")))
     return rows
 
 
@@ -580,7 +583,7 @@ def update_perf_section(title: str, counts: dict[str, int], goals_md: str) -> No
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (~3-4 min)")
-    parser.add_argument("--skip-e2e", action="store_true", help="skip the real-engine benchmarks (e2e, ttft: the slowest)")
+    parser.add_argument("--skip-e2e", action="store_true", help="skip the real-engine benchmarks (e2e, ttft, goodput: the slowest)")
     parser.add_argument("--only", nargs="+", choices=BENCHES, default=None)
     parser.add_argument("--out-dir", type=Path, default=bl.RESULTS_DIR)
     parser.add_argument("--no-plot", action="store_true")

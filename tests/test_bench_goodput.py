@@ -1,0 +1,220 @@
+"""bench/goodput.py and bench/costmodel.py without servers: the workloads and their
+repeat fractions, the JSONL vLLM's client reads, the parser of vLLM's result JSON (a
+file vLLM wrote in a smoke run), the SLO-90 rate, the cost model's fit, the goal rows."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from bench import costmodel as cm
+from bench import goodput as gp
+
+FIXTURE = Path(__file__).parent / "data" / "vllm_bench_serve_result.json"
+
+
+# --------------------------------------------------------------------------- workloads
+def _stream(kind: str, images: int, n: int, seed: str = "t") -> list[list[int]]:
+    return gp.draw_stream(kind, images, n, random.Random(seed), counter={})
+
+
+def test_fresh_never_repeats_even_across_segments() -> None:
+    counter: dict[str, int] = {}
+    rng = random.Random(1)
+    a = gp.draw_stream("fresh", 4, 10, rng, counter=counter)
+    b = gp.draw_stream("fresh", 4, 10, rng, counter=counter)
+    seen: set[int] = set()
+    assert gp.repeat_fraction(a, seen) == 0.0
+    assert gp.repeat_fraction(b, seen) == 0.0
+    assert all(len(r) == 4 and len(set(r)) == 4 for r in a + b)
+
+
+def test_hot_repeats_at_least_80_percent_of_images_once_its_set_is_published() -> None:
+    stream = _stream("hot", 4, 200)
+    seen = set(gp.hot_set())
+    frac = gp.repeat_fraction(stream, seen)
+    assert 0.80 <= frac <= 0.90, frac
+    # Its set is several times a plain server's encoder cache.
+    assert len(gp.hot_set()) >= 4 * gp.ENCODER_CACHE_IMAGES
+
+
+def test_zipf_draws_from_its_working_set_with_a_heavy_head() -> None:
+    stream = _stream("zipf", 1, 400)
+    ids = [i for r in stream for i in r]
+    n = gp.ZIPF_SET_FACTOR * gp.ENCODER_CACHE_IMAGES
+    assert all(0 <= i - gp._ID_BASE["zipf"] < n for i in ids)
+    top = ids.count(gp._ID_BASE["zipf"])
+    assert top > ids.count(gp._ID_BASE["zipf"] + n - 1) * 5  # rank 1 far above the last rank
+    frac = gp.repeat_fraction(stream, set())
+    assert 0.5 < frac < 0.95, frac
+
+
+def test_streams_are_seeded_and_workloads_use_disjoint_images() -> None:
+    assert _stream("zipf", 4, 20, "s") == _stream("zipf", 4, 20, "s")
+    sets = [{i for r in _stream(k, 4, 50) for i in r} for k in gp.KINDS]
+    assert not (sets[0] & sets[1]) and not (sets[1] & sets[2]) and not (sets[0] & sets[2])
+    with pytest.raises(ValueError, match="workload kind"):
+        _stream("lukewarm", 1, 1)
+
+
+def test_jsonl_is_what_vllm_custom_image_dataset_reads(tmp_path: Path) -> None:
+    stream = [[gp._ID_BASE["hot"] + 1, gp._ID_BASE["hot"] + 2], [gp._ID_BASE["hot"] + 1]]
+    path = gp.write_jsonl(tmp_path / "w.jsonl", stream, tmp_path / "img", 28)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [len(x["image_files"]) for x in lines] == [2, 1]
+    assert lines[0]["image_files"][0] == lines[1]["image_files"][0]  # a repeat is the same file
+    assert len(list((tmp_path / "img").glob("*.png"))) == 2
+    from vllm.benchmarks.datasets.datasets import CustomImageDataset
+
+    ds = CustomImageDataset(dataset_path=str(path), disable_shuffle=True)
+    reqs = ds.sample(tokenizer=None, num_requests=2, ensure_client_side_data=True)
+    assert len(reqs) == 2
+    mm = reqs[0].multi_modal_data
+    assert isinstance(mm, list) and len(mm) == 2 and mm[0]["image_url"]["url"].startswith("data:image/")
+
+
+def test_bench_serve_argv_is_accepted_by_vllm_parser(tmp_path: Path) -> None:
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = gp.bench_serve_argv(base_url="http://127.0.0.1:1", model="/m", dataset=tmp_path / "x.jsonl", rate=2.5,
+                               n=8, slo_ms=400, result_dir=tmp_path, result_file="r.json", output_len=8, seed=0)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    assert ns.dataset_name == "custom_image" and ns.request_rate == 2.5 and ns.goodput == ["ttft:400"]
+    assert ns.backend == "openai-chat" and ns.save_result
+
+
+# --------------------------------------------------------------------------- vLLM's JSON
+def test_parse_result_of_a_json_vllm_wrote() -> None:
+    raw = json.loads(FIXTURE.read_text())
+    r = gp.parse_result(raw)
+    assert r["completed"] == raw["completed"] and r["p99_ttft_ms"] == raw["p99_ttft_ms"]
+    assert r["p50_ttft_ms"] is not None and r["p99_e2el_ms"] is not None and r["p50_tpot_ms"] is not None
+    assert r["good_fraction"] == pytest.approx(raw["request_goodput"] * raw["duration"] / raw["num_prompts"])
+    assert 0.0 <= r["good_fraction"] <= 1.0
+    with pytest.raises(ValueError, match="lacks"):
+        gp.parse_result({"duration": 1.0})
+
+
+# --------------------------------------------------------------------------- goodput and goals
+def test_slo90_rate_interpolates_and_says_when_censored() -> None:
+    assert gp.slo90_rate([(1, 1.0), (2, 0.95), (4, 0.5)]) == {"rate": pytest.approx(2 + 2 * 0.05 / 0.45), "bound": "="}
+    assert gp.slo90_rate([(1, 1.0), (2, 0.95)]) == {"rate": 2, "bound": ">="}
+    assert gp.slo90_rate([(1, 0.5), (2, 0.1)]) == {"rate": 1, "bound": "<"}
+    assert gp.slo90_rate([]) == {"rate": None, "bound": None}
+
+
+def _run(w: str, topo: str, rate: float, good: float, k: int = 4) -> dict:
+    return {"workload": w, "topology": topo, "rate": rate, "images": k, "slo_ttft_ms": 800, "repeat_fraction": 0.85,
+            "miss_fraction": 0.15, "counts": {}, "deltas": {},
+            "vllm": {"good_fraction": good, "p99_ttft_ms": 100.0, "request_goodput": good * rate}}
+
+
+def test_goal_rows_met_missed_and_not_decided() -> None:
+    runs = []
+    for rate, plain, epd, peer in ((1, 1.0, 1.0, 1.0), (2, 0.5, 1.0, 0.95), (4, 0.1, 0.5, 0.2)):
+        runs += [_run("hot-4", "plain-dp", rate, plain), _run("hot-4", "epd-parallel", rate, epd),
+                 _run("hot-4", "epd-serial", rate, epd * 0.9), _run("hot-4", "vllm-epd", rate, peer)]
+        runs += [_run("zipf-4", t, rate, plain) for t in gp.TOPOLOGIES]
+    d = {"runs": runs, "model": {}}
+    d["goals"] = gp.goals(d)
+    by = {g["goal"]: g for g in d["goals"]}
+    hot = by["hot, 4 images: EPD / plain-dp goodput"]
+    # plain-dp crosses 90% at 1 + 0.1/0.5 = 1.2; EPD at 2 + 2 * 0.1/0.5 = 2.4: 2.0x.
+    assert hot["ratio"] == pytest.approx(2.0) and hot["met"] is True and hot["epd"] == "epd-parallel"
+    zipf = by["zipf, 4 images: EPD / plain-dp goodput"]
+    assert zipf["ratio"] == pytest.approx(1.0) and zipf["met"] is False and zipf["why"]
+    assert gp.verdict(gp.goodput_by_topology(runs, "hot-4"), {"should_win": True}) == "yes"
+    assert gp.verdict(gp.goodput_by_topology(runs, "hot-4"), {"should_win": False}) == "NO"
+    # Both censored above: nothing to decide, and the why says to sweep higher.
+    flat = [_run("hot-4", t, rate, 1.0) for rate in (1, 2) for t in gp.TOPOLOGIES]
+    g = next(x for x in gp.goals({"runs": flat, "model": {}}) if x["workload"] == "hot-4")
+    assert g["met"] is None and "sweep higher rates" in g["why"]
+    rows = gp.goal_rows(d)
+    assert {r["status"] for r in rows} >= {"met", "MISSED"}
+    assert all(r["goal"].startswith("10. goodput") for r in rows)
+    none = gp.goal_rows(None)
+    assert [r["status"] for r in none] == ["not measured"] * len(gp.GOALS)
+
+
+def test_counts_name_the_metrics_of_each_topology() -> None:
+    d = {"producer": {"vllm:ec_s3_blobs_uploaded_total": 3.0, "vllm:ec_s3_bytes_uploaded_total": 10.0,
+                      "vllm:request_success_total": 9.0},
+         "consumer": {"vllm:ec_s3_blobs_downloaded_total": 5.0, "vllm:ec_s3_bytes_downloaded_total": 20.0,
+                      "vllm:ec_s3_blobs_loaded_total": 8.0, "vllm:ec_s3_fallbacks_local_total": 1.0},
+         "proxy": {gp.PROXY_ENC: 8.0}}
+    c = gp.counts("epd-parallel", d)
+    assert c == {"encoder requests": 8.0, "PUT": 3.0, "GET": 5.0, "bytes": 30.0, "hits": 8.0, "fallbacks": 1.0}
+    assert gp.counts("vllm-epd", d)["encoder requests"] == 9.0
+    assert gp.counts("plain-dp", d)["encoder requests"] == 0.0
+
+
+# --------------------------------------------------------------------------- the cost model
+def _windows(y: float, n: int = 10) -> dict:
+    return {"vllm:request_inference_time_seconds_sum": y * n, "vllm:request_inference_time_seconds_count": float(n)}
+
+
+def test_fit_recovers_synthetic_costs() -> None:
+    true = cm.Costs(E=0.036, p=0.004, P0=0.030, e0=0.003, G=0.005)
+    runs = []
+    for k in (1, 4):
+        plain = _windows(true.plain_s(k))
+        plain["vllm:e2e_request_latency_seconds_sum"] = (true.plain_s(k) + 0.006) * 10
+        plain["vllm:e2e_request_latency_seconds_count"] = 10.0
+        runs.append({"topology": "plain-dp", "images": k, "deltas": {"plain": plain},
+                     "vllm": {"mean_e2el_ms": (true.plain_s(k) + 0.012) * 1e3}})
+        for miss in (1.0, 0.2):
+            cons = _windows(true.P0 + k * true.p)
+            cons.update({"vllm:ec_s3_download_seconds_sum": 0.05, "vllm:ec_s3_download_seconds_count": 10.0})
+            runs.append({"topology": "epd-serial", "images": k, "miss_fraction": miss, "encoded_fraction": miss,
+                         "deltas": {"consumer": cons, "producer": _windows(true.e0 + miss * true.E)}})
+    got, rec = cm.fit_costs(runs)
+    assert got.E == pytest.approx(true.E) and got.p == pytest.approx(true.p) and got.P0 == pytest.approx(true.P0)
+    assert got.e0 == pytest.approx(true.e0) and got.G == pytest.approx(true.G)
+    assert got.hop == pytest.approx(0.006)
+    assert rec["E_from_producer"] == pytest.approx(true.E) and rec["E_from_plain"] == pytest.approx(true.E)
+    # Parallel consumers wait for blobs inside their inference time: not fitted as p.
+    skewed = [dict(r, topology="epd-parallel") if r["topology"] == "epd-serial" else r for r in runs]
+    with pytest.raises(ValueError, match="need plain-dp"):
+        cm.fit_costs(skewed)
+    with pytest.raises(ValueError, match="need plain-dp"):
+        cm.fit_costs([])
+
+
+def test_model_says_fresh_never_wins_on_two_cores_and_repeats_can() -> None:
+    c = cm.Costs(E=0.036, p=0.004, P0=0.030, e0=0.002, G=0.004)
+    assert cm.should_win(c, 4, 1.0)[0] is False and cm.predicted_ratio(c, 4, 1.0) < 1.0
+    win, why = cm.should_win(c, 4, 0.15)
+    assert win and "predicted" in why
+    # Encoding cheaper than prefill/decode: no gain to be had from skipping it.
+    assert cm.should_win(cm.Costs(E=0.005, p=0.004, P0=0.200), 1, 0.15)[0] is False
+    # By hand: plain 4*(36+4)+30 = 190 ms on each of 2 cores; EPD max(4*(0.15*36+2), 30+16+4*0.85*4) = 59.6 ms.
+    assert cm.predicted_ratio(c, 4, 0.15) == pytest.approx((1 / 0.0596) / (2 / 0.190), rel=1e-3)
+
+
+def test_linear_fit() -> None:
+    assert cm.linear_fit([1, 2, 3], [3, 5, 7]) == pytest.approx((2.0, 1.0))
+    assert cm.linear_fit([4, 4], [1.0, 3.0]) == (0.0, 2.0)
+
+
+def test_fleet_table_splits_and_s3_requests() -> None:
+    rows = cm.fleet_table()
+    a = cm.FLEET_ASSUMPTIONS
+    assert len(rows) == len(a["hosts"]) * len(a["repeat_rates"])
+    by = {(r["hosts"], r["repeat_rate"]): r for r in rows}
+    k = a["images_per_request"]
+    r = by[(1000, 0.95)]
+    assert r["s3_gets_per_1000"] == pytest.approx(1000 * k * 0.95) and r["s3_puts_per_1000"] == pytest.approx(50 * k)
+    # More repeats: fewer encoders, more goodput per GPU.
+    for hosts in a["hosts"]:
+        ratios = [by[(hosts, q)]["ratio"] for q in a["repeat_rates"]]
+        assert ratios == sorted(ratios)
+        enc = [int(by[(hosts, q)]["split_E_PD"].split(":")[0]) for q in a["repeat_rates"]]
+        assert enc == sorted(enc, reverse=True)
+    assert all(math.isfinite(r["epd_rps_per_gpu"]) and r["epd_rps_per_gpu"] > 0 for r in rows)
