@@ -185,3 +185,71 @@ def test_proxy_families_are_alerted() -> None:
                    "ec_s3_proxy_rejected_total", "ec_s3_proxy_pd_failures_total",
                    "ec_s3_proxy_items_without_params_total"):
         assert family in watched, f"no alert watches {family}"
+
+
+def _promtool() -> str:
+    import shutil
+
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool (Debian package prometheus) is not installed")
+    return path
+
+
+def test_promtool_accepts_the_rules() -> None:
+    import subprocess
+
+    out = subprocess.run([_promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_target_alerts_fire_per_promtool(tmp_path: Path) -> None:
+    """Prometheus's own rule engine: a pd target down, the proxy job gone, no ec-s3 families."""
+    import subprocess
+
+    import yaml
+
+    _promtool()
+    series = [
+        {"series": 'up{job="ec-s3-encoder",instance="e:8000"}', "values": "1x20"},
+        {"series": 'up{job="ec-s3-pd",instance="p:8000"}', "values": "0x20"},
+        # no up{job="ec-s3-proxy"}, no vllm:ec_s3_*, no ec_s3_proxy_*: all vanished
+    ]
+    test = {
+        "rule_files": [str(ALERTS)],
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": series,
+            "alert_rule_test": [
+                {"eval_time": "12m", "alertname": "EcS3TargetDown", "exp_alerts": [{
+                    "exp_labels": {"severity": "critical", "job": "ec-s3-pd", "instance": "p:8000"}}]},
+                {"eval_time": "12m", "alertname": "EcS3TargetsMissing", "exp_alerts": [{
+                    "exp_labels": {"severity": "critical", "job": "ec-s3-proxy"}}]},
+                {"eval_time": "12m", "alertname": "EcS3MetricsAbsent", "exp_alerts": [
+                    {"exp_labels": {"severity": "warning"}}]},
+            ],
+        }, {
+            "interval": "1m",
+            "input_series": [
+                *({"series": f'up{{job="{j}",instance="i"}}', "values": "1x20"}
+                  for j in ("ec-s3-encoder", "ec-s3-pd", "ec-s3-proxy")),
+                {"series": 'vllm:ec_s3_breaker_open{model_name="m",engine="0"}', "values": "0x20"},
+                {"series": "ec_s3_proxy_requests_in_flight", "values": "0x20"},
+            ],
+            "alert_rule_test": [{"eval_time": "12m", "alertname": name, "exp_alerts": []}
+                                for name in ("EcS3TargetDown", "EcS3TargetsMissing", "EcS3MetricsAbsent")],
+        }],
+    }
+    rules = {r["alert"]: r for r in _alert_rules()}
+    for case in test["tests"]:
+        for check in case["alert_rule_test"]:
+            for alert in check["exp_alerts"]:
+                labels = alert["exp_labels"]
+                alert["exp_annotations"] = {
+                    k: re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], v)
+                    for k, v in rules[check["alertname"]]["annotations"].items()}
+    spec = tmp_path / "targets.test.yaml"
+    spec.write_text(yaml.safe_dump(test))
+    out = subprocess.run([_promtool(), "test", "rules", str(spec)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
