@@ -59,7 +59,8 @@ PRODUCTION_STACK_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False,
     "properties": {
         "servingEngineSpec": {"type": "object", "additionalProperties": False, "properties": {
-            "strategy": _STRATEGY, "env": _ENV,
+            "strategy": _STRATEGY, "env": _ENV, "securityContext": {"type": "object"},
+            "containerSecurityContext": {"type": "object"},
             "modelSpec": {"type": "array", "items": {
                 "type": "object", "additionalProperties": False,
                 "required": ["name", "repository", "tag", "modelURL"],
@@ -70,6 +71,7 @@ PRODUCTION_STACK_SCHEMA: dict[str, Any] = {
                     "requestCPU": {"type": "integer"}, "requestMemory": {"type": "string"},
                     "requestGPU": {"type": ["integer", "number", "string"]},
                     "pvcStorage": {"type": "string"}, "shmSize": {"type": "string"}, "env": _ENV,
+                    "extraVolumes": {"type": "array"}, "extraVolumeMounts": {"type": "array"},
                     "vllmConfig": {"type": "object", "additionalProperties": False, "properties": {
                         "enablePrefixCaching": {"type": "boolean"},
                         "enableChunkedPrefill": {"type": "boolean"},
@@ -106,6 +108,8 @@ LLMD_SCHEMA: dict[str, Any] = {
         "decode": {"type": "object", "additionalProperties": False, "required": ["create", "containers"], "properties": {
             "create": {"type": "boolean"}, "replicas": {"type": "integer"}, "strategy": _STRATEGY,
             "terminationGracePeriodSeconds": {"type": "integer"}, "podAnnotations": {"type": "object"},
+            "extraConfig": {"type": "object", "additionalProperties": False,
+                            "properties": {"securityContext": {"type": "object"}}},
             "containers": {"type": "array", "minItems": 1, "items": _LLMD_CONTAINER},
             "volumes": {"type": "array"}}},
         "extraObjects": {"type": "array", "items": {"type": "object"}},
@@ -132,6 +136,17 @@ def _env(entries: list[dict[str, Any]]) -> dict[str, str]:
     return {e["name"]: e.get("value", "stand-in") for e in entries}
 
 
+def _secrets(mounts: list[dict[str, Any]], volumes: dict[str, dict[str, Any]]) -> dict[str, tuple[str, set[str]]]:
+    """Mounted Secret files: path -> (Secret name, its keys there)."""
+    out = {}
+    for m in mounts:
+        secret = volumes[m["name"]].get("secret")
+        if secret:
+            for item in secret["items"]:
+                out[f"{m['mountPath']}/{item['path']}"] = (secret["secretName"], {item["key"]})
+    return out
+
+
 def production_stack_servers(values: dict[str, Any]) -> list[dict[str, Any]]:
     """Each model spec's `vllm serve` arguments as deployment-vllm-multi.yaml builds them."""
     spec = values["servingEngineSpec"]
@@ -146,8 +161,10 @@ def production_stack_servers(values: dict[str, Any]) -> list[dict[str, Any]]:
         shm = None
         if "tensorParallelSize" in cfg:  # the chart's only condition for its /dev/shm emptyDir
             shm = {"mountPath": "/dev/shm", "emptyDir": {"medium": "Memory", "sizeLimit": m.get("shmSize", "20Gi")}}
+        extra = {v["name"]: v for v in m.get("extraVolumes", [])}
         out.append({"name": m["name"], "args": args, "env": _env(spec.get("env", []) + m.get("env", [])),
-                    "volumes": [shm] if shm else [], "grace_s": DEFAULT_GRACE_S, "model": m["modelURL"]})
+                    "volumes": [shm] if shm else [], "grace_s": DEFAULT_GRACE_S, "model": m["modelURL"],
+                    "secrets": _secrets(m.get("extraVolumeMounts", []), extra)})
     return out
 
 
@@ -162,7 +179,8 @@ def llmd_servers(values: dict[str, Any], release: str) -> list[dict[str, Any]]:
     volumes = {v["name"]: v for v in decode.get("volumes", [])}
     mounts = [{"mountPath": vm["mountPath"], **volumes[vm["name"]]} for vm in c.get("volumeMounts", [])]
     return [{"name": release, "args": args, "env": _env(c.get("env", [])), "volumes": mounts,
-             "grace_s": decode.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S), "model": model}]
+             "grace_s": decode.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S), "model": model,
+             "secrets": _secrets(c.get("volumeMounts", []), volumes)}]
 
 
 def _kserve_docs() -> list[dict[str, Any]]:
@@ -183,7 +201,8 @@ def kserve_servers() -> list[dict[str, Any]]:
         out.append({"name": isvc["metadata"]["name"], "args": c["args"], "env": _env(c.get("env", [])),
                     "volumes": mounts, "grace_s": predictor.get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
                     # KServe's storage initializer puts storageUri's model at /mnt/models.
-                    "model": predictor["model"]["storageUri"]})
+                    "model": predictor["model"]["storageUri"],
+                    "secrets": _secrets(c.get("volumeMounts", []), volumes)})
     return out
 
 
@@ -250,6 +269,26 @@ def test_vllm_args_parse_and_the_transfer_config_is_ec_s3s(stack: str, vllm_pars
             assert _quantity(shm["emptyDir"]["sizeLimit"]) >= config.staging_bytes, name
     assert sorted(roles.values()) == ["ec_consumer", "ec_producer"], f"{stack}: one encoder and one pd server"
     assert len({s["model"] for s in servers}) == 1, f"{stack}: encoders and pd must load the same model string"
+
+
+def _role(args: list[str]) -> str:
+    for i, a in enumerate(args):
+        if a.startswith("--ec-transfer-config"):
+            text = a.split("=", 1)[1] if "=" in a else args[i + 1]
+            return json.loads(text)["ec_role"]
+    raise AssertionError("no --ec-transfer-config")
+
+
+@pytest.mark.parametrize("stack", ["production-stack", "llm-d", "kserve"])
+def test_one_identity_per_role(stack: str) -> None:
+    """The kit's split (docs/deploy.md): encoders hold put rights, prefill/decode only get."""
+    for server in all_stacks()[stack]:
+        name = f"{stack}:{server['name']}"
+        assert "AWS_ACCESS_KEY_ID" not in server["env"], f"{name}: keys in the environment, not a role's file"
+        path = server["env"]["AWS_SHARED_CREDENTIALS_FILE"]
+        assert path in server["secrets"], f"{name}: {path} is no mounted Secret file"
+        want = {"ec_producer": "ec-s3-encoder-credentials", "ec_consumer": "ec-s3-pd-credentials"}[_role(server["args"])]
+        assert server["secrets"][path] == (want, {"credentials"}), name
 
 
 def _proxies(objs: list[dict[str, Any]]) -> list[dict[str, Any]]:
