@@ -48,17 +48,41 @@ def row(title: str) -> dict[str, Any]:
 
 
 HIT = 'outcome="hit"'
+# The proxy's families carry no model_name (one proxy serves one model); `job` is the
+# scrape job, which compose and the ServiceMonitor both name after the Service.
+JOBS = 'job=~"ec-s3-encoder|ec-s3-pd|ec-s3-proxy"'
+
+
+def proxy_rate(metric: str, by: str = "") -> str:
+    group = f" by ({by})" if by else ""
+    return f"sum{group}(rate({metric}[{W}]))"
+
+
 PANELS: list[dict[str, Any]] = [
+    row("Scrape targets"),
+    panel("Targets up", [
+        (f"sum by (job) (up{{{JOBS}}})", "{{job}} up"),
+        (f"count by (job) (up{{{JOBS}}})", "{{job}} discovered")], unit="short",
+        description="Targets Prometheus scrapes successfully (up) out of those it discovered, per job."),
+    panel("Servers exporting ec-s3", [
+        (f"count(vllm:ec_s3_breaker_open{SEL})", "vLLM engines with ec-s3 loaded"),
+        ("count(ec_s3_proxy_requests_in_flight)", "ec-s3 proxies")], unit="short",
+        description="Up but missing here: vLLM runs without the connector (--ec-transfer-config), or the target is "
+                    "not an ec-s3 proxy."),
     row("Cache"),
     panel("Lookup hit rate", [(
         f"{rate('vllm:ec_s3_lookups_total', match=HIT)} / {rate('vllm:ec_s3_lookups_total')}",
         "hit rate")], unit="percentunit",
         description="Share of bucket lookups that found a blob (consumers: fetched and validated; producers: present)."),
-    panel("Encoder work saved", [(
-        f"{rate('vllm:ec_s3_blobs_loaded_total')} / ({rate('vllm:ec_s3_blobs_loaded_total')} + "
-        f"{rate('vllm:ec_s3_fallbacks_local_total')})", "loaded / (loaded + encoded locally)")],
-        unit="percentunit", description="Consumers: items loaded from S3 instead of encoded."),
-    panel("Lookups by outcome", [(rate("vllm:ec_s3_lookups_total", by="outcome"), "{{outcome}}")], unit="ops"),
+    panel("Encoder work saved", [
+        (f"{rate('vllm:ec_s3_blobs_loaded_total')} / ({rate('vllm:ec_s3_blobs_loaded_total')} + "
+         f"{rate('vllm:ec_s3_fallbacks_local_total')})", "loaded / (loaded + encoded locally)"),
+        (f"{rate('vllm:ec_s3_fallbacks_local_total')} / ({rate('vllm:ec_s3_blobs_loaded_total')} + "
+         f"{rate('vllm:ec_s3_fallbacks_local_total')})", "encoded locally after all")],
+        unit="percentunit", description="Consumers: promised items loaded from S3 instead of encoded, and the "
+                                        "share encoded again locally (alert EcS3LocalFallbacksHigh above 10%)."),
+    panel("Lookups by outcome", [(rate("vllm:ec_s3_lookups_total", by="outcome"), "{{outcome}}"),
+                                 (rate("vllm:ec_s3_lookups_started_total"), "started")], unit="ops"),
     row("Transfers"),
     panel("Throughput", [(rate("vllm:ec_s3_bytes_uploaded_total"), "uploaded"),
                          (rate("vllm:ec_s3_bytes_downloaded_total"), "downloaded")], unit="Bps"),
@@ -74,6 +98,10 @@ PANELS: list[dict[str, Any]] = [
         (quantile(0.5, "vllm:ec_s3_promise_wait_seconds"), "p50"),
         (quantile(0.99, "vllm:ec_s3_promise_wait_seconds"), "p99")], unit="s",
         description="Consumers: how long a request waited for a blob its producer promised (served or given up)."),
+    panel("Promises", [
+        (rate("vllm:ec_s3_promise_timeouts_total"), "given up (promised_wait_s, producer down)"),
+        (rate("vllm:ec_s3_promises_withheld_total"), "withheld by producers (circuit open)"),
+        (rate("vllm:ec_s3_promises_ignored_total"), "ignored (invalid or foreign)")], unit="ops"),
     row("Failures"),
     panel("Fallbacks and failed requests", [
         (rate("vllm:ec_s3_fallbacks_local_total"), "encoded locally after all"),
@@ -83,6 +111,7 @@ PANELS: list[dict[str, Any]] = [
     panel("Uploads not made", [
         (rate("vllm:ec_s3_upload_failures_total"), "failed"),
         (rate("vllm:ec_s3_uploads_dropped_total"), "dropped (backpressure)"),
+        (rate("vllm:ec_s3_uploads_abandoned_total"), "abandoned at shutdown"),
         (rate("vllm:ec_s3_blobs_spooled_total"), "spooled")], unit="ops"),
     panel("Store health", [
         (rate("vllm:ec_s3_retries_total"), "retries"),
@@ -90,19 +119,75 @@ PANELS: list[dict[str, Any]] = [
         (f"max(vllm:ec_s3_breaker_open{SEL})", "circuit open (1)")], unit="short",
         description="Retries and errors per second; the circuit breaker is 1 while requests to the store are "
                     "skipped after repeated failures."),
+    row("Encoders (producers)"),
+    panel("Uploads", [
+        (rate("vllm:ec_s3_uploads_started_total"), "started"),
+        (rate("vllm:ec_s3_blobs_uploaded_total"), "uploaded"),
+        (rate("vllm:ec_s3_uploads_already_present_total"), "already present (412)")], unit="ops"),
+    panel("Encoder blocked on uploads", [
+        (rate("vllm:ec_s3_save_blocked_seconds_total"), "save_caches waiting for room")], unit="percentunit",
+        description="Seconds per second save_caches waited for room in max_inflight_bytes (backpressure=block); "
+                    "alert EcS3EncoderBlockedOnUploads above 10%."),
+    panel("Outage spool", [
+        (rate("vllm:ec_s3_blobs_spooled_total"), "spooled"),
+        (rate("vllm:ec_s3_spool_uploaded_total"), "uploaded later"),
+        (rate("vllm:ec_s3_spool_failed_total"), "set aside (failing)"),
+        (rate("vllm:ec_s3_spool_full_drops_total"), "dropped (spool full)"),
+        (rate("vllm:ec_s3_spool_rejected_total"), "files refused"),
+        (rate("vllm:ec_s3_spool_drain_errors_total"), "drain task errors"),
+        (f"sum(vllm:ec_s3_spool_blobs{SEL})", "blobs waiting"),
+        (f"sum(vllm:ec_s3_spool_bytes{SEL})", "bytes waiting")], unit="short",
+        description="Rates per second, and what the spool holds now (alert EcS3SpoolNotDraining)."),
+    row("Prefill/decode (consumers)"),
+    panel("Staging", [
+        (rate("vllm:ec_s3_staging_no_space_total"), "fetches refused: no room"),
+        (rate("vllm:ec_s3_staging_read_failures_total"), "staged blobs unreadable")], unit="ops",
+        description="No room: staging_bytes or the /dev/shm tmpfs is full (alert EcS3StagingFull)."),
+    panel("Worker loads", [
+        (rate("vllm:ec_s3_loads_encoded_locally_total"), "encoded in the step instead"),
+        (rate("vllm:ec_s3_remote_loads_total"), "fetched by a worker on another host"),
+        (rate("vllm:ec_s3_remote_load_failures_total"), "such fetches failed")], unit="ops"),
+    panel("Model steps waiting for worker fetches", [
+        (rate("vllm:ec_s3_remote_load_seconds_total"), "waited")], unit="percentunit",
+        description="Seconds per second model steps waited for a worker's own S3 fetch (multi-host engines)."),
     row("Memory"),
     panel("Bytes held", [
         (f"sum(vllm:ec_s3_inflight_bytes{SEL})", "producer: waiting for upload"),
         (f"sum(vllm:ec_s3_staged_bytes{SEL})", "consumer: staged"),
         (f"sum(vllm:ec_s3_spool_bytes{SEL})", "producer: spooled")], unit="bytes"),
+    row("Proxy"),
+    panel("Proxy requests", [
+        (proxy_rate("ec_s3_proxy_requests_total", by="kind"), "{{kind}}"),
+        (proxy_rate("ec_s3_proxy_rejected_total", by="reason"), "rejected: {{reason}}"),
+        (proxy_rate("ec_s3_proxy_internal_errors_total"), "internal errors (500)"),
+        (proxy_rate("ec_s3_proxy_client_disconnects_total"), "clients gone"),
+        ("sum(ec_s3_proxy_requests_in_flight)", "in flight")], unit="short",
+        description="Per second, and requests being handled now (bounded by max_in_flight)."),
+    panel("Proxy upstreams", [
+        ("min by (role, upstream) (ec_s3_proxy_upstream_up)", "{{role}} {{upstream}} up"),
+        ("sum by (role, upstream) (ec_s3_proxy_in_flight)", "{{role}} {{upstream}} in flight")], unit="short",
+        description="An upstream is 0 while the proxy skips it after a refused connection."),
+    panel("Proxy to encoders", [
+        (proxy_rate("ec_s3_proxy_encoder_requests_total", by="outcome"), "{{outcome}}"),
+        (f"{proxy_rate('ec_s3_proxy_encoder_seconds_total')} / {proxy_rate('ec_s3_proxy_encoder_requests_total')}",
+         "mean seconds per encoder request")], unit="short"),
+    panel("Proxy to prefill/decode", [
+        (proxy_rate("ec_s3_proxy_pd_responses_total", by="status"), "HTTP {{status}}"),
+        (proxy_rate("ec_s3_proxy_pd_failures_total", by="reason"), "failed: {{reason}}"),
+        (proxy_rate("ec_s3_proxy_pd_resends_total"), "resent")], unit="ops"),
+    panel("Proxy media items", [
+        (proxy_rate("ec_s3_proxy_mm_items_total"), "items seen"),
+        (proxy_rate("ec_s3_proxy_items_without_params_total"), "forwarded without encoder params")], unit="ops",
+        description="Items without params are encoded by prefill/decode itself (alert EcS3ProxyItemsWithoutParams)."),
 ]
 
-
 def dashboard() -> dict[str, Any]:
-    panels, y = [], 0
+    panels, x, y = [], 0, 0
     for i, p in enumerate(PANELS):
         p = dict(p, id=i + 1)
         if p["type"] == "row":
+            if x:  # the last row's panels did not fill their line: start below them
+                y += 8
             p["gridPos"] = {"h": 1, "w": 24, "x": 0, "y": y}
             y += 1
             x = 0
