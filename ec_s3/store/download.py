@@ -33,6 +33,7 @@ from ec_s3.store.body import crc32_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.errors import IntegrityError, ObjectChanged, StoreRequestError
+from ec_s3.store.permits import Lease
 from ec_s3.store.ranges import check_answer
 from ec_s3.store.settings import StoreConfig
 from ec_s3.store.tasks import all_or_none
@@ -57,15 +58,16 @@ class DownloadingStore(Protocol):
         self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, permit: bool = True, spent: int = 0
     ) -> T: ...
 
-    def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]: ...
+    def _lease(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[Lease]: ...
 
 
 @dataclasses.dataclass
 class _First:
     """The first answer, its body unread (or, for a 200 of unknown length, read into
-    ``data``); ``scope`` holds its request permit and connection."""
+    ``data``); ``scope`` holds its request permit (``lease``) and connection."""
 
     scope: contextlib.AsyncExitStack
+    lease: Lease
     answer: GetAnswer
     length: int
     size: int
@@ -81,14 +83,15 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
 
     async def _open(t: Transport) -> _First:
         async with contextlib.AsyncExitStack() as scope:
-            await scope.enter_async_context(store._permit("GET", key))
-            answer = await scope.enter_async_context(t.open_range(key, 0, last))
-            span = check_answer(answer.status, answer.headers, 0, last, key)
-            first = _First(scope, answer, span.length or 0, span.total or span.length or 0,
-                           answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
-            if span.length is None:  # a 200 of unknown length (chunked): the whole object
-                first.data = await answer.read_to_end(store.config.max_blob_bytes)
-                first.length = first.size = len(first.data)
+            lease = await scope.enter_async_context(store._lease("GET", key))
+            async with lease.bounded():  # this task's part of the attempt
+                answer = await scope.enter_async_context(t.open_range(key, 0, last))
+                span = check_answer(answer.status, answer.headers, 0, last, key)
+                first = _First(scope, lease, answer, span.length or 0, span.total or span.length or 0,
+                               answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
+                if span.length is None:  # a 200 of unknown length (chunked): the whole object
+                    first.data = await answer.read_to_end(store.config.max_blob_bytes)
+                    first.length = first.size = len(first.data)
             if first.size > store.config.max_blob_bytes:
                 raise StoreRequestError("GET", key, f"{first.size} bytes exceeds max_blob_bytes")
             first.scope = scope.pop_all()  # held until read_into (or close) releases it
@@ -99,8 +102,10 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
 
 class Download:
     """One object being fetched: :attr:`size` known, the bytes not yet read. Read it
-    with :meth:`read_into`, once, in the task that opened it; :meth:`aclose` (done by
-    ``S3Store.open_async``) releases what is still held on every way out."""
+    with :meth:`read_into`, once; :meth:`aclose` (done by ``S3Store.open_async``)
+    releases what is still held on every way out. The time between the two counts
+    against the first attempt's ``request_timeout_s``: past it, the first range is
+    asked again (a retry), and nothing of the caller's is cancelled."""
 
     def __init__(self, store: DownloadingStore, key: str, first: _First) -> None:
         self._store, self.key, self._first = store, key, first
@@ -154,9 +159,9 @@ class Download:
         held, self._held = self._held, None
         assert held is first
         try:
-            # Exited with the error in flight, so the permit's deadline turns its
-            # cancellation into a StoreTimeout.
-            async with held.scope:
+            # The attempt's deadline, entered in this task (never the opener's): it
+            # ends as a StoreTimeout here, retried below, however long ago the open was.
+            async with held.scope, first.lease.bounded():
                 if first.data is not None:
                     out[:] = first.data
                 else:
