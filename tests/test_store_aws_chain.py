@@ -260,3 +260,70 @@ def test_check_prints_region_and_ca_with_their_sources(
     report = json.loads(capsys.readouterr().out)
     assert report["region"] == "eu-central-1" and report["region_source"] == "AWS_DEFAULT_REGION"
     assert report["tls_ca"] == str(https_endpoint.ca_path) and report["tls_ca_source"] == "AWS_CA_BUNDLE"
+
+
+# ---------------------------------------------------------------------------- TLS host names
+def _front(s3_endpoint: Any, tmp_path: Path, *names: str) -> tuple[Any, Path]:
+    """A TLS front on 127.0.0.1 whose certificate (signed by a CA made here) names ``names``."""
+    from support.tls import TLSFront
+
+    ca = make_private_ca(tmp_path / "names", server_names=names)
+    return TLSFront(s3_endpoint.url, ca.server_context()).start(), ca.ca_path
+
+
+@pytest.mark.parametrize("data_path", PATHS)
+def test_a_certificate_for_another_name_is_refused(
+    make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path,
+    data_path: str,
+) -> None:
+    """Failed before (both paths, GET and HEAD): a certificate for wrong.example, signed by
+    the trusted CA, was accepted for https://127.0.0.1 and the bytes came back: neither
+    path checked the host name. Now a typed UntrustedCertificate, not retried, whose
+    diagnosis names the host and the names the certificate carries."""
+    from ec_s3.store.errors import CertificateNameMismatch
+
+    front, ca_path = _front(s3_endpoint, tmp_path, "DNS:wrong.example")
+    try:
+        plain = make_store(s3_endpoint.url, data_path=data_path)
+        plain.run(plain.put_async("names/k", b"secret bytes"), timeout=30)
+        store = make_store(front.url, data_path=data_path, ca_bundle=str(ca_path))  # max_attempts: 4
+        for op, call in (("GET", lambda: store.get_async("names/k")), ("HEAD", lambda: store.head_async("names/k"))):
+            with pytest.raises(UntrustedCertificate) as caught:
+                store.run(call(), timeout=30)
+            assert isinstance(caught.value, CertificateNameMismatch) and not caught.value.transient
+            assert store.stats.retries == 0
+            d = diagnose(caught.value, store.config, op=op)
+            assert d.kind == "tls" and "127.0.0.1" in d.cause and "wrong.example" in d.cause, d
+            assert "verify_tls" in d.fix
+        # verify_tls: false stays the one way out
+        off = make_store(front.url, data_path=data_path, ca_bundle=str(ca_path), verify_tls=False)
+        assert bytes(off.run(off.get_async("names/k"), timeout=30)) == b"secret bytes"
+    finally:
+        front.stop()
+
+
+@pytest.mark.parametrize("data_path", PATHS)
+@pytest.mark.parametrize("names", [("IP:127.0.0.1",), ("DNS:localhost",)], ids=["IP SAN", "DNS name"])
+def test_a_certificate_for_the_right_name_is_accepted(
+    make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path,
+    data_path: str, names: tuple[str, ...],
+) -> None:
+    """The right IP as an IP SAN, for https://127.0.0.1; a DNS name resolved to loopback,
+    for https://localhost."""
+    front, ca_path = _front(s3_endpoint, tmp_path, *names)
+    try:
+        url = front.url if names[0].startswith("IP:") else front.url.replace("127.0.0.1", "localhost")
+        _round_trip(make_store(url, data_path=data_path, ca_bundle=str(ca_path), max_attempts=1))
+    finally:
+        front.stop()
+
+
+def test_check_says_tls_is_off_with_verify_tls_false(make_config: Callable[..., ECS3Config],
+                                                      https_endpoint: HTTPSEndpoint) -> None:
+    from ec_s3.cli.capabilities import static_rows
+    from ec_s3.store.connection import resolve_endpoint
+
+    config = make_config(https_endpoint.url, verify_tls=False)
+    row = static_rows(config, resolve_endpoint(config))[0]
+    assert row.status != "ok" and "verify_tls: false" in row.detail and "host name" in row.detail
+    assert "host name" in resolve_endpoint(config).tls_words(config.endpoint_url)

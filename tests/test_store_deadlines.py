@@ -81,3 +81,87 @@ def test_permits_are_released_on_every_way_out() -> None:
             assert loop.time() - started < 0.1  # free again at once
 
     asyncio.run(scenario())
+
+
+# -- issue 24 item 3: a deadline ends typed in the caller's task, never as its cancellation ----
+MiB = 1 << 20
+PART = 5 * MiB
+# One range (under a part), and two (a part plus a header's worth, plus 100 bytes).
+SIZES = {1: SIZE, 2: PART + 64 * 1024 + 100}
+
+
+def _first_trickled(data: bytes, trickled: int) -> Callable[[int, bytes], object]:
+    """Serves ``data``; the first ``trickled`` answers to a range from byte 0 send their
+    head and then one byte per 0.2 s (a 206 that never ends in time)."""
+    from tests.support.scripted_http import header, serve_range
+
+    count = [0]
+
+    def script(n: int, head: bytes) -> object:
+        whole = serve_range(head, data)
+        if not (header(head, b"Range") or b"").startswith(b"bytes=0-") or count[0] >= trickled:
+            return whole
+        count[0] += 1
+        body_at = whole.index(b"\r\n\r\n") + 4
+
+        def send(sock: socket.socket) -> None:
+            sock.sendall(whole[:body_at])
+            for i in range(body_at, len(whole)):
+                time.sleep(0.2)
+                sock.sendall(whole[i : i + 1])
+
+        return send
+
+    return script
+
+
+@pytest.mark.parametrize("ranges", [1, 2])
+def test_a_slow_first_body_is_retried_not_a_cancel_of_the_caller(
+    path_store: Callable[..., S3Store], ranges: int
+) -> None:
+    """Failed before (both paths, 1 and 2 ranges): the permit's deadline, entered in the
+    caller's task when the first answer was opened and left in another task when its
+    body was read, cancelled the caller: a bare CancelledError with max_attempts >= 2."""
+    data = bytes(range(256)) * (SIZES[ranges] // 256) + bytes(SIZES[ranges] % 256)
+    with ScriptedHTTP(_first_trickled(data, 1)) as server:
+        store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
+                           multipart_part_bytes=PART)
+        got = store.run(store.get_async("k"), timeout=30)
+        assert bytes(got) == data
+        assert store.stats.retries == 1
+
+
+@pytest.mark.parametrize("ranges", [1, 2])
+def test_a_first_body_slow_on_every_attempt_is_a_store_timeout(
+    path_store: Callable[..., S3Store], ranges: int
+) -> None:
+    data = bytes(SIZES[ranges])
+    with ScriptedHTTP(_first_trickled(data, 10)) as server:
+        store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
+                           multipart_part_bytes=PART)
+        started = time.monotonic()
+        with pytest.raises(StoreTimeout):
+            store.run(store.get_async("k"), timeout=30)
+        assert time.monotonic() - started < 10.0
+
+
+def test_the_callers_own_await_between_open_and_read_is_not_cancelled(path_store: Callable[..., S3Store]) -> None:
+    """Failed before (both paths): the caller's own sleep between ``open_async`` and
+    ``read_into``, longer than request_timeout_s, was cancelled by the permit's deadline.
+    Now the attempt that outlived its deadline is retried when the caller reads."""
+    from tests.support.scripted_http import serve_range
+
+    data = bytes(range(100))
+    with ScriptedHTTP(lambda n, head: serve_range(head, data)) as server:
+        store = path_store(server.url, read_timeout_s=1.0, request_timeout_s=0.5)
+
+        async def caller() -> tuple[bytes, bool]:
+            async with store.open_async("k") as download:
+                slept = False
+                await asyncio.sleep(0.8)
+                slept = True
+                out = memoryview(bytearray(download.size))
+                await download.read_into(out)
+            return bytes(out), slept
+
+        assert store.run(caller(), timeout=30) == (data, True)

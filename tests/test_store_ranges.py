@@ -16,6 +16,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.store.client import S3Store
 from ec_s3.store.errors import ObjectChanged, StoreError, StoreUnavailable
 from ec_s3.store.ranges import check_answer, parse_content_length, parse_content_range
+from support.s3_matrix import S3Endpoint, s3_matrix
 from tests.support.scripted_http import ScriptedHTTP, answer, get_bytes, header
 
 BODY = b"hello world!"  # 12 bytes
@@ -169,3 +170,103 @@ def test_open_gives_the_size_then_reads_into_the_callers_buffer(path_store: Call
         return bytes(out)
 
     assert store.run(two_phases(), timeout=60) == data
+
+
+# -- issue 24 item 2: every range from one object, whatever the server does with If-Match ----
+
+def _versions(old: bytes, new: bytes, etags: tuple[bytes | None, bytes | None], *, weak_412: bool = False
+              ) -> Callable[[int, bytes], bytes]:
+    """A server that ignores ``If-Match`` (or, with ``weak_412``, compares it strongly: a
+    weak tag never matches, RFC 9110 13.1.1): the first request gets ``old`` with
+    ``etags[0]``, every later one the replaced object ``new`` with ``etags[1]``."""
+    from tests.support.scripted_http import serve_range
+
+    def script(n: int, head: bytes) -> bytes:
+        data, etag = (old, etags[0]) if n == 0 else (new, etags[1])
+        if weak_412 and (header(head, b"If-Match") or b"").startswith(b"W/"):
+            return answer(b"412 Precondition Failed", [b"Content-Length: 0"], b"")
+        return serve_range(head, data, etag)
+
+    return script
+
+
+OLD, NEW = b"a" * (6 * MiB), b"b" * (6 * MiB)
+
+
+def test_a_later_range_of_a_replaced_object_is_never_a_blend_even_if_if_match_is_ignored(
+    path_store: Callable[..., S3Store],
+) -> None:
+    """Failed before (both paths): the later range's ETag was never compared with the
+    first answer's, so a server that ignores If-Match gave 5 MiB + 64 KiB of the old
+    object and the rest of the new one. Now: the 412 path, restarted once, the new
+    object whole."""
+    with ScriptedHTTP(_versions(OLD, NEW, (b'"v1"', b'"v2"'))) as server:
+        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        assert get_bytes(store) == NEW
+        assert len(server.requests) == 4  # two ranges, then both again
+
+
+def test_an_object_that_keeps_changing_is_object_changed(path_store: Callable[..., S3Store]) -> None:
+    from tests.support.scripted_http import serve_range
+
+    with ScriptedHTTP(lambda n, head: serve_range(head, OLD if n % 2 else NEW, b'"v%d"' % n)) as server:
+        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        with pytest.raises(ObjectChanged):
+            get_bytes(store)
+
+
+@pytest.mark.parametrize("etag", [None, b'W/"v1"'], ids=["no ETag", "weak ETag"])
+def test_an_object_without_a_strong_etag_is_read_with_one_unranged_get(
+    path_store: Callable[..., S3Store], etag: bytes | None,
+) -> None:
+    """Failed before (both paths): with no ETag no If-Match was sent and the later range
+    came from the replaced object (a blend); with a weak one every multi-range GET met
+    412 (a strong If-Match never matches a weak tag) and ended as ObjectChanged. Two
+    ranged answers of such an object cannot be told to be the same object: it is read
+    with one unranged GET."""
+    with ScriptedHTTP(_versions(OLD, NEW, (etag, etag), weak_412=True)) as server:
+        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        assert get_bytes(store) == NEW
+        assert len(server.requests) == 2
+        assert header(server.requests[1], b"Range") is None and header(server.requests[1], b"If-Match") is None
+
+
+@pytest.mark.parametrize("etag", [None, b'W/"v1"'], ids=["no ETag", "weak ETag"])
+def test_a_one_range_object_without_a_strong_etag_takes_one_request(
+    path_store: Callable[..., S3Store], etag: bytes | None,
+) -> None:
+    from tests.support.scripted_http import serve_range
+
+    with ScriptedHTTP(lambda n, head: serve_range(head, BODY, etag)) as server:
+        store = path_store(server.url, max_attempts=1)
+        assert get_bytes(store) == BODY
+        assert len(server.requests) == 1
+
+
+@s3_matrix()
+def test_each_server_sends_one_strong_etag_on_every_range(s3: S3Endpoint, bucket: str) -> None:
+    """What docs/compatibility.md says of each server: ranged GETs of a single PUT and of
+    a multipart object carry a strong, quoted ETag, the same on every range and on HEAD
+    (so ec-s3 reads them with parallel ranges, not one unranged GET), and a wrong
+    If-Match is a 412."""
+    import botocore.exceptions
+
+    from ec_s3.store.download import strong_etag
+
+    raw = boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1",
+                       verify=str(s3.ca_bundle) if s3.ca_bundle else None,
+                       aws_access_key_id=s3.credentials.access_key_id,
+                       aws_secret_access_key=s3.credentials.secret_access_key)
+    raw.put_object(Bucket=bucket, Key="single", Body=b"x" * (6 * MiB))
+    upload = raw.create_multipart_upload(Bucket=bucket, Key="multi")["UploadId"]
+    parts = [{"PartNumber": i, "ETag": raw.upload_part(Bucket=bucket, Key="multi", UploadId=upload, PartNumber=i,
+                                                       Body=b"y" * (5 * MiB))["ETag"]} for i in (1, 2)]
+    raw.complete_multipart_upload(Bucket=bucket, Key="multi", UploadId=upload, MultipartUpload={"Parts": parts})
+    for key in ("single", "multi"):
+        head = raw.head_object(Bucket=bucket, Key=key)["ResponseMetadata"]["HTTPHeaders"]["etag"]
+        tags = {raw.get_object(Bucket=bucket, Key=key, Range=r)["ResponseMetadata"]["HTTPHeaders"]["etag"]
+                for r in ("bytes=0-99", f"bytes={5 * MiB}-{5 * MiB + 99}")}
+        assert tags == {head} and strong_etag(head) and head.startswith('"'), (key, tags, head)
+        with pytest.raises(botocore.exceptions.ClientError) as caught:
+            raw.get_object(Bucket=bucket, Key=key, Range="bytes=100-199", IfMatch='"not-it"')
+        assert caught.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412

@@ -99,7 +99,7 @@ def static_rows(config: ECS3Config, settings: EndpointSettings) -> list[Capabili
                            "requests and blobs travel in clear (signatures do not reveal the keys); "
                            "use https off loopback or a private network"), region]
     if not settings.trust.verify:
-        return [Capability("TLS", MISSING, "https, certificate not verified (verify_tls: false)",
+        return [Capability("TLS", MISSING, "https, certificate and host name not verified (verify_tls: false)",
                            "anyone on the path can impersonate the server; trust its CA instead "
                            "(ca_bundle or AWS_CA_BUNDLE)"), region]
     return [Capability("TLS", OK, f"https, verified with {settings.ca_file} (from {settings.ca_source})"), region]

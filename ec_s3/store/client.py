@@ -57,7 +57,7 @@ from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.multipart import put_multipart
 from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
-from ec_s3.store.permits import RequestPermits
+from ec_s3.store.permits import Lease, RequestPermits
 from ec_s3.store.transport import ObjectInfo, Transport, open_transport
 
 __all__ = [
@@ -252,7 +252,7 @@ class S3Store:
         """Run one S3 request, ``fn`` one attempt of it on the store's transport, with
         its ``max_attempts`` (less ``spent`` attempts made elsewhere), the concurrency bound
         and the breaker. With ``permit=False``, ``fn`` takes its request permit itself
-        (:meth:`_permit`), to keep it past the call."""
+        (:meth:`_lease`), to keep it past the call."""
         ticket = self.breaker.allow()
         if ticket is None:
             self.stats.short_circuited += 1
@@ -299,6 +299,11 @@ class S3Store:
         """One request permit, for one attempt (the store is connected: :meth:`_call`)."""
         assert self._permits is not None
         return self._permits.hold(op, key)
+
+    def _lease(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[Lease]:
+        """One request permit whose attempt may run in several tasks (:class:`~.permits.Lease`)."""
+        assert self._permits is not None
+        return self._permits.lease(op, key)
 
     # ------------------------------------------------------------------ operations
     async def head_async(self, key: str) -> ObjectInfo | None:

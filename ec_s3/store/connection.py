@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import ssl
 import threading
 from typing import Any
 from urllib.parse import urlsplit
@@ -68,7 +69,7 @@ class EndpointSettings:
         if endpoint_url is not None and endpoint_url.startswith("http://"):
             return "not used (http endpoint)"
         if not self.trust.verify:
-            return "encrypted, certificate not verified (verify_tls: false)"
+            return "encrypted, certificate and host name not verified (verify_tls: false)"
         return f"verified with {self.trust.ca_file} (from {self.trust.source})"
 
 
@@ -131,7 +132,8 @@ def _profile_words(session: BotocoreSession, name: str) -> str:
 
 
 class BoundedPoolSession(AIOHTTPSession):
-    """aiobotocore's aiohttp session with a deadline on getting a connection.
+    """aiobotocore's aiohttp session with a deadline on getting a connection, and TLS
+    that checks the host name.
 
     aiobotocore hands aiohttp only ``sock_connect`` and ``sock_read`` timeouts. aiohttp
     bounds its wait for a free pooled connection (and DNS) by ``ClientTimeout.connect``
@@ -147,6 +149,18 @@ class BoundedPoolSession(AIOHTTPSession):
         if connect is not None and read is not None:
             # _timeout is what aiobotocore passes to its aiohttp.ClientSession.
             self._timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read, connect=connect + read)
+
+    def _get_ssl_context(self) -> ssl.SSLContext:
+        # aiobotocore's is urllib3's, with check_hostname off (urllib3 matches the name
+        # itself; aiohttp does not): any certificate its CA signed was accepted.
+        context = super()._get_ssl_context()
+        context.check_hostname = True
+        return context
+
+    def _setup_proxy_ssl_context(self, proxy_url: str) -> ssl.SSLContext | None:
+        # Without proxy CA settings aiobotocore gives its connector no context, and
+        # aiohttp then verifies nothing of the endpoint reached through the proxy.
+        return super()._setup_proxy_ssl_context(proxy_url) or self._get_ssl_context()
 
 
 def _botocore_session() -> AioSession:

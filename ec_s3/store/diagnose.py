@@ -2,7 +2,9 @@
 
 Used by the connector's start-up checks (:mod:`ec_s3.connector.preflight`) and by
 ``ec-s3 check`` so both word a failure the same way. Owns the wording only, read off
-the error's class and its ``status``/``code`` fields; it does not classify exceptions
+the error's class and its ``status``/``code`` fields (for a certificate that names
+another host, also the names it carries: one more handshake, blocking, bounded by
+``connect_timeout_s``, never on the store's loop); it does not classify exceptions
 (:func:`ec_s3.store.error_map.to_store_error` does), retry, log or decide whether a
 failure is fatal.
 """
@@ -20,6 +22,7 @@ from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
     CABundleError,
+    CertificateNameMismatch,
     CircuitOpen,
     NoCredentials,
     ObjectNotFound,
@@ -32,6 +35,7 @@ from ec_s3.store.errors import (
     UntrustedCertificate,
 )
 from ec_s3.store.error_map import to_store_error
+from ec_s3.store.tls import certificate_names
 
 __all__ = ["Diagnosis", "credential_source", "diagnose"]
 
@@ -121,6 +125,8 @@ def _tls(error: TLSError, config: ECS3Config) -> Diagnosis:
                    "port?) or shares no TLS version with this client",
             "use http:// for a plain-HTTP port, or the server's TLS port for https:// (endpoint_url)",
         )
+    if isinstance(error, CertificateNameMismatch):
+        return _name_mismatch(error, config, failed)
     if trust.is_default:
         return Diagnosis(
             "tls",
@@ -133,6 +139,21 @@ def _tls(error: TLSError, config: ECS3Config) -> Diagnosis:
         f"{failed}; its certificate was checked against {trust.ca_file} (from {trust.source})",
         f"{trust.ca_file} does not hold the CA that signed {endpoint}'s certificate: put that CA's PEM in it, or "
         f"change where it came from ({trust.source}) to the right file; {port}",
+    )
+
+
+def _name_mismatch(error: CertificateNameMismatch, config: ECS3Config, failed: str) -> Diagnosis:
+    """A trusted certificate for another name: which names it carries (read by one more
+    handshake, names unchecked) against the host that was asked for."""
+    trust, host = resolve_endpoint(config).trust, error.host or "the endpoint's host"
+    names = certificate_names(error.host, error.port, trust, config.connect_timeout_s) if error.host else None
+    carries = ", ".join(names) if names else "names that could not be read again"
+    return Diagnosis(
+        "tls",
+        f"{failed}: the certificate of {host} (signed by a CA in {trust.ca_file}, from {trust.source}) is for "
+        f"{carries}, not for {host}: another server answers there, or one in the middle",
+        f"use an endpoint_url whose host the certificate names, or give {host} a certificate that names it "
+        "(a DNS name or an IP address SAN); --set verify_tls=false for a test endpoint only",
     )
 
 

@@ -10,9 +10,13 @@ The first request asks for the first part (``Range: bytes=0-<part-1>``, plus a h
 worth); its ``Content-Range`` gives the object's size, so a blob up to one part costs
 one round trip. Its answer stays open, holding its request permit, until
 :meth:`Download.read_into` reads it; the remaining parts go in parallel with that read,
-each with ``If-Match`` of the first answer's ETag: an object replaced between two ranges is
-never a blend. Then the whole GET restarts once, into the same buffer; a second change
-(or another size) is :class:`~.errors.ObjectChanged`. A first body cut short is asked
+each with ``If-Match`` of the first answer's ETag, and each answer's ETag must equal
+the first's (strong comparison: a server may ignore ``If-Match``): an object replaced
+between two ranges is never a blend. Then the whole GET restarts once, into the same
+buffer; a second change (or another size) is :class:`~.errors.ObjectChanged`. An object
+of more than one range whose first answer has no ETag, or a weak one (``W/"..."``,
+which may name two versions and never matches ``If-Match``), is read with one unranged
+GET instead: two ranged answers of it could not be told to be one object's. A first body cut short is asked
 again as a range (with its retries), like the later ones.
 
 Owns the ranges of one GET, their order, the restart and the CRC check. Does not own
@@ -33,13 +37,14 @@ from ec_s3.store.body import crc32_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.errors import IntegrityError, ObjectChanged, StoreRequestError
+from ec_s3.store.permits import Lease
 from ec_s3.store.ranges import check_answer
 from ec_s3.store.settings import StoreConfig
 from ec_s3.store.tasks import all_or_none
 from ec_s3.store.transport import Transport
 from ec_s3.store.wire import GetAnswer
 
-__all__ = ["CRC_METADATA_KEY", "Download", "DownloadingStore", "open_download"]
+__all__ = ["CRC_METADATA_KEY", "Download", "DownloadingStore", "get_whole", "open_download", "strong_etag"]
 
 T = TypeVar("T")
 CRC_METADATA_KEY = "ec-s3-crc32"
@@ -57,15 +62,16 @@ class DownloadingStore(Protocol):
         self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, permit: bool = True, spent: int = 0
     ) -> T: ...
 
-    def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]: ...
+    def _lease(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[Lease]: ...
 
 
 @dataclasses.dataclass
 class _First:
     """The first answer, its body unread (or, for a 200 of unknown length, read into
-    ``data``); ``scope`` holds its request permit and connection."""
+    ``data``); ``scope`` holds its request permit (``lease``) and connection."""
 
     scope: contextlib.AsyncExitStack
+    lease: Lease
     answer: GetAnswer
     length: int
     size: int
@@ -81,14 +87,15 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
 
     async def _open(t: Transport) -> _First:
         async with contextlib.AsyncExitStack() as scope:
-            await scope.enter_async_context(store._permit("GET", key))
-            answer = await scope.enter_async_context(t.open_range(key, 0, last))
-            span = check_answer(answer.status, answer.headers, 0, last, key)
-            first = _First(scope, answer, span.length or 0, span.total or span.length or 0,
-                           answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
-            if span.length is None:  # a 200 of unknown length (chunked): the whole object
-                first.data = await answer.read_to_end(store.config.max_blob_bytes)
-                first.length = first.size = len(first.data)
+            lease = await scope.enter_async_context(store._lease("GET", key))
+            async with lease.bounded():  # this task's part of the attempt
+                answer = await scope.enter_async_context(t.open_range(key, 0, last))
+                span = check_answer(answer.status, answer.headers, 0, last, key)
+                first = _First(scope, lease, answer, span.length or 0, span.total or span.length or 0,
+                               answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
+                if span.length is None:  # a 200 of unknown length (chunked): the whole object
+                    first.data = await answer.read_to_end(store.config.max_blob_bytes)
+                    first.length = first.size = len(first.data)
             if first.size > store.config.max_blob_bytes:
                 raise StoreRequestError("GET", key, f"{first.size} bytes exceeds max_blob_bytes")
             first.scope = scope.pop_all()  # held until read_into (or close) releases it
@@ -99,8 +106,10 @@ async def _open_first(store: DownloadingStore, key: str) -> _First:
 
 class Download:
     """One object being fetched: :attr:`size` known, the bytes not yet read. Read it
-    with :meth:`read_into`, once, in the task that opened it; :meth:`aclose` (done by
-    ``S3Store.open_async``) releases what is still held on every way out."""
+    with :meth:`read_into`, once; :meth:`aclose` (done by ``S3Store.open_async``)
+    releases what is still held on every way out. The time between the two counts
+    against the first attempt's ``request_timeout_s``: past it, the first range is
+    asked again (a retry), and nothing of the caller's is cancelled."""
 
     def __init__(self, store: DownloadingStore, key: str, first: _First) -> None:
         self._store, self.key, self._first = store, key, first
@@ -143,7 +152,13 @@ class Download:
         # The first body is read while the later ranges are already asked for: its
         # answer's head gave the size and the ETag they need, so a multi-part blob costs
         # one part's time plus a round trip, not two parts' in turn.
-        first, etag = self._first, self._etag or None
+        first, etag = self._first, self._etag if strong_etag(self._etag) else None
+        if etag is None and first.length < len(out):
+            # Nothing tells two ranged answers of this object from answers of two
+            # objects (a weak tag may name both, and If-Match never matches it).
+            await self.aclose()  # the first body unread: its connection is not reused
+            self._crc = await get_whole(self._store, self.key, out)
+            return
         part = self._store.config.multipart_part_bytes
         later = [get_range(self._store, self.key, out, start, min(start + part, len(out)), etag)
                  for start in range(first.length, len(out), part)]
@@ -154,9 +169,9 @@ class Download:
         held, self._held = self._held, None
         assert held is first
         try:
-            # Exited with the error in flight, so the permit's deadline turns its
-            # cancellation into a StoreTimeout.
-            async with held.scope:
+            # The attempt's deadline, entered in this task (never the opener's): it
+            # ends as a StoreTimeout here, retried below, however long ago the open was.
+            async with held.scope, first.lease.bounded():
                 if first.data is not None:
                     out[:] = first.data
                 else:
@@ -179,13 +194,15 @@ async def get_range(
     store: DownloadingStore, key: str, out: memoryview, start: int, end: int, etag: str | None, *, spent: int = 0
 ) -> None:
     """``out[start:end]`` from bytes ``start`` to ``end - 1`` of ``key``, with ``If-Match:
-    etag``; a 412 (or another size) is :class:`ObjectChanged`. ``spent``: attempts
-    of ``max_attempts`` used already."""
+    etag``; a 412, another ETag (a server may ignore If-Match) or another size is
+    :class:`ObjectChanged`. ``spent``: attempts of ``max_attempts`` used already."""
     async def _get(t: Transport) -> None:
         async with t.open_range(key, start, end - 1, etag) as answer:
             span = check_answer(answer.status, answer.headers, start, end - 1, key)
             if span.total != len(out):
                 raise ObjectChanged("GET", key, f"object is {span.total} bytes now, was {len(out)}")
+            if etag is not None and answer.headers.get("ETag") != etag:  # strong: byte for byte
+                raise ObjectChanged("GET", key, f"a later range has ETag {answer.headers.get('ETag')!r}, the first {etag!r}")
             await answer.read_into(out[start:end])
 
     try:
@@ -194,6 +211,31 @@ async def get_range(
         if exc.status != 412:
             raise
         raise ObjectChanged("GET", key, "replaced between two ranges of one GET", status=412, code=exc.code) from exc
+
+
+async def get_whole(store: DownloadingStore, key: str, out: memoryview) -> str:
+    """All of ``key`` into ``out`` with one unranged GET (one answer: one object); its
+    CRC metadata. Another size is :class:`ObjectChanged`."""
+    async def _get(t: Transport) -> str:
+        async with t.open_range(key, 0, None) as answer:
+            span = check_answer(answer.status, answer.headers, 0, len(out) - 1, key)
+            data = None if span.length is not None else await answer.read_to_end(store.config.max_blob_bytes)
+            size = span.total if data is None else len(data)  # chunked: known at its end
+            if size != len(out):
+                raise ObjectChanged("GET", key, f"object is {size} bytes now, was {len(out)}")
+            if data is None:
+                await answer.read_into(out)
+            else:
+                out[:] = data
+            return answer.headers.get(_CRC_HEADER, "")
+
+    return await store._call("GET", key, _get)
+
+
+def strong_etag(etag: str) -> bool:
+    """Whether ``etag`` names one version byte for byte (RFC 9110 8.8.1): not absent,
+    not weak (``W/"..."``)."""
+    return bool(etag) and not etag.startswith("W/")
 
 
 @contextlib.asynccontextmanager

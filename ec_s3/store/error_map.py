@@ -24,6 +24,7 @@ from botocore import exceptions as boto_exc
 from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
+    CertificateNameMismatch,
     NoCredentials,
     ObjectNotFound,
     StoreConfigError,
@@ -61,6 +62,8 @@ _CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = (
 _TLS_ERRORS: tuple[type[BaseException], ...] = (boto_exc.SSLError, aiohttp.ClientSSLError, ssl.SSLError)
 # The certificate check itself failed (not, say, a plain-HTTP port answering a handshake).
 _CERTIFICATE_ERRORS: tuple[type[BaseException], ...] = (ssl.SSLCertVerificationError, aiohttp.ClientConnectorCertificateError)
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+_NAME_MISMATCH = (62, 64)
 _UNREACHABLE_ERRORS: tuple[type[BaseException], ...] = (
     boto_exc.ConnectionError,  # botocore's: EndpointConnectionError, ConnectTimeoutError, ProxyConnectionError
     aiohttp.ClientConnectorError,  # DNS, refused, no route (ClientProxyConnectionError is one)
@@ -122,18 +125,24 @@ def from_status(op: str, key: str, status: int | None, code: str | None, message
     return StoreRequestError(op, key, message, **kw)
 
 
-def tls_error(op: str, key: str, exc: BaseException, message: str) -> TLSError:
+def tls_error(op: str, key: str, exc: BaseException, message: str, *, host: str = "", port: int = 0) -> TLSError:
     """:class:`UntrustedCertificate` when the certificate check failed anywhere down the
-    chain of ``exc`` (aiobotocore wraps aiohttp's error, which wraps ssl's), else
-    :class:`TLSError`."""
+    chain of ``exc`` (aiobotocore wraps aiohttp's error, which wraps ssl's), and
+    :class:`CertificateNameMismatch` when what failed is its host name (connected to
+    ``host:port``, or where aiohttp's error says); else :class:`TLSError`."""
     seen: BaseException | None = exc
+    untrusted = False
     for _ in range(8):
         if seen is None:
             break
-        if isinstance(seen, _CERTIFICATE_ERRORS):
-            return UntrustedCertificate(op, key, message)
+        if isinstance(seen, aiohttp.ClientConnectorError):
+            host, port = seen.host, seen.port or 0
+        verify = getattr(seen, "certificate_error", seen)  # aiohttp's holds ssl's
+        if isinstance(verify, ssl.SSLCertVerificationError) and verify.verify_code in _NAME_MISMATCH:
+            return CertificateNameMismatch(op, key, message, host=host, port=port)
+        untrusted = untrusted or isinstance(seen, _CERTIFICATE_ERRORS)
         seen = seen.__cause__ or seen.__context__
-    return TLSError(op, key, message)
+    return UntrustedCertificate(op, key, message) if untrusted else TLSError(op, key, message)
 
 
 def _plain(kind: type[StoreError]) -> Callable[[str, str, BaseException], StoreError]:

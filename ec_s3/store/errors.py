@@ -22,6 +22,7 @@ __all__ = [
     "AccessDenied",
     "BucketNotFound",
     "CABundleError",
+    "CertificateNameMismatch",
     "CircuitOpen",
     "IntegrityError",
     "NoCredentials",
@@ -150,6 +151,28 @@ class TLSError(StoreUnreachable):
 class UntrustedCertificate(TLSError):
     """The handshake reached the certificate check and the certificate failed it: not
     signed by a trusted CA, expired, or not for this host name."""
+
+
+class CertificateNameMismatch(UntrustedCertificate):
+    """A certificate a trusted CA signed, but not for the endpoint's host (``host``, a DNS
+    name or an IP address it does not list): another server, or one in the middle. Not
+    transient: a retry meets the same certificate."""
+
+    transient = False
+
+    def __init__(
+        self, op: str, key: str, message: str = "", *, status: int | None = None, code: str | None = None,
+        host: str = "", port: int = 0,
+    ) -> None:
+        self.host, self.port = host, port  # where the certificate came from
+        super().__init__(op, key, message, status=status, code=code)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_mismatch, (self.op, self.key, self.message, self.host, self.port))
+
+
+def _rebuild_mismatch(op: str, key: str, message: str, host: str, port: int) -> CertificateNameMismatch:
+    return CertificateNameMismatch(op, key, message, host=host, port=port)
 
 
 class CircuitOpen(StoreUnavailable):

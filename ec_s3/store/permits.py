@@ -6,7 +6,10 @@ its permit, forever; a few such requests and every other request of the process
 queued behind them without end. An attempt that holds a permit longer than its
 deadline is cancelled (its connection closed by the path's own cleanup) and becomes
 a :class:`~.errors.StoreTimeout`, retried like any timeout; a wait for a permit that
-outlasts the deadline is a :class:`~.errors.StoreBusy`.
+outlasts the deadline is a :class:`~.errors.StoreBusy`. The deadline is a point in
+time that each use of the permit enters in its own task (:class:`Lease`): a permit
+taken in one task and used in another (a GET's first answer) cancelled the task that
+took it, a caller that had moved on (issue 24).
 
 (A "permit" is the store's; a "slot" is always a staging file, :mod:`ec_s3.transfer.staging`.)
 
@@ -22,7 +25,33 @@ from collections.abc import AsyncIterator
 
 from ec_s3.store.errors import StoreBusy, StoreTimeout
 
-__all__ = ["RequestPermits"]
+__all__ = ["Lease", "RequestPermits"]
+
+
+class Lease:
+    """One permit, taken by :meth:`RequestPermits.lease`, and the deadline of its attempt
+    as a point in loop time. Its uses may run in other tasks than the one that took it (a
+    GET's first answer is opened in the caller's task, its body read in another while the
+    later ranges go out): each use is bounded in its own task (:meth:`bounded`), so a
+    deadline ends there as a :class:`StoreTimeout`, never as the cancellation of the task
+    that took the permit, nor of whatever that task awaits meanwhile."""
+
+    def __init__(self, op: str, key: str, deadline_s: float) -> None:
+        self._op, self._key, self._limit = op, key, deadline_s
+        self.deadline = asyncio.get_running_loop().time() + deadline_s
+
+    @contextlib.asynccontextmanager
+    async def bounded(self) -> AsyncIterator[None]:
+        """The body of the ``async with``, in this task, until the deadline at most (else
+        it is cancelled and :class:`StoreTimeout` raised; at once when it has passed)."""
+        timeout = asyncio.timeout_at(self.deadline)
+        try:
+            async with timeout:
+                yield
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # a timeout of the request's own, typed by the caller
+            raise StoreTimeout(self._op, self._key, f"attempt took over request_timeout_s={self._limit:g}s") from None
 
 
 class RequestPermits:
@@ -33,22 +62,23 @@ class RequestPermits:
         self._deadline = deadline_s
 
     @contextlib.asynccontextmanager
-    async def hold(self, op: str, key: str) -> AsyncIterator[None]:
-        """A permit for the body of the ``async with``: waited for at most the deadline
-        (else :class:`StoreBusy`), then held at most the deadline (else the body is
-        cancelled and :class:`StoreTimeout` raised)."""
+    async def lease(self, op: str, key: str) -> AsyncIterator[Lease]:
+        """A permit until the ``async with`` ends, waited for at most the deadline (else
+        :class:`StoreBusy`); what runs under it is bounded by :meth:`Lease.bounded`."""
         try:
             async with asyncio.timeout(self._deadline):
                 await self._sem.acquire()
         except TimeoutError:
             raise StoreBusy(op, key, f"no request permit free within request_timeout_s={self._deadline:g}s") from None
-        deadline = asyncio.timeout(self._deadline)
         try:
-            async with deadline:
-                yield
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # a timeout of the request's own, typed by the caller
-            raise StoreTimeout(op, key, f"attempt took over request_timeout_s={self._deadline:g}s") from None
+            yield Lease(op, key, self._deadline)
         finally:
             self._sem.release()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, op: str, key: str) -> AsyncIterator[None]:
+        """A permit for the body of the ``async with``, run in this task: waited for at
+        most the deadline (else :class:`StoreBusy`), then held at most the deadline
+        (else the body is cancelled and :class:`StoreTimeout` raised)."""
+        async with self.lease(op, key) as lease, lease.bounded():
+            yield

@@ -459,7 +459,8 @@ class RecvPool:
         except TimeoutError:
             raise StoreUnreachable(op, key, f"connect timed out after {self._connect_timeout:g}s") from None
         except ssl.SSLError as exc:  # an OSError too: first
-            raise tls_error(op, key, exc, f"TLS handshake failed: {type(exc).__name__}: {exc}") from exc
+            raise tls_error(op, key, exc, f"TLS handshake failed: {type(exc).__name__}: {exc}",
+                            host=self._host, port=self._port) from exc
         except OSError as exc:
             raise StoreUnreachable(op, key, f"cannot connect: {type(exc).__name__}: {exc}") from exc
         self.opened += 1

@@ -7,8 +7,12 @@ path (:mod:`.wire`, :mod:`.recv`) builds its own SSL context. So the store decid
 :class:`Trust`: the client as ``verify=<file>`` (:func:`botocore_verify`), the direct
 path as a context (:func:`ssl_context`), never each its own.
 
-Owns: :class:`Trust`, the SSL contexts and the load check of the chosen file (a typed
-:class:`~ec_s3.store.errors.CABundleError` naming where the path came from). Does not
+Every context that verifies also checks the host name, on both paths (the aiobotocore
+client's too: :class:`ec_s3.store.connection.BoundedPoolSession`).
+
+Owns: :class:`Trust`, the SSL contexts, the load check of the chosen file (a typed
+:class:`~ec_s3.store.errors.CABundleError` naming where the path came from) and reading
+the names of a certificate that failed the host-name check (:func:`certificate_names`). Does not
 own the choice (:mod:`.connection`), the client, nor the words of a failed handshake
 (:mod:`.diagnose`).
 """
@@ -16,13 +20,14 @@ own the choice (:mod:`.connection`), the client, nor the words of a failed hands
 from __future__ import annotations
 
 import dataclasses
+import socket
 import ssl
 
 from botocore.httpsession import create_urllib3_context
 
 from ec_s3.store.errors import CABundleError
 
-__all__ = ["DEFAULT_CA_SOURCE", "Trust", "botocore_verify", "check_ca_file", "ssl_context"]
+__all__ = ["DEFAULT_CA_SOURCE", "Trust", "botocore_verify", "certificate_names", "check_ca_file", "ssl_context"]
 
 DEFAULT_CA_SOURCE = "default: certifi's public CAs"
 
@@ -49,21 +54,43 @@ def check_ca_file(trust: Trust) -> None:
 
 
 def ssl_context(trust: Trust) -> ssl.SSLContext:
-    """A client context that verifies against ``trust`` (built as aiobotocore builds its
-    own), or with ``verify_tls: false`` one that checks neither certificate nor host
-    name (as aiohttp's ``ssl=False`` and botocore's ``verify=False``)."""
+    """A client context that verifies the certificate against ``trust`` and that it
+    names the host connected to (a DNS name or an IP address, checked by OpenSSL as
+    :func:`ssl.create_default_context`'s contexts do), or with ``verify_tls: false`` one
+    that checks neither (as aiohttp's ``ssl=False`` and botocore's ``verify=False``)."""
     if not trust.verify:
         context = ssl.create_default_context()
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
         return context
+    # urllib3's settings (aiobotocore's), but its check_hostname=False relies on urllib3
+    # matching the name after the handshake, which aiohttp never does: any certificate
+    # the CA signed, for any name, was accepted.
     context = create_urllib3_context()
+    context.check_hostname = True
     try:
         context.load_verify_locations(trust.ca_file)
     except (OSError, ssl.SSLError) as exc:
         why = exc.strerror or type(exc).__name__
         raise CABundleError("connect", "", f"the CA bundle {trust.ca_file} (from {trust.source}) cannot be loaded: {why}") from exc
     return context
+
+
+def certificate_names(host: str, port: int, trust: Trust, timeout_s: float) -> list[str] | None:
+    """The names (``DNS:...``, ``IP Address:...``; else the subject's CN) in the
+    certificate that ``host:port`` presents, its chain checked against ``trust`` but not
+    its names; None when it cannot be read. Blocking: for a diagnosis, never the loop."""
+    context = ssl_context(trust)
+    context.check_hostname = False  # the question is which names it carries
+    try:
+        with socket.create_connection((host, port), timeout_s) as sock, \
+                context.wrap_socket(sock, server_hostname=host) as tls:
+            cert = tls.getpeercert() or {}
+    except (OSError, ValueError, CABundleError):  # ssl.SSLError is an OSError
+        return None
+    names = [f"{kind}:{value}" for kind, value in cert.get("subjectAltName", ())]
+    subject = [f"CN:{v}" for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    return names or subject
 
 
 def botocore_verify(trust: Trust) -> bool | str:

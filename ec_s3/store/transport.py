@@ -81,11 +81,16 @@ class BotocoreTransport:
         return {"PartNumber": number, "ETag": resp["ETag"], **{f: resp[f] for f in CHECKSUM_HEADERS if resp.get(f)}}
 
     @contextlib.asynccontextmanager
-    async def open_range(self, key: str, first: int, last: int, if_match: str | None = None) -> AsyncIterator[GetAnswer]:
-        """``Range: bytes=first-last`` of ``key``, its body unread; released on every
-        way out (an unclosed body pins its pooled connection)."""
+    async def open_range(
+        self, key: str, first: int, last: int | None, if_match: str | None = None
+    ) -> AsyncIterator[GetAnswer]:
+        """``Range: bytes=first-last`` of ``key`` (``last`` None: no Range, the whole
+        object), its body unread; released on every way out (an unclosed body pins its
+        pooled connection)."""
         condition = {"IfMatch": if_match} if if_match else {}
-        resp = await self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}", **condition)
+        if last is not None:
+            condition["Range"] = f"bytes={first}-{last}"
+        resp = await self.client.get_object(Bucket=self.bucket, Key=key, **condition)
         body = resp["Body"]
         try:
             yield BotocoreAnswer(resp, body, key)
@@ -132,7 +137,9 @@ class DirectTransport(BotocoreTransport):
         return done
 
     @contextlib.asynccontextmanager
-    async def open_range(self, key: str, first: int, last: int, if_match: str | None = None) -> AsyncIterator[GetAnswer]:
+    async def open_range(
+        self, key: str, first: int, last: int | None, if_match: str | None = None
+    ) -> AsyncIterator[GetAnswer]:
         async with self.wire.get(key, first, last, if_match) as answer:
             yield answer
 

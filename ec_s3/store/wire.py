@@ -224,10 +224,11 @@ class DirectWire:
             return resp.headers
 
     @contextlib.asynccontextmanager
-    async def get(self, key: str, first: int, last: int, if_match: str | None = None) -> AsyncIterator[GetAnswer]:
-        """A 200/206 answer to ``Range: bytes=first-last`` (with ``If-Match: if_match``
-        when given), its body unread; released on exit."""
-        headers = {"Range": f"bytes={first}-{last}", **({"If-Match": if_match} if if_match else {})}
+    async def get(self, key: str, first: int, last: int | None, if_match: str | None = None) -> AsyncIterator[GetAnswer]:
+        """A 200/206 answer to ``Range: bytes=first-last`` (no Range when ``last`` is
+        None; ``If-Match: if_match`` when given), its body unread; released on exit."""
+        headers = {**({"Range": f"bytes={first}-{last}"} if last is not None else {}),
+                   **({"If-Match": if_match} if if_match else {})}
         if self._recv is None:
             async with self._request("GET", "GET", key, headers) as resp:
                 yield _AiohttpAnswer(resp, key)

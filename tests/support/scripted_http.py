@@ -105,3 +105,16 @@ def answer(status: bytes, headers: list[bytes], body: bytes) -> bytes:
 def get_bytes(store: Any, key: str = "k") -> bytes:
     """``store.get_async(key)`` run to its end, as bytes."""
     return bytes(store.run(store.get_async(key), timeout=30))
+
+
+def serve_range(head: bytes, data: bytes, etag: bytes | None = b'"v1"') -> bytes:
+    """What an S3 server answers to the GET ``head`` for an object of bytes ``data``: a
+    206 of its ``Range``, or a 200 of everything without one; ``ETag: etag`` unless None."""
+    tags = [b"ETag: " + etag] if etag is not None else []
+    asked = header(head, b"Range")
+    if asked is None:
+        return answer(b"200 OK", [b"Content-Length: %d" % len(data), *tags], data)
+    first, last = (int(v) for v in asked[len(b"bytes="):].split(b"-"))
+    last = min(last, len(data) - 1)
+    return answer(b"206 Partial Content", [b"Content-Range: bytes %d-%d/%d" % (first, last, len(data)),
+                                           b"Content-Length: %d" % (last - first + 1), *tags], data[first : last + 1])

@@ -44,8 +44,10 @@ class PrivateCA:
         return context
 
 
-def make_private_ca(directory: Path, name: str = "ec-s3 test CA") -> PrivateCA:
-    """Write a fresh CA and a server certificate signed by it under ``directory``."""
+def make_private_ca(directory: Path, name: str = "ec-s3 test CA",
+                    server_names: tuple[str, ...] = ("IP:127.0.0.1", "DNS:localhost")) -> PrivateCA:
+    """Write a fresh CA and a server certificate signed by it under ``directory``, for
+    ``server_names`` (its subject alternative names: ``IP:...`` or ``DNS:...``)."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -69,12 +71,13 @@ def make_private_ca(directory: Path, name: str = "ec-s3 test CA") -> PrivateCA:
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_names[0].partition(":")[2])]))
         .issuer_name(ca_name).public_key(key.public_key())
         .serial_number(x509.random_serial_number()).not_valid_before(valid[0]).not_valid_after(valid[1])
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+            [x509.IPAddress(ipaddress.ip_address(v)) if k == "IP" else x509.DNSName(v)
+             for k, _, v in (n.partition(":") for n in server_names)]), critical=False)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
