@@ -97,7 +97,15 @@ Allocator = Callable[[int], memoryview]
 
 @dataclasses.dataclass
 class StoreStats:
-    """Counters since start; updated on the loop thread only, read from anywhere."""
+    """Counters since start; updated on the loop thread only, read from anywhere.
+
+    The fields are running totals (tests and the CLI read them). :meth:`take_delta` hands
+    each increment to exactly one caller, whichever asks first: the scheduler-role and
+    worker-role connectors of one process share a store (:meth:`S3Store.shared`) and
+    each folds what it takes into its own counters
+    (:meth:`ec_s3.transfer.counters.Counters.pull`), so nothing is counted twice and
+    nothing is left unread in a worker process of its own.
+    """
 
     requests: int = 0
     retries: int = 0
@@ -110,8 +118,24 @@ class StoreStats:
     # Writes whose answer was lost and whose resend met the write itself (a 412 on an
     # object carrying this write's token): counted as created (put_async).
     lost_answer_writes: int = 0
+    _taken: dict[str, int] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _take_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def take_delta(self) -> dict[str, float]:
+        """Each counter's increment since the last call, as ``store_<field>`` (only those
+        that moved). Thread-safe: two callers never both get one increment."""
+        with self._take_lock:
+            delta: dict[str, float] = {}
+            for field in _STAT_FIELDS:
+                total = getattr(self, field)  # one read: a later increment waits for the next call
+                moved = total - self._taken.get(field, 0)
+                if moved:
+                    delta[f"store_{field}"] = float(moved)
+                    self._taken[field] = total
+            return delta
 
 
+_STAT_FIELDS = tuple(f.name for f in dataclasses.fields(StoreStats) if not f.name.startswith("_"))
 #: The object metadata that names the write which stored it (one random token per
 #: put_async): after a 412, a HEAD tells this write's own blob, stored by an attempt
 #: whose answer was lost, from another writer's.
