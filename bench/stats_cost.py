@@ -99,7 +99,7 @@ def run_load(load: str, calls: int) -> dict[str, Any]:
         with _busy_thread("busy_thread" in load):
             time.sleep(0.1)
             baseline = _time_calls(lambda: None, calls)
-            measured = _time_calls(lambda: scheduler_stats(mine, 0, reader), calls)
+            measured = _time_calls(lambda: scheduler_stats(mine, reader), calls)
         writer._closed = False
         writer.close()
         if hasattr(reader, "close"):

@@ -8,11 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.connector.metrics import ECS3Stats
 from support.ec_harness import Node, drive, make_node
+from support.faultproxy import FaultProxy
 from test_consumer import produce
 
 
@@ -114,6 +116,40 @@ def test_worker_stats_reported_once_when_vllm_collects_them(
         assert sched.data["counters"]["blobs_downloaded"] == 1
         assert sched.data["counters"]["blobs_loaded"] == 1
         assert worker is None
+        node.flush_worker_stats()
+        assert node.scheduler_connector.get_ec_connector_stats() is None  # never twice
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("worker_store", ["own", "shared"])
+def test_a_workers_store_retries_and_lost_answers_are_counted_once(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy, worker_store: str
+) -> None:
+    """Under vLLM's multiprocess executor the worker has a store of its own (another
+    process); here its config names the fault proxy, so it has one in this process too
+    ("own"). Its upload's retries must reach ``retries_total``, and a PUT whose answer was
+    lost counts as uploaded, not as another producer's. With one store for both roles
+    ("shared": the uniprocess executor) each retry is still counted once."""
+    scheduler_extra = extra_config(fault_proxy.endpoint_url if worker_store == "shared" else None, lookup="promised")
+    node = make_node(tiny_model_dir, "ec_producer", scheduler_extra, log_stats=True,
+                     worker_extra=extra_config(fault_proxy.endpoint_url, lookup="promised", max_attempts=4))
+    try:
+        fault_proxy.error_next(2, 503, ["PUT"])
+        node.driver.add("p1", ["img-a"])
+        drive(node.driver)
+        node.flush()
+        fault_proxy.drop_response_next(2, ["PUT"])  # aiohttp's resend loses its answer too: one store retry
+        node.driver.add("p2", ["img-b"])
+        drive(node.driver)
+        node.flush()
+        stats = _collect(node)
+        text = _prometheus(node.driver.scheduler.vllm_config, stats.data)
+        assert fault_proxy.counters.errors == 2 and fault_proxy.counters.dropped_responses == 2
+        assert _value(text, "vllm:ec_s3_retries_total", engine="0") == 3
+        assert _value(text, "vllm:ec_s3_blobs_uploaded_total", engine="0") == 2  # both objects are ours
+        assert _value(text, "vllm:ec_s3_uploads_already_present_total", engine="0") == 0
+        assert _value(text, "vllm:ec_s3_uploads_answer_lost_total", engine="0") == 1
         node.flush_worker_stats()
         assert node.scheduler_connector.get_ec_connector_stats() is None  # never twice
     finally:

@@ -132,3 +132,37 @@ def test_probe_ending_in_a_caller_error_does_not_keep_the_breaker_open(
                 raise
             time.sleep(0.1)
     assert not store.breaker.is_open
+
+
+@pytest.mark.parametrize("lost", [1, 2], ids=["aiohttp-resends", "store-retries"])
+def test_a_put_whose_answer_was_lost_is_this_puts_blob(
+    make_store: Callable[..., S3Store], fault_proxy: FaultProxy, lost: int
+) -> None:
+    """The PUT lands and its answer is lost; the resend (aiohttp's own, once, on a pooled
+    connection; with two answers lost, the store's retry) meets the blob with a 412. That
+    blob is this PUT's own: CREATED and counted as a lost answer, never "another
+    producer's" (issue 25 item 6: 3 objects created, blobs_uploaded 2)."""
+    store = make_store(fault_proxy.endpoint_url, max_attempts=3)
+    store.run(store.head_async("warm"), timeout=20)  # a pooled connection to resend on
+    fault_proxy.drop_response_next(lost, ["PUT"])
+    data = os.urandom(1000)
+    assert store.run(store.put_async("k", data), timeout=60) is PutOutcome.CREATED
+    assert fault_proxy.counters.dropped_responses == lost
+    assert store.stats.lost_answer_writes == 1 and store.stats.bytes_uploaded == len(data)
+    assert store.stats.retries == lost - 1  # aiohttp's resend is not the store's retry
+    assert bytes(store.run(store.get_async("k"), timeout=30)) == data
+
+
+def test_another_writers_blob_stays_already_present_after_a_lost_answer(
+    make_store: Callable[..., S3Store], fault_proxy: FaultProxy
+) -> None:
+    """The key holds another writer's blob, and the 412 that says so is lost: the resend's
+    412 is about that writer's blob, not ours."""
+    other = make_store()
+    assert other.run(other.put_async("k", b"theirs"), timeout=30) is PutOutcome.CREATED
+    store = make_store(fault_proxy.endpoint_url)
+    store.run(store.head_async("warm"), timeout=20)
+    fault_proxy.drop_response_next(1, ["PUT"])
+    assert store.run(store.put_async("k", b"ours!!"), timeout=60) is PutOutcome.ALREADY_EXISTS
+    assert fault_proxy.counters.dropped_responses == 1
+    assert store.stats.lost_answer_writes == 0 and store.stats.bytes_uploaded == 0

@@ -102,11 +102,13 @@ def test_no_such_upload_with_the_object_absent_restarts_once(make_store: Callabl
 def test_a_lost_answer_to_complete_is_not_a_failure(make_store: Callable[..., S3Store],
                                                     fault_proxy: FaultProxy) -> None:
     """Complete succeeded but its answer was lost: the retry meets the upload gone (or
-    completed); the object is there, so the blob counts as stored, not failed."""
+    completed); the object is there and carries this upload's write token, so the blob
+    counts as created by this upload (not failed, not another writer's)."""
     store = _store(make_store, fault_proxy)
     data = os.urandom(6 * MiB)
     fault_proxy.drop_response_next(1, ["POST"], target_contains="uploadId=")
-    assert store.run(store.put_async("k", data), timeout=60) in (PutOutcome.CREATED, PutOutcome.ALREADY_EXISTS)
+    assert store.run(store.put_async("k", data), timeout=60) is PutOutcome.CREATED
+    assert store.stats.lost_answer_writes == 1 and store.stats.bytes_uploaded == len(data)
     assert fault_proxy.counters.dropped_responses == 1 and _creates(fault_proxy) == 1
     assert bytes(store.run(store.get_async("k"), timeout=30)) == data
     _wait_for(lambda: _uploads(store) == [])

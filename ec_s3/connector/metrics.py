@@ -17,6 +17,10 @@ and PP rank 0, so nothing is counted twice) mirrors its counters into shared mem
 (:mod:`ec_s3.transfer.shared_stats`) and the scheduler side adds them to its own
 (:func:`scheduler_stats`). A worker-role connector therefore reports nothing itself,
 which also keeps vLLM's model runner V2, which does ask workers, from counting twice.
+Store counters (retries, lost answers) come the same way: each role pulls its store's
+increments (:meth:`~ec_s3.transfer.counters.Counters.pull`) before it reports, so a
+worker process's own store is counted, and a store both roles of one process share is
+counted once.
 
 Owns the payload, its aggregation and the Prometheus families. Does not own the counting
 (:class:`ec_s3.transfer.counters.Counters`) or when vLLM collects.
@@ -25,12 +29,13 @@ Owns the payload, its aggregation and the Prometheus families. Does not own the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorPromMetrics, ECConnectorStats
 
-from ec_s3.transfer.counters import MAX_SAMPLES, Counters
+from ec_s3.transfer.counters import MAX_SAMPLES, Counters, DeltaSource
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop
@@ -67,12 +72,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_upload_failures_total": ("Uploads given up (retries spent without a spool, or dropped by backpressure).", "upload_failed"),
     "vllm:ec_s3_uploads_dropped_total": ("Uploads skipped because max_inflight_bytes was full (backpressure=drop).", "upload_dropped"),
     "vllm:ec_s3_blobs_spooled_total": ("Blobs written to the outage spool.", "blobs_spooled"),
-    "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "retries"),
+    "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "store_retries"),
     "vllm:ec_s3_store_errors_total": ("Lookups that failed with a store error.", "store_errors"),
     "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign.", "promises_ignored"),
     "vllm:ec_s3_lookups_started_total": ("Bucket lookups started (HEAD for producers, GET for consumers).", "lookups_started"),
     "vllm:ec_s3_uploads_started_total": ("Uploads queued by save_caches.", "upload_started"),
     "vllm:ec_s3_uploads_already_present_total": ("Uploads answered 412: another producer had written the same blob.", "upload_already_present"),
+    "vllm:ec_s3_uploads_answer_lost_total": (
+        "Uploads whose answer was lost and whose resend met their own blob (412 on their write token); also in "
+        "blobs_uploaded.", "store_lost_answer_writes"),
     "vllm:ec_s3_uploads_abandoned_total": ("Uploads still pending when the producer shut down and could not be spooled.", "upload_abandoned"),
     "vllm:ec_s3_save_blocked_seconds_total": ("Time save_caches waited for upload room (backpressure=block).", "save_blocked_seconds"),
     "vllm:ec_s3_spool_uploaded_total": ("Spooled blobs uploaded once the store answered again.", "spool_uploaded"),
@@ -222,12 +230,10 @@ def stats_identity(vllm_config: VllmConfig) -> str:
     return f"{ec_config.engine_id}-dp{dp_rank}"
 
 
-def scheduler_stats(counters: Counters, store_retries: int, workers: SharedStatsReader | None) -> ECS3Stats | None:
-    """The scheduler-role connector's stats, plus its workers' counters (from shared
-    memory) and the store's retries since the last call."""
+def scheduler_stats(counters: Counters, workers: SharedStatsReader | None) -> ECS3Stats | None:
+    """The scheduler-role connector's stats (its caller pulled its store's counters in
+    first), plus its workers' counters from shared memory."""
     stats = ECS3Stats(data=counters.take_delta())
-    if store_retries:
-        stats.data["counters"]["retries"] = store_retries
     if workers is not None:
         stats.aggregate(ECS3Stats(data=workers.take_delta()))
     return None if stats.is_empty() else stats
@@ -240,13 +246,15 @@ def exported_counter_names() -> set[str]:
 
 
 def open_stats_writer(
-    config: ECS3Config, vllm_config: VllmConfig, counters: Counters, loop: BackgroundLoop
+    config: ECS3Config, vllm_config: VllmConfig, counters: Counters, loop: BackgroundLoop,
+    sources: Sequence[DeltaSource] = (),
 ) -> SharedStatsWriter | None:
-    """The worker side of the stats route (first worker of an engine only); None, with
-    one warning, when the shared directory cannot be used (metrics must never stop a
+    """The worker side of the stats route (first worker of an engine only), pulling
+    ``sources`` (the worker's store) into ``counters`` before each flush; None, with one
+    warning, when the shared directory cannot be used (metrics must never stop a
     worker)."""
     try:
-        writer = SharedStatsWriter(str(_stats_directory(config)), stats_identity(vllm_config), counters)
+        writer = SharedStatsWriter(str(_stats_directory(config)), stats_identity(vllm_config), counters, sources)
     except (OSError, ValueError) as exc:
         logger.warning(
             "ec-s3: worker counters (uploads, loads) will not reach /metrics: cannot write them to %s (%s); "

@@ -114,7 +114,6 @@ class ECS3Scheduler:
         self._looking = 0  # lookups running on the I/O loop
         self._deferred = False  # a request waited for a blob in this step's schedule
         self._steps = 0
-        self._retries_reported = 0
         self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
         describe_role("scheduler", vllm_config, config, model)
 
@@ -422,13 +421,8 @@ class ECS3Scheduler:
     # ------------------------------------------------------------------ metrics
     def take_stats(self) -> ECS3Stats | None:
         self._counters.set_gauge("breaker_open", 1.0 if self._store.breaker.is_open else 0.0)
-        return scheduler_stats(self._counters, self.take_store_retries(), self._worker_stats)
-
-    def take_store_retries(self) -> int:
-        """Retries of this process's store since the last call (for metrics)."""
-        total = self._store.stats.retries
-        delta, self._retries_reported = total - self._retries_reported, total
-        return delta
+        self._counters.pull(self._store.stats)
+        return scheduler_stats(self._counters, self._worker_stats)
 
     # ------------------------------------------------------------------ upkeep
     def _prune(self) -> None:

@@ -92,7 +92,8 @@ class ECS3Worker:
         if _is_publishing_rank():
             # The first worker of the engine speaks for all (ranks hold the same outputs
             # and load the same items); see ec_s3.connector.metrics.
-            self._stats_writer = open_stats_writer(config, vllm_config, counters, self._get_store().background)
+            store = self._get_store()
+            self._stats_writer = open_stats_writer(config, vllm_config, counters, store.background, [store.stats])
         if self._publisher is not None:
             # The first upload must not pay for creating the client and its connection.
             self._get_store().warm_up(probe_key(config.prefix))

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import random
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
@@ -87,6 +88,7 @@ __all__ = [
     "StoreUnavailable",
     "StoreUnreachable",
     "TLSError",
+    "WRITE_TOKEN_METADATA_KEY",
 ]
 
 T = TypeVar("T")
@@ -95,7 +97,15 @@ Allocator = Callable[[int], memoryview]
 
 @dataclasses.dataclass
 class StoreStats:
-    """Counters since start; updated on the loop thread only, read from anywhere."""
+    """Counters since start; updated on the loop thread only, read from anywhere.
+
+    The fields are running totals (tests and the CLI read them). :meth:`take_delta` hands
+    each increment to exactly one caller, whichever asks first: the scheduler-role and
+    worker-role connectors of one process share a store (:meth:`S3Store.shared`) and
+    each folds what it takes into its own counters
+    (:meth:`ec_s3.transfer.counters.Counters.pull`), so nothing is counted twice and
+    nothing is left unread in a worker process of its own.
+    """
 
     requests: int = 0
     retries: int = 0
@@ -105,6 +115,31 @@ class StoreStats:
     bytes_uploaded: int = 0
     bytes_downloaded: int = 0
     abandoned_uploads: int = 0  # multipart uploads whose aborts kept failing (left to gc)
+    # Writes whose answer was lost and whose resend met the write itself (a 412 on an
+    # object carrying this write's token): counted as created (put_async).
+    lost_answer_writes: int = 0
+    _taken: dict[str, int] = dataclasses.field(default_factory=dict, repr=False, compare=False)
+    _take_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def take_delta(self) -> dict[str, float]:
+        """Each counter's increment since the last call, as ``store_<field>`` (only those
+        that moved). Thread-safe: two callers never both get one increment."""
+        with self._take_lock:
+            delta: dict[str, float] = {}
+            for field in _STAT_FIELDS:
+                total = getattr(self, field)  # one read: a later increment waits for the next call
+                moved = total - self._taken.get(field, 0)
+                if moved:
+                    delta[f"store_{field}"] = float(moved)
+                    self._taken[field] = total
+            return delta
+
+
+_STAT_FIELDS = tuple(f.name for f in dataclasses.fields(StoreStats) if not f.name.startswith("_"))
+#: The object metadata that names the write which stored it (one random token per
+#: put_async): after a 412, a HEAD tells this write's own blob, stored by an attempt
+#: whose answer was lost, from another writer's.
+WRITE_TOKEN_METADATA_KEY = "ec-s3-write"
 
 
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
@@ -326,20 +361,39 @@ class S3Store:
         if len(view) > self.config.max_blob_bytes:
             raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
         crc: int | None = None
+        token = secrets.token_hex(8)
+        metadata = {**(metadata or {}), WRITE_TOKEN_METADATA_KEY: token}
         if self.config.checksum_algorithm != "none":
             crc = await crc32_of(view)
-            metadata = {**(metadata or {}), CRC_METADATA_KEY: f"{crc:08x}"}
+            metadata[CRC_METADATA_KEY] = f"{crc:08x}"
         if len(view) >= self.config.multipart_threshold_bytes:
             # One HEAD is cheap next to uploading every part only to meet a 412.
             if await self.head_async(key) is not None:
                 return PutOutcome.ALREADY_EXISTS
-            created = await put_multipart(self, key, view, metadata or {})
+            created = await put_multipart(self, key, view, metadata)
             outcome = PutOutcome.CREATED if created else PutOutcome.ALREADY_EXISTS
         else:
-            outcome = await self._put_single(key, view, metadata or {}, crc)
+            outcome = await self._put_single(key, view, metadata, crc)
+        if outcome is PutOutcome.ALREADY_EXISTS and await self._written_by(key, token):
+            # An attempt of ours landed and its answer was lost (a reset after the
+            # server stored it; aiohttp resends once on a pooled connection, the store
+            # retries): the 412 met our own blob.
+            self.stats.lost_answer_writes += 1
+            outcome = PutOutcome.CREATED
         if outcome is PutOutcome.CREATED:
             self.stats.bytes_uploaded += len(view)
         return outcome
+
+    async def _written_by(self, key: str, token: str) -> bool:
+        """Whether ``key`` holds the blob of the write that carried ``token``; False when
+        that cannot be told (the store failed, the object is gone): the blob was there
+        either way, and only whose it was is unknown."""
+        try:
+            info = await self.head_async(key)
+        except StoreError as exc:
+            logger.debug("ec-s3: cannot tell whose blob %s is: %s", key, exc.reason)
+            return False
+        return info is not None and info.metadata.get(WRITE_TOKEN_METADATA_KEY) == token
 
     async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str], crc: int | None) -> PutOutcome:
         async def _put(t: Transport) -> PutOutcome:

@@ -45,8 +45,8 @@ __all__ = [
 class PutOutcome(enum.Enum):
     """How a PUT that did not fail ended."""
 
-    CREATED = "created"
-    ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: someone stored it first
+    CREATED = "created"  # this write stored it (also when its answer was lost: StoreStats.lost_answer_writes)
+    ALREADY_EXISTS = "already_exists"  # 412 on a conditional put: another write stored it first
 
 
 class StoreError(Exception):

@@ -4,19 +4,32 @@ Increments come from two threads (the engine's and ec-s3's loop), so they take a
 lock; it is uncontended in practice and costs well under a microsecond.
 ``snapshot`` is what tests and logs read; ``take_delta`` is what vLLM's stats hooks
 ship to the metrics process (only what changed since the last call).
+
+One counters model: every increment is handed to exactly one reader. Other counters
+of the process (the store's :class:`~ec_s3.store.client.StoreStats`) are a
+:class:`DeltaSource`; :meth:`Counters.pull` folds what the source hands out into these
+counters, so whichever role pulls it (the scheduler side, or a worker that mirrors its
+counters to the scheduler process through :mod:`ec_s3.transfer.shared_stats`) reports
+it, once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Counters"]
+__all__ = ["Counters", "DeltaSource"]
 
 #: Latency samples kept per histogram between two stats collections (and when
 #: merged); vLLM ships stats every step, so this only bounds memory if nobody collects.
 MAX_SAMPLES = 4096
+
+
+class DeltaSource(Protocol):
+    def take_delta(self) -> dict[str, float]:
+        """Increments since the last call, each handed out once."""
+        ...
 
 
 class Counters:
@@ -26,14 +39,18 @@ class Counters:
         self._gauges: dict[str, float] = {}
         self._reported: dict[str, float] = {}
         self._samples: defaultdict[str, list[float]] = defaultdict(list)
-        # Set once vLLM collects this instance's stats itself (worker side, model
-        # runner V2); until then the scheduler-side connector of the same process
-        # reports them, as vLLM's V1 runner never collects worker stats.
-        self.claimed = False
 
     def inc(self, name: str, value: float = 1.0) -> None:
         with self._lock:
             self._values[name] += value
+
+    def pull(self, source: DeltaSource) -> None:
+        """Fold ``source``'s increments since anyone last took them into these counters."""
+        delta = source.take_delta()
+        if delta:
+            with self._lock:
+                for name, value in delta.items():
+                    self._values[name] += value
 
     def set_gauge(self, name: str, value: float) -> None:
         with self._lock:

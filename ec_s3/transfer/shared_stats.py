@@ -36,12 +36,13 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop
-from ec_s3.transfer.counters import Counters
+from ec_s3.transfer.counters import Counters, DeltaSource
 from ec_s3.transfer.fsutil import create_exclusive, open_nofollow
 
 __all__ = ["SharedStatsReader", "SharedStatsWriter", "stats_dir", "stats_file_prefix"]
@@ -73,8 +74,9 @@ class SharedStatsWriter:
     from wherever counters move (the step, the I/O loop) and once, forced, at close.
     """
 
-    def __init__(self, directory: str, engine_id: str, counters: Counters) -> None:
+    def __init__(self, directory: str, engine_id: str, counters: Counters, sources: Sequence[DeltaSource] = ()) -> None:
         self._counters = counters
+        self._sources = tuple(sources)  # pulled into counters before each flush
         self._lock = threading.Lock()
         self._samples: dict[str, list[float]] = {}
         self._sample_counts: dict[str, int] = {}
@@ -110,6 +112,8 @@ class SharedStatsWriter:
             if self._closed:
                 return
             self._last_flush = now
+            for source in self._sources:
+                self._counters.pull(source)
             delta = self._counters.take_samples()
             for name, values in delta.items():
                 kept = self._samples.setdefault(name, [])

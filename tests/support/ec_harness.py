@@ -78,7 +78,12 @@ def make_node(
     if executor_backend is not None:
         vllm_config.parallel_config.distributed_executor_backend = executor_backend
     scheduler = make_scheduler(vllm_config, log_stats=log_stats)
-    worker_config = vllm_config if worker_extra is None else make_vllm_config(model_dir, ec_transfer_config(role, worker_extra), **engine_kwargs)
+    worker_config = vllm_config
+    if worker_extra is not None:
+        worker_config = make_vllm_config(model_dir, ec_transfer_config(role, worker_extra), **engine_kwargs)
+        # vLLM hands its workers the scheduler's config: the same engine id, which is
+        # how the worker's counters find the scheduler side (connector/metrics.py).
+        worker_config.ec_transfer_config.engine_id = vllm_config.ec_transfer_config.engine_id
     worker = ECS3Connector(worker_config, ECConnectorRole.WORKER)
     sim = ECWorkerSim(worker, encode_fn=encode_fn)
     return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
