@@ -376,7 +376,12 @@ class EPDProxy:
         """Whether each key is in the bucket; a failed or late HEAD counts as no (the
         item then goes to an encoder, which is always right)."""
         store = self._bucket
-        futures = [asyncio.wrap_future(store.submit(store.head_async(k))) for k in keys]
+        try:
+            futures = [asyncio.wrap_future(store.submit(store.head_async(k))) for k in keys]
+        except Exception as exc:  # noqa: BLE001 - the store is closing: the encoders get the items
+            self.metrics.inc("ec_s3_proxy_bucket_lookups_total", len(keys), outcome="error")
+            self._warner.warn(("bucket", "error"), "ec-s3 proxy: bucket lookup failed: %s", exc)
+            return [False] * len(keys)
         done, pending = await asyncio.wait(futures, timeout=self.config.bucket_lookup_timeout_s)
         for f in pending:
             f.cancel()
