@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from vllm.v1.engine import FinishReason
 
-from ec_s3.blob.format import PENDING_MARK
+from ec_s3.blob.format import MISSING_REPORT, PENDING_MARK, PRESENT_MARK
 from ec_s3.store.client import S3Store
 from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
@@ -138,5 +138,68 @@ def test_metadata_only_items_behind_vllms_embeds_proxy(
         node.driver.add("r-after", ["img-with-media"])  # the engine still serves
         assert drive(node.driver, timeout_s=30)["r-after"].finish_reason == FinishReason.LENGTH
         assert node.sim.encoded == ["img-with-media"]
+    finally:
+        node.close()
+
+
+def test_a_present_mark_is_loaded_and_one_whose_blob_is_gone_is_encoded_at_once(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """A present mark (the proxy knew the blob was in the bucket and sent no encoder
+    request) is loaded like a promise; one whose blob is gone (gc, a lifecycle rule) is
+    not waited for (a present blob does not arrive later): encoded locally at once, one
+    counted fallback, and its key is reported in the answer's ec_transfer_params so the
+    proxy forgets it. A miss remembered from before the request does not count: the
+    blob may have landed since, so it is looked up once more (here it had)."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=20, lookup="promised"))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        # img-late: looked up (a miss, remembered) by a request nobody marked, then published.
+        node.driver.add("r0", ["img-late"], ec_transfer_params={"img-late": {PENDING_MARK: True, "item_indices": [0]}})
+        deadline = time.monotonic() + 10
+        while not node.scheduler_connector.counters.get("lookups_miss") and time.monotonic() < deadline:
+            node.driver.step()
+            time.sleep(0.005)
+        assert node.scheduler_connector.counters.get("lookups_miss") >= 1
+        node.driver.abort("r0")
+        put_blob(store, keyspace, "img-here", fake_encoder_output("img-here", ROWS))
+        put_blob(store, keyspace, "img-late", fake_encoder_output("img-late", ROWS))
+        params = {
+            "img-here": {PRESENT_MARK: True, "item_indices": [0]},
+            "img-gone": {PRESENT_MARK: True, "item_indices": [1]},
+            "img-late": {PRESENT_MARK: True, "item_indices": [2]},
+        }
+        started = time.monotonic()
+        node.driver.add("r1", ["img-here", "img-gone", "img-late"], ec_transfer_params=params)
+        finished = drive(node.driver, timeout_s=30)
+        waited = time.monotonic() - started
+        assert waited < 5, f"a present mark whose blob is gone waited {waited:.1f} s (promised_wait_s is 20)"
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == ["img-gone"]
+        for identifier in ("img-here", "img-late"):
+            assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
+        counters = node.scheduler_connector.counters
+        assert counters.get("fallbacks_local") == 1 and counters.get("present_missing") == 1
+        assert finished["r1"].ec_transfer_params == {MISSING_REPORT: [keyspace.key_for("img-gone")]}
+    finally:
+        node.close()
+
+
+def test_a_present_producer_entry_is_checked_like_any_promise(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
+) -> None:
+    """The proxy forwards an encoder's remembered entry (key, dtype, shape, size) with the
+    present mark: loaded when it is there; its key must still be this consumer's own."""
+    from test_consumer import produce
+
+    params = produce(tiny_model_dir, extra_config(), ["img-a"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=20, lookup="promised"))
+    try:
+        present = {k: {**v, PRESENT_MARK: True} for k, v in params.items()}
+        node.driver.add("r1", ["img-a"], ec_transfer_params=present)
+        finished = drive(node.driver, timeout_s=30)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH and node.sim.encoded == []
+        assert finished["r1"].ec_transfer_params is None
     finally:
         node.close()

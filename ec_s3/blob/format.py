@@ -17,7 +17,9 @@ __all__ = [
     "FORMAT_TAG",
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
+    "MISSING_REPORT",
     "PENDING_MARK",
+    "PRESENT_MARK",
     "TENSOR_NAME",
     "identifier_digest",
 ]
@@ -37,6 +39,14 @@ BLOB_NAME_RE = re.compile(r"(?:t-[0-9a-f]{32}/)?[0-9a-f]{64}\.safetensors")
 #: parallel dispatch). Written by ``ec_s3.proxy``, read by ``ec_s3.connector``; here
 #: because both may import this module and neither may import the other.
 PENDING_MARK = "ec_s3_pending"
+#: The field that marks an entry as *present*: the proxy knows the blob is in the bucket
+#: already (an encoder answered for it a while ago, or the proxy's HEAD found it), and
+#: sent no encoder request. Unlike a pending item, a present one that the bucket does not
+#: have is gone (gc, a lifecycle rule), not late: the consumer encodes it at once.
+PRESENT_MARK = "ec_s3_present"
+#: The field of a consumer's answer (its ``ec_transfer_params``) that lists the keys of
+#: items marked present that the bucket did not have, so the proxy forgets them.
+MISSING_REPORT = "ec_s3_missing"
 
 
 def identifier_digest(identifier: str) -> str:

@@ -14,6 +14,10 @@ lookup may run again, :func:`promise_poll_interval`). Does not apply a decision:
 item table, counters, lookups, staging pins and the request's state are changed by
 :mod:`ec_s3.connector.scheduler`; the item state machine is :mod:`ec_s3.connector.items`'s.
 No I/O, no clock: the caller passes the time.
+
+A promise is *pending* (an encoder is encoding the item: a miss means "not yet", polled
+within ``promised_wait_s``) or *present* (the proxy knew the blob was in the bucket: a
+miss seen since the request came means it was deleted, and is answered at once).
 """
 
 from __future__ import annotations
@@ -88,6 +92,7 @@ class Decision:
     uses_item: bool = True  # the request keeps the item in the table (False: it never will)
     counter: str | None = None  # the counter to bump
     reason: str = ""  # why the store cannot serve it (UNAVAILABLE)
+    gone: bool = False  # marked present, and the bucket does not have it: the request's answer says so
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +154,11 @@ class Admission:
         since = ask.now if ask.since is None else ask.since
         if item is None or renew:
             lookup, looking = True, True
+        elif promise is not None and promise.present and item.state is ItemState.MISSING:
+            # A present blob is not polled for: one miss seen since the request came is
+            # the answer. A miss from before it may predate the upload: ask once more.
+            lookup = item.started_at < since
+            looking = lookup
         else:
             lookup = item.state in RETRYABLE and ask.now >= self.next_lookup_at(item, promise, ask.now - since)
             looking = lookup or item.looking
@@ -190,6 +200,9 @@ class Admission:
                 why = f"nobody promised it and the bucket lookup came back {item.state.value}"
                 return Decision(Action.UNAVAILABLE, reason=why)
             return _PROCEED  # a miss (or a failed lookup): the encoder runs locally
+        if item.state is ItemState.MISSING and promise.present:
+            why = "it was marked present but the bucket does not have it (deleted by gc or a lifecycle rule?)"
+            return Decision(Action.UNAVAILABLE, counter="present_missing", reason=why, gone=True)
         if item.state is ItemState.INVALID:
             return Decision(Action.UNAVAILABLE, reason=f"the stored blob is invalid ({item.reason})")
         if item.state is ItemState.FAILED and item.outage:

@@ -283,6 +283,8 @@ class RequestState:
     local: set[str] = dataclasses.field(default_factory=set)  # identifiers vLLM encodes itself
     pins: dict[str, StagingSlot] = dataclasses.field(default_factory=dict)  # identifier -> pinned slot
     items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses
+    # Keys of items marked present that the bucket did not have: reported in the answer.
+    gone: set[str] = dataclasses.field(default_factory=set)
 
     def use(self, identifier: str, item: Item) -> None:
         old = self.items.get(identifier)

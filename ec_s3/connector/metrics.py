@@ -97,6 +97,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Time model steps waited for a worker's own S3 fetch (bounded per fetch by remote_load_timeout_s).",
         "remote_load_seconds"),
     "vllm:ec_s3_promises_withheld_total": ("Producer: items sent without a promise because the store was down (circuit open).", "promises_withheld"),
+    "vllm:ec_s3_present_missing_total": (
+        "Items the proxy marked present that the bucket did not have (deleted since): encoded locally, reported back.",
+        "present_missing"),
     "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
 # lookups_total{outcome}

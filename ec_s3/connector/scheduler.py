@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
 from ec_s3.blob.codec import BlobExpectation
+from ec_s3.blob.format import MISSING_REPORT
 from ec_s3.config import ECS3Config
 from ec_s3.connector.admission import (
     NO_SPACE_MAX_S,
@@ -150,6 +151,8 @@ class ECS3Scheduler:
         promise = state.promises.get(identifier)
         key = promise.key if promise else self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
         decision = self._decide(state, feature, self._items.peek(key), now)
+        if decision.gone:
+            state.gone.add(key)
         if not decision.uses_item:
             self._items.point(identifier, None)
             self._settle(state, identifier, decision, now)
@@ -403,20 +406,24 @@ class ECS3Scheduler:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
+        gone: dict[str, Any] = {}
         if state is not None:
             if self._staging is not None:
                 for slot in state.pins.values():
                     self._staging.unpin(slot)
             state.pins.clear()
             state.release()
+            if state.gone:
+                # The proxy reads this from the answer and forgets those blobs.
+                gone = {MISSING_REPORT: sorted(state.gone)}
         if not self._is_producer:
-            return False, None
+            return False, gone or None
         # A producer whose store is down (circuit open) cannot keep a promise: sending
         # none lets consumers encode at once instead of waiting out promised_wait_s.
         promise = not self._store.breaker.is_open
         if not promise:
             self._counters.inc("promises_withheld")
-        return False, build_transfer_params(request, self._model, self._resolver, promise=promise) or None
+        return False, {**build_transfer_params(request, self._model, self._resolver, promise=promise), **gone} or None
 
     # ------------------------------------------------------------------ metrics
     def take_stats(self) -> ECS3Stats | None:

@@ -9,7 +9,11 @@ size agree with what the model expects.
 
 An entry marked pending (``ec_s3_pending``: ``ec-s3 proxy``'s parallel dispatch sent
 the request while an encoder still encodes the item) is a promise of the consumer's own
-key for that item, without a size.
+key for that item, without a size. An entry marked present (``ec_s3_present``: the proxy
+knew the blob was in the bucket and sent no encoder request) is a promise too, of a blob
+that is already there: a miss means it is gone, not late (:mod:`ec_s3.connector.admission`).
+It is either the producer's entry, remembered by the proxy (checked as above), or, when
+the proxy's HEAD found the blob, a mark like a pending one (the consumer's own key).
 
 Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtype``,
 ``shape``, ``size_bytes``) and its checks. Does not own when a promise is waited for
@@ -28,7 +32,7 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
 )
 
 from ec_s3.blob.codec import BlobLayout, BlobMeta
-from ec_s3.blob.format import PENDING_MARK
+from ec_s3.blob.format import PENDING_MARK, PRESENT_MARK
 from ec_s3.connector.model import ModelInfo
 from ec_s3.log import logger
 from ec_s3.transfer.counters import Counters
@@ -46,6 +50,9 @@ class Promise:
 
     key: str
     size_bytes: int | None
+    # Marked present: the blob was in the bucket when the proxy sent the request, so a
+    # miss means it was deleted since (nothing will upload it): encode it at once.
+    present: bool = False
 
 
 def build_transfer_params(
@@ -85,10 +92,11 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
     promises: dict[str, Promise] = {}
     problems: list[str] = []
     for identifier, entry in (raw or {}).items():
-        if isinstance(entry, dict) and entry.get(PENDING_MARK) is True:
+        present = isinstance(entry, dict) and entry.get(PRESENT_MARK) is True
+        if isinstance(entry, dict) and (entry.get(PENDING_MARK) is True or (present and "key" not in entry)):
             for feature in pending_features(request, identifier, entry):
                 key = model.keyspace.key_for(feature.identifier, cache_salt=request.cache_salt)
-                promises.setdefault(feature.identifier, Promise(key=key, size_bytes=None))
+                promises.setdefault(feature.identifier, Promise(key=key, size_bytes=None, present=present))
             continue
         if not isinstance(entry, dict) or "key" not in entry:
             continue  # not an ec-s3 promise (another connector's, or metadata only)
@@ -98,7 +106,8 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
             problems.append(f"{str(identifier)[:32]!r}: {problem}")
             continue
         size = entry.get("size_bytes")
-        promises[identifier] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None)
+        promises[identifier] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None,
+                                       present=present)
     if problems:
         counters.inc("promises_ignored", len(problems))
         logger.warning(

@@ -299,6 +299,15 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         f"{_fmt_num(dx(P + 'mm_items_total'))} media items; encoder answers ok "
         f"{_fmt_num(dx(P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
         f"{_fmt_num(without if without is not None else (0.0 if x.ok else None))}")
+
+    def dx0(name: str, **labels: str) -> str:  # a series not created yet is 0 on a proxy that answered
+        v = dx(name, **labels)
+        return _fmt_num(v if v is not None else (0.0 if x.ok else None))
+
+    out(f"                encoder skips (items known to be in the bucket, no encoder request): "
+        f"{dx0(P + 'encoder_skips_total', source='answer')} from its encoder's answers, "
+        f"{dx0(P + 'encoder_skips_total', source='bucket')} found by a HEAD; "
+        f"forgotten as missing {dx0(P + 'known_forgotten_total', reason='missing')}")
     ok_all = matches == len(requests)
     out(f"  outputs     : {matches}/{len(requests)} answers equal to the non-disaggregated run "
         f"(token ids, and logprobs {'identical' if not tolerance else f'within {tolerance:g}'}, temperature 0)")

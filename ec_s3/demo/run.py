@@ -179,6 +179,7 @@ class _Demo:
     def __init__(self, args: argparse.Namespace, extra: dict[str, Any], out: Out) -> None:
         self.args = args
         self.extra = extra
+        self.bucket_lookup: dict[str, Any] | None = None  # set by _s3
         self.out = out
         self.schedule = default_schedule(fleet_seeds=FLEET_SEEDS)
         self.timings: dict[str, float] = {}
@@ -279,6 +280,8 @@ class _Demo:
         if args.endpoint_url:
             self._step(1, f"S3: using {where}")
         extra_config = {**self.extra, "bucket": bucket, "endpoint_url": endpoint, "prefix": prefix}
+        # The proxy HEADs the bucket for images other fronts published (bucket_lookup).
+        self.bucket_lookup = {**extra_config, **store_extra}
         config = ECS3Config.from_extra_config({**extra_config, **store_extra})
         store = S3Store(config)
         stack.callback(store.close, 5.0)
@@ -369,8 +372,10 @@ class _Demo:
         start_all([consumer, producer])
         out(f"      encoder: {producer.placement}; prefill/decode: {consumer.placement}")
         wait_all_ready(servers, args.load_timeout, progress=LoadProgress())
+        # bucket_lookup: the fleet images (published for another front) are found in the
+        # bucket and go to prefill/decode marked present, with no encoder request.
         proxy = ProxyThread(ProxyConfig(encoder_urls=[producer.url], pd_urls=[consumer.url], port=0,
-                                        dispatch="parallel"))
+                                        dispatch="parallel", bucket_lookup=self.bucket_lookup))
         stack.callback(proxy.stop)
         proxy.start()
         out(f"      encoder {producer.url}, prefill/decode {consumer.url}, proxy {proxy.url}")

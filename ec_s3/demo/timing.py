@@ -135,9 +135,11 @@ class StepTimes:
         request time; under parallel dispatch the hop runs inside the latter (which
         waits for the blob), so only the prefill/decode server's time is on the path."""
         first = self.to_encoder if self.to_encoder.measured else self.encoder
-        if not (first.measured and first.events and self.pd_server.measured and self.pd_server.events):
+        # An item the proxy knew was in the bucket made no encoder request: nothing of it on the path.
+        skipped = first.measured and not first.events
+        if not (first.measured and (first.events or skipped) and self.pd_server.measured and self.pd_server.events):
             return Part(None, why="a server request time is missing")
-        on_path = 0.0 if parallel else (first.seconds or 0.0)
+        on_path = 0.0 if parallel or skipped else (first.seconds or 0.0)
         return Part(latency_s - on_path - (self.pd_server.seconds or 0.0), 1.0)
 
 

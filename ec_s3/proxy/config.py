@@ -9,8 +9,11 @@ that runs (:mod:`ec_s3.proxy.server`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlsplit
+
+from ec_s3.config import ConfigError, ECS3Config
 
 __all__ = ["ProxyConfig"]
 
@@ -78,6 +81,25 @@ class ProxyConfig:
     # Chat requests handled at once (from arrival to the end of the relayed answer);
     # beyond it a request is answered 503 with Retry-After before its body is read.
     max_in_flight: int = 1024
+    # Items known to be in the bucket (an encoder answered for them, or a HEAD found
+    # them) go to prefill/decode marked present, with no encoder request (ec_s3.proxy.known).
+    # At most this many entries (0: every item goes to an encoder) ...
+    known_max_entries: int = 65536
+    # ... and this many bytes of them in this process.
+    known_max_bytes: int = 64 * 1024 * 1024
+    # An entry is trusted this long after it was learned: keep it below the bucket's
+    # retention (ec-s3 gc --older-than, a lifecycle rule) and the producers' present_ttl_s.
+    known_ttl_s: float = 240.0
+    # For this long after an encoder answered, its blob may still be uploading: repeats are
+    # sent with the encoder's promise (the consumer polls); after it, marked present.
+    known_settle_s: float = 5.0
+    # Opt-in: the ec_connector_extra_config of the fleet's bucket (bucket, endpoint_url,
+    # prefix, ...; credentials from the AWS chain). Items nobody answered for here are
+    # looked up with a HEAD first (parallel dispatch, items without processor kwargs):
+    # how the proxies of one fleet share what is in the bucket. None: no HEAD.
+    bucket_lookup: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+    # The longest a request waits for those HEADs; past it its items go to encoders.
+    bucket_lookup_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
@@ -103,6 +125,23 @@ class ProxyConfig:
             raise ValueError("max_items_per_request: must be >= 1")
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight: must be >= 1")
+        if self.known_max_entries < 0:
+            raise ValueError("known_max_entries: must be >= 0 (0: off)")
+        if self.known_max_bytes < 4096:
+            raise ValueError("known_max_bytes: must be >= 4096")
+        if not 0 < float(self.known_ttl_s) <= 7 * 86400:
+            raise ValueError("known_ttl_s: must be > 0 and at most 7 days (keep it below the bucket's retention)")
+        if not 0 <= float(self.known_settle_s) < float(self.known_ttl_s):
+            raise ValueError("known_settle_s: must be >= 0 and below known_ttl_s")
+        if not float(self.bucket_lookup_timeout_s) > 0:
+            raise ValueError("bucket_lookup_timeout_s: must be > 0")
+        if self.bucket_lookup is not None:
+            if not isinstance(self.bucket_lookup, Mapping):
+                raise ValueError("bucket_lookup: must be a mapping of ec_connector_extra_config keys, or None")
+            try:
+                ECS3Config.from_extra_config(dict(self.bucket_lookup))
+            except ConfigError as exc:
+                raise ValueError(f"bucket_lookup: {exc}") from None
         for name in ("api_key", "upstream_api_key"):
             key = getattr(self, name)
             # An empty key would silently mean "no check"; a newline would split headers.

@@ -24,6 +24,12 @@ body is complete): the client waits that much longer, and still gets one answer.
 Encoder requests still running once p/d's answer has begun run on (their uploads serve
 later requests; the proxy cancels them at stop); a client that leaves cancels them all.
 
+Items the proxy knows are in the bucket (:mod:`.known`: an encoder answered for them
+here, or, opt-in, a HEAD found them) get no encoder request under either dispatch: they
+go to p/d with the encoder's remembered entry or a present mark (``ec_s3_present``); a
+consumer that finds such a blob missing encodes the item itself at once and says so in
+its answer, and the proxy forgets it (docs/proxy.md).
+
 Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
 (:mod:`.naming`) or body rewriting (:mod:`.media`).
 """
@@ -77,6 +83,12 @@ class Sender(Protocol):
 
     def detach(self, tasks: list[asyncio.Task[Any]]) -> None: ...
 
+    async def known_params(
+        self, body: dict[str, Any], items: list[MediaItem], *, may_look: bool
+    ) -> tuple[dict[str, Any], set[int]]: ...
+
+    def remember(self, body: dict[str, Any], item: MediaItem, params: dict[str, Any] | None) -> None: ...
+
 
 def _encode_tasks(
     proxy: Sender, body: dict[str, Any], items: list[MediaItem], headers: dict[str, str]
@@ -89,8 +101,26 @@ def _encode_tasks(
     tasks = []
     for n, payload in enumerate(payloads):
         enc_headers = {**headers, "X-Request-Id": f"{request_id}-enc{n}", "Content-Type": "application/json"}
-        tasks.append(asyncio.ensure_future(proxy.encode_one(payload, enc_headers, request_id)))
+        task = asyncio.ensure_future(proxy.encode_one(payload, enc_headers, request_id))
+        task.add_done_callback(lambda t, item=items[n]: _remember(proxy, body, item, t))
+        tasks.append(task)
     return tasks
+
+
+def _remember(proxy: Sender, body: dict[str, Any], item: MediaItem, task: asyncio.Task[Any]) -> None:
+    """The encoder answered: its blob is on its way, and later requests need no encoder."""
+    if not task.cancelled() and task.exception() is None and _kept(task.result()):
+        proxy.remember(body, item, task.result())
+
+
+async def _split_known(
+    proxy: Sender, body: dict[str, Any], items: list[MediaItem], *, may_look: bool
+) -> tuple[dict[str, Any], list[MediaItem], list[MediaItem]]:
+    """(params of the items known to be in the bucket, those items, the rest)."""
+    if not items:
+        return {}, [], []
+    present, found = await proxy.known_params(body, items, may_look=may_look)
+    return present, [i for n, i in enumerate(items) if n in found], [i for n, i in enumerate(items) if n not in found]
 
 
 async def dispatch_serial(
@@ -99,10 +129,13 @@ async def dispatch_serial(
 ) -> web.StreamResponse:
     """Encoders first, then p/d with their merged params. ``original`` is the client's
     parsed ``raw``; ``body`` is it named (:func:`~.naming.name_media`)."""
-    params: dict[str, Any] = {}
+    present, known, items = await _split_known(proxy, body, items, may_look=False)
+    params: dict[str, Any] = dict(present)
+    if known and not proxy.config.forward_media:
+        body = strip_media(body, [item.part for item in known])
     if items:
         results = list(zip(items, await _gather(_encode_tasks(proxy, body, items, headers)), strict=True))
-        params = merge_params(results)
+        params.update(merge_params(results))
         missing = sum(1 for _, p in results if not p)
         if missing:
             proxy.metrics.inc("ec_s3_proxy_items_without_params_total", missing)
@@ -154,6 +187,7 @@ async def dispatch_parallel(
     """Encoders and p/d at once; p/d sent again without the marks of items whose encoder
     failed, for as long as its answer has not begun (module docstring)."""
     request_id = headers["X-Request-Id"]
+    present, known, items = await _split_known(proxy, body, items, may_look=True)
     encodes = _encode_tasks(proxy, body, items, headers)
     # One turn of the loop: every encoder request has picked its encoder, and those
     # that found none (all down) are done already: their items are never marked.
@@ -168,8 +202,9 @@ async def dispatch_parallel(
         proxy.metrics.inc("ec_s3_proxy_items_without_params_total", unmarked)
 
     def begin() -> asyncio.Task[Answer | web.Response]:
-        pd_body = body if proxy.config.forward_media else strip_media(body, [items[n].part for n in marked])
-        data = _pd_payload(pd_body, pending_params(items, marked))
+        stripped = [*(item.part for item in known), *(items[n].part for n in marked)]
+        pd_body = body if proxy.config.forward_media else strip_media(body, stripped)
+        data = _pd_payload(pd_body, {**present, **pending_params(items, marked)})
         return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream))
 
     attempt = begin()

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -96,6 +97,24 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                         f"(default {d.max_items_per_request})")
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, metavar="N",
                    help=f"chat requests handled at once; more get 503 + Retry-After (default {d.max_in_flight})")
+    known = p.add_argument_group(
+        "known items", "items known to be in the bucket go to prefill/decode marked present, with no encoder request")
+    known.add_argument("--known-max-entries", type=int, default=d.known_max_entries, metavar="N",
+                       help=f"entries remembered, 0 = off (default {d.known_max_entries})")
+    known.add_argument("--known-max-bytes", type=int, default=d.known_max_bytes, metavar="N",
+                       help=f"bytes of them in this process (default {d.known_max_bytes})")
+    known.add_argument("--known-ttl", type=float, default=d.known_ttl_s, metavar="S",
+                       help="trust an entry this long; keep it below the bucket's retention (gc --older-than, a "
+                            f"lifecycle rule) (default {d.known_ttl_s:g})")
+    known.add_argument("--known-settle", type=float, default=d.known_settle_s, metavar="S",
+                       help="after an encoder answered, send repeats with its promise this long before marking "
+                            f"them present (its upload may be in flight) (default {d.known_settle_s:g})")
+    known.add_argument("--bucket-lookup", metavar="JSON",
+                       help="opt-in: the fleet's ec_connector_extra_config as JSON (bucket, endpoint_url, prefix; "
+                            "credentials from the AWS chain); items nobody answered for here are HEADed first, so "
+                            "the proxies of a fleet share what is in the bucket (parallel dispatch)")
+    known.add_argument("--bucket-lookup-timeout", type=float, default=d.bucket_lookup_timeout_s, metavar="S",
+                       help=f"longest wait for those HEADs (default {d.bucket_lookup_timeout_s:g})")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -123,7 +142,25 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         max_in_flight=args.max_in_flight,
+        known_max_entries=args.known_max_entries,
+        known_max_bytes=args.known_max_bytes,
+        known_ttl_s=args.known_ttl,
+        known_settle_s=args.known_settle,
+        bucket_lookup=_json_object(args.bucket_lookup, "bucket_lookup"),
+        bucket_lookup_timeout_s=args.bucket_lookup_timeout,
     )
+
+
+def _json_object(text: str | None, name: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: must be a JSON object")
+    return value
 
 
 def _key(flag: str | None, path: str | None, env: str, name: str) -> str | None:

@@ -26,6 +26,13 @@ class ProxyMetrics:
         "ec_s3_proxy_pd_failures_total": ("counter", "PD exchanges that failed below HTTP, by reason."),
         "ec_s3_proxy_pd_resends_total": (
             "counter", "PD requests cancelled and sent again without a failed encoder's pending marks."),
+        "ec_s3_proxy_encoder_skips_total": (
+            "counter", "Media items sent to prefill/decode as known to be in the bucket, with no encoder request, "
+                       "by how the proxy knew (answer: an encoder answered for it here; bucket: a HEAD)."),
+        "ec_s3_proxy_bucket_lookups_total": ("counter", "The proxy's HEADs of items it did not know, by outcome."),
+        "ec_s3_proxy_known_forgotten_total": (
+            "counter", "Known items forgotten, by reason (missing: a consumer found no blob; expired; evicted)."),
+        "ec_s3_proxy_known_entries": ("gauge", "Items the proxy knows are in the bucket (bounded by known_max_entries)."),
         "ec_s3_proxy_client_disconnects_total": ("counter", "Clients gone before their answer was relayed."),
         "ec_s3_proxy_rejected_total": ("counter", "Chat requests answered 4xx/503 by the proxy itself, by reason."),
         "ec_s3_proxy_internal_errors_total": ("counter", "Requests that hit a bug in the proxy (answered 500)."),

@@ -1,0 +1,195 @@
+"""Repeated images never reach an encoder: the proxy's table of items known to be in the
+bucket (ec_s3/proxy/known.py), against the fake upstreams of tests/test_proxy.py and,
+for the opt-in HEAD, the real S3 server. Through real vLLM servers:
+tests/test_proxy_skip_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from ec_s3.blob.format import MISSING_REPORT, PRESENT_MARK
+from ec_s3.blob.keys import KeySpace
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.known import KnownBlobs
+from ec_s3.proxy.main import build_parser, config_from_args
+from ec_s3.store.client import S3Store
+from test_proxy import MODEL, FakeEncoder, FakePD, chat, image, identifier_of, params_of, rig, run
+
+pytestmark = pytest.mark.timeout(120)
+SKIPS = "ec_s3_proxy_encoder_skips_total"
+
+
+@dataclass
+class ReportingPD(FakePD):
+    """A prefill/decode that found the blobs of ``missing`` keys absent (a consumer's
+    answer lists them in its ec_transfer_params)."""
+
+    missing: list[str] | None = None
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        resp = await super().chat(request)
+        if not self.missing or not isinstance(resp, web.Response):
+            return resp
+        payload = json.loads(resp.body)  # type: ignore[arg-type]
+        payload["ec_transfer_params"] = {MISSING_REPORT: self.missing}
+        return web.json_response(payload)
+
+
+@pytest.mark.parametrize("dispatch", ["serial", "parallel"])
+def test_a_repeat_skips_the_encoder_with_its_promise_then_marked_present(dispatch: str) -> None:
+    async def scenario() -> None:
+        async with rig(dispatch=dispatch, known_settle_s=0.3) as r:
+            img = image(1)
+            for text in ("first", "again at once", "again later"):
+                if text == "again later":
+                    await asyncio.sleep(0.4)
+                status, body, _ = await r.post(chat(img, text=text))
+                assert status == 200, body
+            assert len(r.encoders[0].bodies) == 1  # the repeats never reached the encoder
+            assert r.metric(SKIPS, source="answer") == 2
+            first, soon, later = (params_of(b) for b in r.pds[0].bodies)
+            if dispatch == "parallel":
+                ((uuid, mark),) = first.items()
+                assert mark["ec_s3_pending"] is True
+            (identifier,) = soon
+            assert soon[identifier]["key"].endswith(".safetensors")
+            # Within known_settle_s the blob may still be uploading: the encoder's promise.
+            assert PRESENT_MARK not in soon[identifier]
+            assert later[identifier] == {**soon[identifier], PRESENT_MARK: True}
+            assert later[identifier]["item_indices"] == [0]
+
+    run(scenario())
+
+
+def test_a_consumer_that_found_the_blob_missing_makes_the_proxy_forget_it() -> None:
+    async def scenario() -> None:
+        pd = ReportingPD("pd0")
+        async with rig(pds=[pd], known_settle_s=0.0) as r:
+            img = image(2)
+            assert (await r.post(chat(img)))[0] == 200
+            key = f"ec-cache/ns/{identifier_of(img, MODEL)}.safetensors"
+            pd.missing = [key]
+            status, body, _ = await r.post(chat(img))  # marked present; the consumer found no blob
+            assert status == 200
+            assert json.loads(body)["ec_transfer_params"] is None  # the report is the proxy's, not the client's
+            assert len(r.encoders[0].bodies) == 1
+            assert r.metric("ec_s3_proxy_known_forgotten_total", reason="missing") == 1
+            pd.missing = None
+            assert (await r.post(chat(img)))[0] == 200
+            assert len(r.encoders[0].bodies) == 2  # forgotten: the encoder runs (and publishes) again
+            assert r.metric("ec_s3_proxy_known_entries") == 1
+
+    run(scenario())
+
+
+def test_off_streams_and_failed_encoders() -> None:
+    async def scenario() -> None:
+        async with rig(known_max_entries=0) as r:
+            for _ in range(2):
+                assert (await r.post(chat(image(3))))[0] == 200
+            assert len(r.encoders[0].bodies) == 2 and r.metric(SKIPS) == 0
+        async with rig(encoders=[FakeEncoder("e0", with_params=False)]) as r:
+            for _ in range(2):
+                assert (await r.post(chat(image(4))))[0] == 200
+            assert len(r.encoders[0].bodies) == 2  # an answer without keys promises nothing
+        async with rig(dispatch="parallel") as r:
+            for _ in range(2):
+                status, body, _ = await r.post(chat(image(5), stream=True))
+                assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+            assert len(r.encoders[0].bodies) == 1
+
+    run(scenario())
+
+
+def test_the_table_is_bounded_by_entries_bytes_and_time() -> None:
+    def params(n: int) -> dict[str, Any]:
+        return {f"id-{n}": {"key": f"p/ns/{n:064x}.safetensors", "item_indices": [0]}}
+
+    t = KnownBlobs(max_entries=3, max_bytes=1 << 20, ttl_s=10.0, settle_s=1.0)
+    for n in range(5):
+        assert t.remember_answer(f"ref-{n}", params(n), now=0.0)
+    assert len(t) == 3 and t.get("ref-0", 0.0) is None and t.forgotten["evicted"] == 2
+    assert t.get("ref-2", 0.5) is not None  # used: now the most recent
+    t.remember_answer("ref-5", params(5), now=0.5)
+    assert t.get("ref-3", 0.5) is None and t.get("ref-2", 0.5) is not None
+    assert PRESENT_MARK not in t.get("ref-2", 0.5).params([1], 0.5)["id-2"]  # type: ignore[union-attr]
+    assert t.get("ref-2", 2.0).params([1], 2.0)["id-2"][PRESENT_MARK] is True  # type: ignore[union-attr]
+    assert t.get("ref-2", 10.5) is None and t.forgotten["expired"] == 1
+    assert not t.remember_answer("ref-x", {"id": {"item_indices": [0]}})  # no key: no promise
+
+    small = KnownBlobs(max_entries=1000, max_bytes=2000, ttl_s=10.0, settle_s=0.0)
+    for n in range(10):
+        small.remember_answer(f"ref-{n}", params(n), now=0.0)
+    assert 0 < small.nbytes <= 2000 and len(small) < 10
+    assert small.forget_keys([params(9)["id-9"]["key"], 7, None]) == 1 and small.get("ref-9", 0.0) is None
+
+
+def test_config_keys_are_validated_and_on_the_command_line() -> None:
+    base = {"encoder_urls": [], "pd_urls": ["http://127.0.0.1:1"]}
+    for bad, name in (({"known_max_entries": -1}, "known_max_entries"), ({"known_max_bytes": 10}, "known_max_bytes"),
+                      ({"known_ttl_s": 0}, "known_ttl_s"), ({"known_settle_s": 500.0}, "known_settle_s"),
+                      ({"bucket_lookup_timeout_s": 0}, "bucket_lookup_timeout_s"),
+                      ({"bucket_lookup": {"bucket": "b", "no_such_key": 1}}, "bucket_lookup")):
+        with pytest.raises(ValueError, match=name):
+            ProxyConfig(**base, **bad)
+    args = build_parser().parse_args(["--pd-url", "http://127.0.0.1:1", "--known-ttl", "60", "--known-settle", "2",
+                                      "--bucket-lookup", '{"bucket": "fleet", "prefix": "p"}'])
+    config = config_from_args(args)
+    assert (config.known_ttl_s, config.known_settle_s, dict(config.bucket_lookup or {})) == (
+        60.0, 2.0, {"bucket": "fleet", "prefix": "p"})
+    assert "fleet" not in repr(config)
+
+
+class KeyedEncoder(FakeEncoder):
+    """An encoder whose keys are the real key scheme's (identifier = the proxy's uuid)."""
+
+    space: KeySpace | None = None
+
+    async def chat(self, request: web.Request) -> web.Response:
+        resp = await super().chat(request)
+        body = self.bodies[-1]
+        (part,) = body["messages"][0]["content"]
+        payload = json.loads(resp.body)  # type: ignore[arg-type]
+        assert self.space is not None
+        payload["ec_transfer_params"] = {part["uuid"]: {**next(iter(payload["ec_transfer_params"].values())),
+                                                        "key": self.space.key_for(part["uuid"])}}
+        return web.json_response(payload)
+
+
+def test_a_second_proxy_learns_from_the_bucket_with_a_head(
+    extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """Proxy A's encoder published img-6; proxy B (bucket_lookup) never saw it: its HEAD
+    finds the blob, so B sends it marked present and makes no encoder request. B learned
+    the key space from one encoder answer of its own (img-7); a miss goes to the encoder."""
+    extra = extra_config(prefix="fleet")
+    space = KeySpace("fleet", "tiny-0123456789abcdef")
+    store = make_store()
+
+    async def scenario() -> None:
+        enc_a, enc_b = KeyedEncoder("a"), KeyedEncoder("b")
+        enc_a.space = enc_b.space = space
+        async with rig(encoders=[enc_a], dispatch="parallel") as a, \
+                rig(encoders=[enc_b], dispatch="parallel", bucket_lookup=extra) as b:
+            assert (await a.post(chat(image(6))))[0] == 200
+            published = enc_a.bodies[0]["messages"][0]["content"][0]["uuid"]
+            # The encoder's upload (the store runs on its own loop).
+            await asyncio.wrap_future(store.submit(store.put_async(space.key_for(published), bytearray(b"blob"))))
+            assert (await b.post(chat(image(7))))[0] == 200  # B's first answer shows it the key space
+            assert (await b.post(chat(image(6))))[0] == 200
+            assert len(enc_b.bodies) == 1  # img-6 never reached B's encoder
+            assert b.metric(SKIPS, source="bucket") == 1
+            assert b.metric("ec_s3_proxy_bucket_lookups_total", outcome="hit") == 1
+            assert params_of(b.pds[0].bodies[-1]) == {published: {PRESENT_MARK: True, "item_indices": [0]}}
+            assert (await b.post(chat(image(8))))[0] == 200  # in nobody's bucket: HEAD miss, then the encoder
+            assert len(enc_b.bodies) == 2 and b.metric("ec_s3_proxy_bucket_lookups_total", outcome="miss") == 1
+
+    run(scenario())
