@@ -101,7 +101,9 @@ PANELS: list[dict[str, Any]] = [
     panel("Promises", [
         (rate("vllm:ec_s3_promise_timeouts_total"), "given up (promised_wait_s, producer down)"),
         (rate("vllm:ec_s3_promises_withheld_total"), "withheld by producers (circuit open)"),
-        (rate("vllm:ec_s3_promises_ignored_total"), "ignored (invalid or foreign)")], unit="ops"),
+        (rate("vllm:ec_s3_promises_ignored_total"), "ignored (invalid or foreign)"),
+        (rate("vllm:ec_s3_present_missing_total"), "marked present by the proxy, gone (encoded locally)")],
+        unit="ops"),
     row("Failures"),
     panel("Fallbacks and failed requests", [
         (rate("vllm:ec_s3_fallbacks_local_total"), "encoded locally after all"),
@@ -123,7 +125,8 @@ PANELS: list[dict[str, Any]] = [
     panel("Uploads", [
         (rate("vllm:ec_s3_uploads_started_total"), "started"),
         (rate("vllm:ec_s3_blobs_uploaded_total"), "uploaded"),
-        (rate("vllm:ec_s3_uploads_already_present_total"), "already present (412)")], unit="ops"),
+        (rate("vllm:ec_s3_uploads_already_present_total"), "already present (412)"),
+        (rate("vllm:ec_s3_uploads_answer_lost_total"), "ours, answer lost (412 on resend)")], unit="ops"),
     panel("Encoder blocked on uploads", [
         (rate("vllm:ec_s3_save_blocked_seconds_total"), "save_caches waiting for room")], unit="percentunit",
         description="Seconds per second save_caches waited for room in max_inflight_bytes (backpressure=block); "
@@ -179,6 +182,12 @@ PANELS: list[dict[str, Any]] = [
         (proxy_rate("ec_s3_proxy_mm_items_total"), "items seen"),
         (proxy_rate("ec_s3_proxy_items_without_params_total"), "forwarded without encoder params")], unit="ops",
         description="Items without params are encoded by prefill/decode itself (alert EcS3ProxyItemsWithoutParams)."),
+    panel("Proxy encoder skips", [
+        (proxy_rate("ec_s3_proxy_encoder_skips_total", by="source"), "skipped: known from {{source}}"),
+        (proxy_rate("ec_s3_proxy_bucket_lookups_total", by="outcome"), "bucket HEAD: {{outcome}}"),
+        (proxy_rate("ec_s3_proxy_known_forgotten_total", by="reason"), "forgotten: {{reason}}"),
+        ("sum(ec_s3_proxy_known_entries)", "entries known")], unit="short",
+        description="Repeated images sent to prefill/decode without an encoder request (docs/proxy.md)."),
 ]
 
 def dashboard() -> dict[str, Any]:
