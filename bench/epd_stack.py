@@ -72,6 +72,9 @@ C_LOADED = "vllm:ec_s3_blobs_loaded_total"
 C_FALLBACK = "vllm:ec_s3_fallbacks_local_total"
 PROXY_ENC_S = "ec_s3_proxy_encoder_seconds_total"
 PROXY_ENC_N = "ec_s3_proxy_encoder_requests_total"
+# vLLM's example EPD proxy, unchanged but for a provenance comment (bench/third_party/)
+VLLM_PROXY = bl.BENCH_DIR / "third_party" / "disagg_epd_proxy.py"
+VLLM_PROXY_COMMIT = "7e4cd77021afa2d7298f9e6836dc789517b01925"
 
 
 @dataclass
@@ -90,6 +93,17 @@ class ProxyProc:
         return cls.spawn([sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
                           "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
                          port, log_path, "ec-s3 proxy")
+
+    @classmethod
+    def vllm_example(cls, encoder_url: str, pd_url: str, log_path: Path) -> ProxyProc:
+        """vLLM's example EPD proxy (:data:`VLLM_PROXY`) in front of one encoder and one
+        prefill/decode server, with no separate prefill stage: the benches' baseline."""
+        from ec_s3.sandbox.net import LOOPBACK, free_port
+
+        port = free_port()
+        return cls.spawn([sys.executable, str(VLLM_PROXY), "--host", LOOPBACK, "--port", str(port),
+                          "--encode-servers-urls", encoder_url, "--prefill-servers-urls", "disable",
+                          "--decode-servers-urls", pd_url], port, log_path, "vLLM's example EPD proxy")
 
     @classmethod
     def spawn(cls, argv: list[str], port: int, log_path: Path, what: str) -> ProxyProc:

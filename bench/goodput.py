@@ -438,7 +438,6 @@ def start_stack(model: str, shape: Any, ep: bl.Endpoint, bucket: str, work: Path
     """Six servers (two plain, ec-s3 E + PD, peer E + PD) and four proxies; returns
     (servers, {topology: url}) with ``servers["_proxies"]`` the proxy processes."""
     from bench.epd_stack import ProxyProc
-    from bench.ttft import VLLM_PROXY
     from ec_s3.sandbox.env import CPU_OFFLINE_ENV
     from ec_s3.sandbox.net import LOOPBACK, free_port
     from ec_s3.sandbox.vllm_server import VllmServer, ec_transfer_config, start_all, wait_all_ready
@@ -476,11 +475,7 @@ def start_stack(model: str, shape: Any, ep: bl.Endpoint, bucket: str, work: Path
                                     "--log-level", "WARNING"], port, logs / "proxy-plain.log", "ec-s3 proxy (no encoder)"))
     proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-parallel.log", "parallel"))
     proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-serial.log", "serial"))
-    port = free_port()
-    proxies.append(ProxyProc.spawn(
-        [sys.executable, str(VLLM_PROXY), "--host", LOOPBACK, "--port", str(port), "--encode-servers-urls",
-         s["peer E"].url, "--prefill-servers-urls", "disable", "--decode-servers-urls", s["peer PD"].url],
-        port, logs / "proxy-vllm.log", "vLLM's example EPD proxy"))
+    proxies.append(ProxyProc.vllm_example(s["peer E"].url, s["peer PD"].url, logs / "proxy-vllm.log"))
     urls = dict(zip(TOPOLOGIES, (p.url for p in proxies)))
     return s, urls
 

@@ -55,7 +55,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -67,8 +66,6 @@ from bench import benchlib as bl
 PATHS = ("parallel", "serial", "vllm-proxy", "plain")
 EPD_PATHS = ("parallel", "serial", "vllm-proxy")
 SETS = ("fresh", "repeated")
-VLLM_PROXY = bl.BENCH_DIR / "third_party" / "disagg_epd_proxy.py"
-VLLM_PROXY_COMMIT = "7e4cd77021afa2d7298f9e6836dc789517b01925"
 H_INFER = "vllm:request_inference_time_seconds"
 C_LOADED = "vllm:ec_s3_blobs_loaded_total"
 C_FALLBACK = "vllm:ec_s3_fallbacks_local_total"
@@ -324,8 +321,7 @@ def _servers(model: str, args: list[str], ep: bl.Endpoint, bucket: str, peer_dir
 
 
 def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any) -> dict[str, Any]:
-    from bench.epd_stack import ProxyProc, Scraper
-    from ec_s3.sandbox.net import LOOPBACK, free_port
+    from bench.epd_stack import VLLM_PROXY_COMMIT, ProxyProc, Scraper
     from ec_s3.sandbox.tiny_model import build_tiny_llava
     from ec_s3.sandbox.vllm_server import start_all, stop_all, wait_all_ready
 
@@ -349,11 +345,7 @@ def run(repeats: int, *, gap_s: float, max_tokens: int, calib_n: int, shape: Any
             logs = work / "logs"
             proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-parallel.log", "parallel"))
             proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-serial.log", "serial"))
-            port = free_port()
-            proxies.append(ProxyProc.spawn(
-                [sys.executable, str(VLLM_PROXY), "--host", LOOPBACK, "--port", str(port), "--encode-servers-urls",
-                 s["peer E"].url, "--prefill-servers-urls", "disable", "--decode-servers-urls", s["peer PD"].url],
-                port, logs / "proxy-vllm.log", "vLLM's example EPD proxy"))
+            proxies.append(ProxyProc.vllm_example(s["peer E"].url, s["peer PD"].url, logs / "proxy-vllm.log"))
             url = {"parallel": proxies[0].url, "serial": proxies[1].url, "vllm-proxy": proxies[2].url,
                    "plain": s["plain"].url}
             encoder = {"parallel": s["ec-s3 E"], "serial": s["ec-s3 E"], "vllm-proxy": s["peer E"]}

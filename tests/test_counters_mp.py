@@ -11,7 +11,6 @@ memory), and the lost answer, whose resend got 412, must count as uploaded: as m
 from __future__ import annotations
 
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from ec_s3.sandbox.env import CPU_OFFLINE_ENV
 from ec_s3.sandbox.vllm_server import TINY_MODEL_ARGS, VllmServer, ec_transfer_config
 from ec_s3.store.client import S3Store
 from support.faultproxy import FaultProxy
+from support.settled import settled_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,19 +35,6 @@ def _blobs(store: S3Store) -> list[str]:
         return [o.key async for o in store.list_async(f"{PREFIX}/")]
 
     return [k for k in store.run(collect(), timeout=60) if k.endswith(".safetensors") and "/_ec_s3_probe/" not in k]
-
-
-def _settled(server: VllmServer, model: str, name: str, want: float, timeout_s: float = 60.0) -> float | None:
-    """``name`` once it reaches ``want``: worker counters reach /metrics on engine steps,
-    which a text-only request makes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        post_chat(server.url, {"model": model, "messages": [{"role": "user", "content": "Hello"}],
-                               "max_tokens": 1, "temperature": 0.0})
-        value = server.metrics().get(name)
-        if (value is not None and value >= want) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
 
 
 def test_worker_store_retries_and_lost_answers_on_the_multiprocess_executor(
@@ -72,10 +59,10 @@ def test_worker_store_retries_and_lost_answers_on_the_multiprocess_executor(
         producer.wait_ready(600.0)
         proxy.error_next(2, 503, ["PUT"])  # the worker's store retries the first upload twice
         assert post_chat(producer.url, chat_body(model, 71, "What is this?")).ok
-        assert _settled(producer, model, M + "blobs_uploaded_total", 1) == 1, producer.log_tail()
+        assert settled_metric(producer, model, M + "blobs_uploaded_total", 1, timeout_s=60) == 1, producer.log_tail()
         proxy.drop_response_next(1, ["PUT"])  # stored, answer lost: the resend meets a 412
         assert post_chat(producer.url, chat_body(model, 72, "What is this?")).ok
-        uploaded = _settled(producer, model, M + "blobs_uploaded_total", 2)
+        uploaded = settled_metric(producer, model, M + "blobs_uploaded_total", 2, timeout_s=60)
         metrics = producer.metrics()
         assert proxy.counters.errors == 2 and proxy.counters.dropped_responses == 1
         assert len(_blobs(store)) == 2

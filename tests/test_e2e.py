@@ -64,6 +64,7 @@ from ec_s3.sandbox.vllm_server import (
 from ec_s3.proxy.server import ProxyConfig, ProxyThread
 from ec_s3.store.client import S3Store
 from support.procs import alive, still_alive_after
+from support.settled import settled_metric
 
 # The tests that start real engines are marked slow one by one: the launch helpers'
 # own tests at the end are fast.
@@ -273,22 +274,6 @@ def test_consumer_uses_published_encoder_outputs(stack: Stack) -> None:
           f"{downloaded}, loaded {after_consumer.get(M_LOADED)}", file=sys.stderr)
 
 
-def _settled_metric(server: Any, model: str, name: str, want: float, timeout_s: float = 30.0) -> float | None:
-    """``name`` on ``server``'s /metrics once it reaches ``want`` (or at the deadline).
-
-    Worker counters reach /metrics when the scheduler side collects stats, which vLLM
-    does on engine steps; uploads finish after the step that queued them. A text-only
-    request makes the engine run a step."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        post_chat(server.url, {"model": model, "messages": [{"role": "user", "content": "Hello"}],
-                               "max_tokens": 1, "temperature": 0.0})
-        value = server.metrics().get(name)
-        if (value is not None and value >= want) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(E2E_TIMEOUT_S)
 def test_worker_counters_reach_metrics_on_the_multiprocess_server(stack: Stack) -> None:
@@ -299,10 +284,10 @@ def test_worker_counters_reach_metrics_on_the_multiprocess_server(stack: Stack) 
     distinct = len(SCHEDULE_SEEDS)  # (a)'s images; the warm-up image went the same way
     downloaded = stack.consumer.metrics().get(M_DOWNLOADED)  # scheduler side: always exported
     assert downloaded is not None and downloaded >= distinct, downloaded
-    loaded = _settled_metric(stack.consumer, stack.model, M_LOADED, downloaded)
+    loaded = settled_metric(stack.consumer, stack.model, M_LOADED, downloaded)
     assert loaded == downloaded, (
         f"vllm:ec_s3_blobs_loaded_total = {loaded}, but the consumer fetched {downloaded} blobs and used each once")
-    uploaded = _settled_metric(stack.producer, stack.model, "vllm:ec_s3_blobs_uploaded_total", distinct)
+    uploaded = settled_metric(stack.producer, stack.model, "vllm:ec_s3_blobs_uploaded_total", distinct)
     assert uploaded is not None and uploaded >= distinct, uploaded
     count = stack.producer.metrics().get("vllm:ec_s3_upload_seconds_count")
     assert count is not None and count >= distinct, count
