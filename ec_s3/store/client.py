@@ -5,7 +5,9 @@ All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
 hands one to it from any thread without blocking. Owns the operations (HEAD, PUT,
 multipart, ranged GET, DELETE, LIST), the retry loop (exponential back-off with full
 jitter, only on throttling, 5xx and connection errors, never on 4xx, so that
-``max_attempts`` and the back-off cap bound the time a caller can wait), the
+``max_attempts`` and the back-off cap bound the time a caller can wait; no sooner than
+an answer's ``Retry-After`` asks, and not at all when it asks for more than
+``request_timeout_s``), the
 concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
 at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
 process-wide cache of shared stores, keyed by the store's own keys
@@ -355,7 +357,8 @@ class S3Store:
                 if mapped is None:
                     raise  # not a store failure: a bug, shown as it is
                 error = mapped
-            if not error.transient or attempt == cfg.max_attempts:
+            delay = self._retry_delay(attempt, error) if error.transient and attempt < cfg.max_attempts else None
+            if delay is None:  # not retried: not transient, the last attempt, or asked to wait too long
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
                 if error.transient:
                     self.breaker.failure(error.reason, ticket)
@@ -363,10 +366,21 @@ class S3Store:
                     self.breaker.success()  # the store answered: it is up
                 raise error
             self.stats.retries += 1
-            delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
             logger.debug("ec-s3: retrying %s %s in %.3fs after %s", op, key, delay, error.reason)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retry_delay(self, attempt: int, error: StoreError) -> float | None:
+        """The wait before attempt ``attempt + 1``: the back-off (full jitter), or longer
+        when the answer's ``Retry-After`` asked for it; None (do not retry) when it asked
+        for more than ``request_timeout_s``: no sooner than asked, never past the deadline."""
+        cfg = self.config
+        delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
+        if error.retry_after_s is None:
+            return delay
+        if error.retry_after_s > cfg.request_timeout_s:
+            return None
+        return max(delay, error.retry_after_s)
 
     def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]:
         """One request permit, for one attempt (the store is connected: :meth:`_call`)."""

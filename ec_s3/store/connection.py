@@ -38,6 +38,7 @@ from botocore.utils import get_environ_proxies
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.credentials import end_abandoned_credential_processes
+from ec_s3.store.http1 import parse_timestamp_or_none
 from ec_s3.store.tls import DEFAULT_CA_SOURCE, Trust, botocore_verify, check_ca_file
 
 __all__ = ["EndpointSettings", "open_client", "resolve_endpoint"]
@@ -176,6 +177,8 @@ def _botocore_session() -> AioSession:
     """
     global _loader
     session = AioSession()
+    # A Last-Modified that is no date must not fail the whole answer (store/http1.py).
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp_or_none)
     with _LOADER_LOCK:
         if _loader is None:
             _loader = session.get_component("data_loader")

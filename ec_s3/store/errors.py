@@ -61,6 +61,8 @@ class StoreError(Exception):
 
     transient: ClassVar[bool] = False
     hint: ClassVar[str] = ""  # what to do, appended to str(); never secret
+    # The wait a transient answer asked for (its Retry-After), in seconds; None if none.
+    retry_after_s: float | None = None
 
     def __init__(
         self, op: str, key: str, message: str = "", *, status: int | None = None, code: str | None = None
