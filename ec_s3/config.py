@@ -188,7 +188,8 @@ class ECS3Config:
         default=120.0,
         metadata=_doc(
             "Total time one attempt of one S3 request may take (connect, send, answer, body); also the "
-            "longest wait for one of `max_concurrency` request permits.",
+            "longest wait for one of `max_concurrency` request permits, and for creating the client (the "
+            "credential chain: a `credential_process`, SSO, an instance role).",
             min=0.1, max=3600.0,
         ),
     )
@@ -218,7 +219,8 @@ class ECS3Config:
     )
     breaker_cooldown_s: float = dataclasses.field(
         default=5.0,
-        metadata=_doc("How long the open breaker fails requests at once before one probe (doubles per failed probe, max 60 s).", min=0.0, max=600.0),
+        metadata=_doc("How long the open breaker fails requests at once before one probe (doubles per failed probe, max 60 s); "
+                      "also how long a failure to create the client (the credential chain) is remembered.", min=0.0, max=600.0),
     )
     max_blob_bytes: int = dataclasses.field(
         default=1 * GiB,

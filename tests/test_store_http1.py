@@ -9,6 +9,7 @@ the pool's framing: tests/test_store_recv.py.
 
 from __future__ import annotations
 
+import email.utils
 import time
 from collections.abc import Callable
 
@@ -31,6 +32,10 @@ GOOD_ANSWERS = {
         PARTIAL, [b"Content-Range: bytes 0-11/12", b"Transfer-Encoding: chunked"], b"c\r\nhello world!\r\n0\r\n\r\n"
     ),
     "whole object 200": answer(b"200 OK", [b"Content-Length: 12"], BODY),
+    # RFC 9112 5.2: a user agent must accept obs-fold (issue 24: refused, as transient, on direct)
+    "obs-fold header": answer(
+        PARTIAL, [b"Content-Range: bytes 0-11/12", b"x-amz-meta-folded: one", b"  two", b"Content-Length: 12"], BODY
+    ),
 }
 
 
@@ -54,6 +59,18 @@ MALFORMED = {
         PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12", b"Content-Length: 12"], BODY
     ),
     "transfer coding other than chunked": answer(b"200 OK", [b"Transfer-Encoding: gzip"], BODY),
+    # issue 24: llhttp decodes the final chunked and hands over the gzip bytes as the object's (both paths)
+    "gzip, then chunked": answer(b"200 OK", [b"Transfer-Encoding: gzip, chunked"], b"c\r\n" + BODY + b"\r\n0\r\n\r\n"),
+    "gzip, then chunked, on two lines": answer(
+        PARTIAL, [b"Content-Range: bytes 0-11/12", b"Transfer-Encoding: gzip", b"Transfer-Encoding: chunked"],
+        b"c\r\n" + BODY + b"\r\n0\r\n\r\n",
+    ),
+    # issue 24: one rule each on both paths (store/http1.py); before, direct called a 204
+    # non-transient and took a 20 KB line, botocore called the 204 transient and refused the line
+    "204 to a GET": answer(b"204 No Content", [], b""),
+    "a 20 KB header line": answer(
+        PARTIAL, [b"Content-Range: bytes 0-11/12", b"Content-Length: 12", b"x-amz-meta-big: " + b"a" * 20_000], BODY
+    ),
     "length and chunked": answer(b"200 OK", [b"Content-Length: 12", b"Transfer-Encoding: chunked"], b"c\r\n" + BODY + b"\r\n0\r\n\r\n"),
 }
 
@@ -65,3 +82,64 @@ def test_malformed_answers_fail_typed(path_store: Callable[..., S3Store], name: 
         with pytest.raises(StoreError) as caught:
             get_bytes(store)
         assert isinstance(caught.value, StoreUnavailable), repr(caught.value)
+
+
+LAST_MODIFIED = {
+    "IMF-fixdate": (b"Wed, 02 Dec 2026 15:00:00 GMT", 1796223600.0),
+    "ISO 8601, as botocore accepts": (b"2026-12-02T15:00:00.000Z", 1796223600.0),
+    "garbage": (b"yesterday-ish", None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAST_MODIFIED))
+def test_a_last_modified_of_any_form_is_read_or_ignored(path_store: Callable[..., S3Store], name: str) -> None:
+    """Failed before (issue 24): ISO 8601 and garbage were an untyped ValueError from
+    head_async on the direct path; garbage failed the botocore path too."""
+    value, expected = LAST_MODIFIED[name]
+    head = answer(b"200 OK", [b"Content-Length: 12", b"ETag: \"e\"", b"Last-Modified: " + value], b"")
+    with ScriptedHTTP(lambda n, request: head) as server:
+        store = path_store(server.url, max_attempts=1, read_timeout_s=5.0)
+        info = store.run(store.head_async("k"), timeout=30)
+    assert info is not None and info.size == 12
+    if expected is None:
+        assert abs(info.last_modified - time.time()) < 60  # unknown: as when absent
+    else:
+        assert info.last_modified == expected
+
+
+_SLOW_DOWN_BODY = b"<Error><Code>SlowDown</Code><Message>m</Message></Error>"
+SLOW_DOWN = answer(b"503 Slow Down", [b"Content-Length: %d" % len(_SLOW_DOWN_BODY), b"Retry-After: %s"],
+                   _SLOW_DOWN_BODY)
+GOOD = GOOD_ANSWERS["plain"]
+
+
+@pytest.mark.parametrize("wait", [b"1", b"date"])
+def test_retry_after_on_slow_down_is_honoured(path_store: Callable[..., S3Store], wait: bytes) -> None:
+    """Failed before (issue 24): the retry came after the back-off alone (36-166 ms)."""
+    arrivals: list[float] = []
+
+    def script(n: int, head: bytes) -> bytes:
+        arrivals.append(time.monotonic())
+        if n == 1:  # n == 0 is the GET that builds the client and succeeds
+            value = b"1" if wait == b"1" else email.utils.formatdate(time.time() + 2, usegmt=True).encode()
+            return SLOW_DOWN.replace(b"%s", value)
+        return GOOD
+
+    with ScriptedHTTP(script) as server:
+        store = path_store(server.url, max_attempts=3, read_timeout_s=5.0, request_timeout_s=10.0)
+        assert get_bytes(store) == BODY
+        assert get_bytes(store) == BODY
+    assert len(arrivals) == 3 and arrivals[2] - arrivals[1] >= 0.95
+
+
+def test_retry_after_past_the_deadline_ends_the_request(path_store: Callable[..., S3Store]) -> None:
+    """A wait longer than request_timeout_s is not waited out, nor cut short: the
+    request fails at once with the server's transient error."""
+    with ScriptedHTTP(lambda n, head: GOOD if n == 0 else SLOW_DOWN.replace(b"%s", b"30")) as server:
+        store = path_store(server.url, max_attempts=4, read_timeout_s=5.0, request_timeout_s=5.0)
+        assert get_bytes(store) == BODY
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailable) as caught:
+            get_bytes(store)
+        assert time.monotonic() - started < 2.0 and len(server.requests) == 2
+    assert caught.value.code == "SlowDown" and caught.value.retry_after_s == 30.0

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -298,10 +299,11 @@ def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
 ) -> None:
     """The store's client and its direct path are built together: when the second
     cannot be built, the first is closed and the next request tries both again
-    (it once kept the client, and every later request died on an assertion)."""
+    once the failure's memory (breaker_cooldown_s) has passed (it once kept the
+    client, and every later request died on an assertion)."""
     import ec_s3.store.transport as transport_module
 
-    store = direct()
+    store = direct(breaker_cooldown_s=0.3)
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("cannot build")
@@ -311,6 +313,9 @@ def test_failing_to_build_the_wire_fails_typed_and_leaves_no_half_store(
         with pytest.raises(StoreRequestError, match="cannot create the S3 client"):
             store.run(store.head_async("k"), timeout=30)
     monkeypatch.undo()
+    with pytest.raises(StoreRequestError, match="cannot create the S3 client"):
+        store.run(store.head_async("k"), timeout=30)  # remembered: not tried again yet
+    time.sleep(0.4)
     assert store.run(store.head_async("k"), timeout=30) is None
 
 

@@ -5,7 +5,9 @@ All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
 hands one to it from any thread without blocking. Owns the operations (HEAD, PUT,
 multipart, ranged GET, DELETE, LIST), the retry loop (exponential back-off with full
 jitter, only on throttling, 5xx and connection errors, never on 4xx, so that
-``max_attempts`` and the back-off cap bound the time a caller can wait), the
+``max_attempts`` and the back-off cap bound the time a caller can wait; no sooner than
+an answer's ``Retry-After`` asks, and not at all when it asks for more than
+``request_timeout_s``), the
 concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
 at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
 process-wide cache of shared stores, keyed by the store's own keys
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import random
 import secrets
@@ -39,6 +42,7 @@ from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
     CircuitOpen,
+    CredentialsTimeout,
     IntegrityError,
     NoCredentials,
     ObjectChanged,
@@ -54,6 +58,7 @@ from ec_s3.store.errors import (
     StoreUnreachable,
     TLSError,
 )
+from ec_s3.store.diagnose import credential_source
 from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.multipart import put_multipart
@@ -158,7 +163,8 @@ class S3Store:
         self.bucket = config.bucket
         self._bg = loop or shared_loop()
         self._transport: Transport | None = None
-        self._client_lock: asyncio.Lock | None = None
+        self._connecting: asyncio.Future[Transport] | None = None
+        self._connect_failure: tuple[StoreError, float] | None = None  # and until when it stands
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._permits: RequestPermits | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
@@ -250,35 +256,69 @@ class S3Store:
         return (await self._get_transport()).client
 
     async def _get_transport(self) -> Transport:
+        """The store's transport, created on first use by one connect task that every
+        request waiting for it shares (none of them runs it in its own task, so one
+        caller's cancellation does not end it for the others). Its failure is
+        remembered for ``breaker_cooldown_s``: until then requests fail at once with it,
+        instead of each running the credential chain again in turn."""
         if self._transport is not None:
             return self._transport
         if self._client_gone:
             # Work submitted before close() may still run while close() drains it;
             # only after the drain is the client gone for good.
             raise StoreClosed("connect", "", "store is closed")
-        if self._client_lock is None:
-            self._client_lock = asyncio.Lock()
-        async with self._client_lock:
-            if self._transport is None:
-                stack = contextlib.AsyncExitStack()
-                try:
-                    # Resolves the credential chain (profile, SSO, instance role) when
-                    # the config names no keys: that can fail, and must fail typed.
-                    transport = await open_transport(self.config, stack)
-                except Exception as exc:  # noqa: BLE001 - mapped below
-                    await stack.aclose()
-                    error = to_store_error("connect", "", exc)
-                    if error is None:
-                        error = StoreConfigError("connect", "", f"cannot create the S3 client: {type(exc).__name__}: {exc}")
-                        error.__cause__ = exc
-                    raise error from exc
-                self._exit_stack = stack
-                # Requests queue here, not in aiohttp's pool: a pool wait is bounded
-                # (connection.py) and must only ever mean a held-up connection.
-                self._permits = RequestPermits(min(self.config.max_concurrency, self.config.max_pool_connections),
-                                               self.config.request_timeout_s)
-                self._transport = transport  # last: its being set means the store is ready
-        return self._transport
+        if self._connect_failure is not None:
+            error, until = self._connect_failure
+            if time.monotonic() < until:
+                raise copy.copy(error)  # a copy per raise: each gets its own traceback
+            self._connect_failure = None
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+            self._tasks.add(self._connecting)  # close() drains it
+            self._connecting.add_done_callback(self._connected)
+        return await asyncio.shield(self._connecting)
+
+    def _connected(self, task: asyncio.Future[Transport]) -> None:
+        self._tasks.discard(task)
+        self._connecting = None
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter may have given up on it
+
+    async def _connect(self) -> Transport:
+        stack = contextlib.AsyncExitStack()
+        try:
+            # Resolves the credential chain (profile, SSO, instance role) when the config
+            # names no keys: that can fail or hang, and must fail typed, in bounded time.
+            async with asyncio.timeout(self.config.request_timeout_s):
+                transport = await open_transport(self.config, stack)
+        except BaseException as exc:
+            await stack.aclose()  # a credential process still running is ended with its transport
+            if not isinstance(exc, Exception):
+                raise  # cancelled (close() gave up on it): nothing to remember
+            error = self._connect_error(exc)
+            self._connect_failure = (error, time.monotonic() + self.config.breaker_cooldown_s)
+            raise error from exc
+        self._exit_stack = stack
+        # Requests queue here, not in aiohttp's pool: a pool wait is bounded
+        # (connection.py) and must only ever mean a held-up connection.
+        self._permits = RequestPermits(min(self.config.max_concurrency, self.config.max_pool_connections),
+                                       self.config.request_timeout_s)
+        self._transport = transport  # last: its being set means the store is ready
+        return transport
+
+    def _connect_error(self, exc: Exception) -> StoreError:
+        """The typed error of a failed client creation, naming the credential source."""
+        source = credential_source(self.config)  # type: ignore[arg-type] - reads the keys it shares
+        if isinstance(exc, TimeoutError):
+            return CredentialsTimeout("connect", "", f"creating the S3 client took over request_timeout_s="
+                                      f"{self.config.request_timeout_s:g}s resolving credentials from {source}")
+        error = to_store_error("connect", "", exc)
+        if error is None:
+            error = StoreConfigError("connect", "", f"cannot create the S3 client: {type(exc).__name__}: {exc}")
+        elif isinstance(error, NoCredentials):
+            error = type(error)("connect", "", f"{error.message} (credentials from {source})")
+        error.__cause__ = exc
+        return error
 
     async def _call(
         self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, T]], *, permit: bool = True,
@@ -317,7 +357,8 @@ class S3Store:
                 if mapped is None:
                     raise  # not a store failure: a bug, shown as it is
                 error = mapped
-            if not error.transient or attempt == cfg.max_attempts:
+            delay = self._retry_delay(attempt, error) if error.transient and attempt < cfg.max_attempts else None
+            if delay is None:  # not retried: not transient, the last attempt, or asked to wait too long
                 self.stats.failures += isinstance(error, (StoreUnavailable, AccessDenied))
                 if error.transient:
                     self.breaker.failure(error.reason, ticket)
@@ -325,10 +366,21 @@ class S3Store:
                     self.breaker.success()  # the store answered: it is up
                 raise error
             self.stats.retries += 1
-            delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
             logger.debug("ec-s3: retrying %s %s in %.3fs after %s", op, key, delay, error.reason)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _retry_delay(self, attempt: int, error: StoreError) -> float | None:
+        """The wait before attempt ``attempt + 1``: the back-off (full jitter), or longer
+        when the answer's ``Retry-After`` asked for it; None (do not retry) when it asked
+        for more than ``request_timeout_s``: no sooner than asked, never past the deadline."""
+        cfg = self.config
+        delay = random.uniform(0, min(cfg.retry_max_delay_s, cfg.retry_base_delay_s * 2 ** (attempt - 1)))
+        if error.retry_after_s is None:
+            return delay
+        if error.retry_after_s > cfg.request_timeout_s:
+            return None
+        return max(delay, error.retry_after_s)
 
     def _permit(self, op: str, key: str) -> contextlib.AbstractAsyncContextManager[None]:
         """One request permit, for one attempt (the store is connected: :meth:`_call`)."""

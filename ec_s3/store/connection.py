@@ -37,6 +37,8 @@ from botocore.session import Session as BotocoreSession
 from botocore.utils import get_environ_proxies
 
 from ec_s3.config import ECS3Config
+from ec_s3.store.credentials import end_abandoned_credential_processes
+from ec_s3.store.http1 import parse_timestamp_or_none
 from ec_s3.store.tls import DEFAULT_CA_SOURCE, Trust, botocore_verify, check_ca_file
 
 __all__ = ["EndpointSettings", "open_client", "resolve_endpoint"]
@@ -175,6 +177,8 @@ def _botocore_session() -> AioSession:
     """
     global _loader
     session = AioSession()
+    # A Last-Modified that is no date must not fail the whole answer (store/http1.py).
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp_or_none)
     with _LOADER_LOCK:
         if _loader is None:
             _loader = session.get_component("data_loader")
@@ -201,8 +205,11 @@ async def open_client(
     tls = _speaks_tls(config)
     if tls:
         check_ca_file(settings.trust)
+    botocore_session = _botocore_session()
+    if config.access_key_id is None:  # the chain resolves them: a credential_process may run
+        end_abandoned_credential_processes(botocore_session)
     session = aioboto3.Session(
-        botocore_session=_botocore_session(),
+        botocore_session=botocore_session,
         aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
         aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
         aws_session_token=config.session_token.reveal() if config.session_token else None,

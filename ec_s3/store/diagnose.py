@@ -16,6 +16,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from botocore.configloader import load_config
+
 from ec_s3.config import ECS3Config
 from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.errors import (
@@ -24,6 +26,7 @@ from ec_s3.store.errors import (
     CABundleError,
     CertificateNameMismatch,
     CircuitOpen,
+    CredentialsTimeout,
     NoCredentials,
     ObjectNotFound,
     StoreConfigError,
@@ -40,16 +43,37 @@ from ec_s3.store.tls import certificate_names
 __all__ = ["Diagnosis", "credential_source", "diagnose"]
 
 
+# A profile's settings that name where its credentials come from, in the order botocore tries them.
+_PROFILE_SOURCES = ("aws_access_key_id", "role_arn", "web_identity_token_file", "sso_session", "sso_start_url",
+                    "credential_process")
+
+
 def credential_source(config: ECS3Config, environ: Mapping[str, str] | None = None) -> str:
-    """Where the credentials come from, in words; never the credentials themselves."""
+    """Where the credentials come from, in words (with what the profile runs, when its
+    config file says: ``credential_process``, ``role_arn``, SSO); never the credentials."""
     env = os.environ if environ is None else environ
     if config.access_key_id is not None:
         return "explicit (access_key_id/secret_access_key in the config)"
     if env.get("AWS_ACCESS_KEY_ID"):
         return "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
     if env.get("AWS_PROFILE"):
-        return f"AWS profile {env['AWS_PROFILE']!r}"
+        setting, path = _profile_source(env, env["AWS_PROFILE"])
+        return f"AWS profile {env['AWS_PROFILE']!r}" + (f": {setting} (in {path})" if setting else "")
+    setting, path = _profile_source(env, "default")
+    if setting:
+        return f"AWS default chain: {setting} of profile 'default' (in {path})"
     return "AWS default chain (shared credentials file, SSO, container or instance role)"
+
+
+def _profile_source(env: Mapping[str, str], profile: str) -> tuple[str | None, str]:
+    """The setting of ``profile`` in the AWS config file that gives its credentials, and
+    the file; None when the file or the profile cannot be read or names none."""
+    path = os.path.expanduser(env.get("AWS_CONFIG_FILE") or "~/.aws/config")
+    try:
+        settings = load_config(path)["profiles"].get(profile) or {}
+    except Exception:  # noqa: BLE001 - missing or unparsable: the client's to report
+        return None, path
+    return next((name for name in _PROFILE_SOURCES if settings.get(name)), None), path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +113,11 @@ def diagnose(exc: BaseException, config: ECS3Config, *, op: str = "") -> Diagnos
         if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
             return Diagnosis("endpoint", f"no answer from {_endpoint(config)} in time", "check the endpoint and the network")
         return Diagnosis("other", f"{type(exc).__name__}: {exc}", "check the config and the S3 server")
+    if isinstance(error, CredentialsTimeout):
+        return Diagnosis("no_credentials", f"the credential source did not answer in time ({error.message})",
+                         f"make {credential_source(config)} answer within request_timeout_s="
+                         f"{config.request_timeout_s:g}s, raise request_timeout_s, or set "
+                         "access_key_id/secret_access_key in ec_connector_extra_config")
     if isinstance(error, NoCredentials):
         return Diagnosis(
             "no_credentials",

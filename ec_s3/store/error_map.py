@@ -15,12 +15,14 @@ import asyncio
 import re
 import socket
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from botocore import exceptions as boto_exc
 
+from ec_s3.store.http1 import parse_retry_after
 from ec_s3.store.errors import (
     AccessDenied,
     BucketNotFound,
@@ -105,14 +107,25 @@ def _from_client_error(op: str, key: str, exc: boto_exc.ClientError) -> StoreErr
     if status is None and raw_code.isdigit():
         status = int(raw_code)
     message = _clean(str(error.get("Message", "") or ""))
-    return from_status(op, key, status, code, message)
+    headers = (response.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+    return from_status(op, key, status, code, message, retry_after=headers.get("retry-after"))
 
 
-def from_status(op: str, key: str, status: int | None, code: str | None, message: str = "") -> StoreError:
+def from_status(
+    op: str, key: str, status: int | None, code: str | None, message: str = "", *, retry_after: str | None = None
+) -> StoreError:
     """The typed error for an answer of the server: its HTTP ``status`` and the S3 error
     ``code`` of its body (None when it had none, as a HEAD's). The one place that decides
     which answers are missing objects, refusals, transient or the request's fault, for
-    the botocore path and the direct one (:mod:`ec_s3.store.wire`) alike."""
+    the botocore path and the direct one (:mod:`ec_s3.store.wire`) alike. A transient
+    one keeps the wait its ``Retry-After`` header asked for (``retry_after_s``)."""
+    error = _from_status(op, key, status, code, message)
+    if error.transient and retry_after is not None:
+        error.retry_after_s = parse_retry_after(retry_after, time.time())
+    return error
+
+
+def _from_status(op: str, key: str, status: int | None, code: str | None, message: str) -> StoreError:
     kw: dict[str, Any] = {"status": status, "code": code or None}
     if code == "NoSuchBucket":
         return BucketNotFound(op, key, message or "bucket does not exist", **kw)

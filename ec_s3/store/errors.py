@@ -24,6 +24,7 @@ __all__ = [
     "CABundleError",
     "CertificateNameMismatch",
     "CircuitOpen",
+    "CredentialsTimeout",
     "IntegrityError",
     "NoCredentials",
     "ObjectChanged",
@@ -60,6 +61,8 @@ class StoreError(Exception):
 
     transient: ClassVar[bool] = False
     hint: ClassVar[str] = ""  # what to do, appended to str(); never secret
+    # The wait a transient answer asked for (its Retry-After), in seconds; None if none.
+    retry_after_s: float | None = None
 
     def __init__(
         self, op: str, key: str, message: str = "", *, status: int | None = None, code: str | None = None
@@ -100,6 +103,14 @@ class NoCredentials(StoreError):
     role) failed. Raised before any request leaves; never retried."""
 
     hint = "set access_key_id/secret_access_key, or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+
+
+class CredentialsTimeout(NoCredentials):
+    """The credential source (a profile's ``credential_process``, SSO, an instance role)
+    did not answer within ``request_timeout_s`` while the store created its client.
+    Remembered for ``breaker_cooldown_s``: requests until then fail at once."""
+
+    hint = "make the credential source answer faster, raise request_timeout_s, or set access_key_id/secret_access_key"
 
 
 class StoreRequestError(StoreError):

@@ -6,7 +6,8 @@ HTTP goes wrong (``str.isdigit`` accepts ``²``, a ``100 Continue`` taken as the
 a chunked 200 refused). llhttp is Node.js's parser, tested against the RFC, and the one
 aiohttp (the botocore path) uses, so both data paths judge an answer alike; its C code
 reads a head in less time than ec-s3's own Python did, h11 (pure Python) in far more.
-One consequence of llhttp's strictness: a repeated ``Content-Length``, even with the
+Its header values are read leniently, as aiohttp
+reads them (obs-fold accepted, NUL refused). One consequence of llhttp's strictness: a repeated ``Content-Length``, even with the
 same value, is refused (RFC 9110 8.6 lets a recipient reject it; aiohttp refuses it
 too), a typed error on both paths.
 
@@ -21,16 +22,82 @@ Does not own sockets, timeouts and the zero-copy path for a body of known length
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import datetime
+import email.utils
+from collections.abc import Callable, Mapping
+
+from botocore.utils import parse_timestamp
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-__all__ = ["Answer", "HTTPProtocolError"]
+__all__ = ["MAX_FIELD_BYTES", "Answer", "HTTPProtocolError", "is_error_status", "coding_error", "parse_http_date", "parse_retry_after", "parse_timestamp_or_none"]
+
+
+#: The longest header line (name and value) either path accepts: aiohttp's limit, which
+#: the botocore path and the direct path's HEAD and PUT meet in aiohttp's parser.
+MAX_FIELD_BYTES = 8190
+
+
+def is_error_status(status: int) -> bool:
+    """Whether an answer is an error answer (its body an S3 error document, its status
+    a typed error by :func:`.error_map.from_status`), on every path: 300 and up. A 2xx
+    that is not what a request asks for (a 204 to a GET) is its caller's to refuse,
+    as a malformed answer (:func:`.ranges.check_answer`)."""
+    return status >= 300
 
 
 class HTTPProtocolError(Exception):
     """The bytes are not a well-formed HTTP/1.1 answer (or more came than one answer)."""
+
+
+def coding_error(headers: Mapping[str, str]) -> str | None:
+    """Why an answer's ``Transfer-Encoding`` cannot be read, or None: a body is either
+    of known length or ``chunked`` alone. Any other coding (``gzip, chunked``) would hand
+    the caller still-encoded bytes as the object's, so both data paths refuse it here."""
+    getall = getattr(headers, "getall", None)
+    values = getall("Transfer-Encoding", []) if getall is not None else [headers.get("Transfer-Encoding") or ""]
+    codings = [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
+    if codings and codings != ["chunked"]:
+        return f"Transfer-Encoding {', '.join(codings)!r}: a body may only be chunked, not otherwise encoded"
+    return None
+
+
+def parse_http_date(value: str | None) -> float | None:
+    """Epoch seconds of a date header (``Last-Modified``): an IMF-fixdate or one of
+    HTTP's obsolete forms, else as botocore reads it (ISO 8601, epoch seconds); None
+    when absent or unreadable (never an exception: the date is information, not the
+    answer)."""
+    if not value:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError, OverflowError):
+        pass
+    try:
+        return float(parse_timestamp(value).timestamp())
+    except Exception:  # noqa: BLE001 - dateutil raises several kinds, all meaning "not a date"
+        return None
+
+
+def parse_timestamp_or_none(value: str) -> datetime.datetime | None:
+    """botocore's timestamp parser (its ``timestamp_parser`` for the botocore path's
+    answers: ``LastModified``), None where botocore's would raise an untyped
+    ValueError from the whole response (a ``Last-Modified`` that is no date)."""
+    try:
+        return parse_timestamp(value)
+    except Exception:  # noqa: BLE001 - dateutil raises several kinds, all meaning "not a date"
+        return None
+
+
+def parse_retry_after(value: str | None, now: float) -> float | None:
+    """The seconds a ``Retry-After`` asks to wait (delta-seconds, or an HTTP-date less
+    ``now``, epoch seconds), at least 0; None when absent or unreadable."""
+    value = (value or "").strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    when = parse_http_date(value) if value else None
+    return None if when is None else max(0.0, when - now)
 
 
 class Answer:
@@ -42,6 +109,11 @@ class Answer:
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        # What aiohttp's parser (the botocore path's) does for answers: lenient header
+        # values, so obs-fold (RFC 9112 5.2: a user agent must accept it) is one value
+        # with its fold as spaces; the NUL and bare line ends that leniency lets through
+        # are refused in on_header, as aiohttp refuses NUL.
+        self._parser.set_dangerous_leniencies(lenient_headers=True)
         self._fields: list[tuple[bytes, bytes]] = []
         self.status = 0
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
@@ -81,7 +153,11 @@ class Answer:
         self.reason = reason.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._fields.append((name, value))
+        if len(name) + len(value) > MAX_FIELD_BYTES:
+            raise HTTPProtocolError(f"a header line over {MAX_FIELD_BYTES} bytes")
+        if b"\x00" in value or b"\r" in value or b"\n" in value:
+            raise HTTPProtocolError("a control character in a header value")
+        self._fields.append((name, value.rstrip(b" \t")))
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()

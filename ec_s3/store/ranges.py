@@ -7,7 +7,8 @@ before a byte of its body is read. Numbers are ASCII digits only (``str.isdigit`
 accepts ``²``, which ``int`` then refuses with an untyped ValueError).
 
 Owns: parsing ``Content-Length`` and ``Content-Range`` strictly, the rule that turns an
-answer's status and those headers into a :class:`Span` or a typed
+answer's status and those headers (and its ``Transfer-Encoding``, by
+:func:`.http1.coding_error`) into a :class:`Span` or a typed
 :class:`~.errors.StoreUnavailable`, and the adapter that gives aiobotocore's
 ``get_object`` answer the shape of the direct path's (:class:`BotocoreAnswer`).
 Does not own sending the requests (:mod:`.wire`, the aiobotocore client), retries and
@@ -22,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ec_s3.store.errors import StoreUnavailable
+from ec_s3.store.http1 import coding_error
 from ec_s3.store.wire import GetAnswer, collect_chunks, fill_from_chunks
 
 __all__ = ["BotocoreAnswer", "Span", "check_answer", "parse_content_length", "parse_content_range"]
@@ -66,6 +68,8 @@ def check_answer(status: int, headers: Mapping[str, str], first: int, last: int,
     answer is not that range: a 206 must name exactly ``first`` to ``min(last,
     total - 1)`` and carry as many bytes; a 200 (a server that ignores Range: the whole
     object) is only the asked bytes when the range starts at 0."""
+    if (why := coding_error(headers)) is not None:
+        raise StoreUnavailable("GET", key, why)
     raw_length = headers.get("Content-Length")
     length = parse_content_length(raw_length)
     if raw_length is not None and length is None:
@@ -96,6 +100,13 @@ class BotocoreAnswer(GetAnswer):
         self._body, self._key = body, key
         self.status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
         headers = {"Content-Range": resp.get("ContentRange") or "", "ETag": resp.get("ETag") or ""}
+        # Every Transfer-Encoding line, from aiohttp's own answer under the body
+        # (botocore's HTTPHeaders keeps one line of each name).
+        raw = getattr(getattr(body, "__wrapped__", None), "headers", None)
+        lines = raw.getall("Transfer-Encoding", []) if hasattr(raw, "getall") else []
+        coding = ", ".join(lines) or (resp.get("ResponseMetadata", {}).get("HTTPHeaders") or {}).get("transfer-encoding")
+        if coding:
+            headers["Transfer-Encoding"] = str(coding)
         if resp.get("ContentLength") is not None:  # absent on a chunked answer
             headers["Content-Length"] = str(resp["ContentLength"])
         headers.update({f"x-amz-meta-{k}": str(v) for k, v in (resp.get("Metadata") or {}).items()})

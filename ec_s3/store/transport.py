@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
-import email.utils
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +27,7 @@ from urllib.parse import quote
 
 from ec_s3.store.body import CHECKSUM_HEADERS, BufferChain, ChainReader, crc32_of, sha256_of
 from ec_s3.store.connection import open_client, resolve_endpoint
+from ec_s3.store.http1 import parse_http_date
 from ec_s3.store.ranges import BotocoreAnswer
 from ec_s3.store.settings import StoreConfig
 from ec_s3.store.wire import DirectWire, GetAnswer
@@ -109,11 +109,11 @@ class DirectTransport(BotocoreTransport):
 
     async def head(self, key: str) -> ObjectInfo:
         headers = await self.wire.head(key)
-        modified = headers.get("Last-Modified")
+        modified = parse_http_date(headers.get("Last-Modified"))
         prefix = "x-amz-meta-"
         return ObjectInfo(
             key=key, size=int(headers.get("Content-Length", "0") or 0), etag=headers.get("ETag", "").strip('"'),
-            last_modified=email.utils.parsedate_to_datetime(modified).timestamp() if modified else time.time(),
+            last_modified=modified if modified is not None else time.time(),
             metadata={k.lower()[len(prefix):]: v for k, v in headers.items() if k.lower().startswith(prefix)},
         )
 

@@ -50,6 +50,7 @@ from ec_s3.config import ECS3Config
 from ec_s3.store.body import BufferChain
 from ec_s3.store.error_map import from_status
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable
+from ec_s3.store.http1 import is_error_status
 from ec_s3.store.recv import RecvAnswer, RecvPool
 from ec_s3.store.tls import Trust, ssl_context
 
@@ -240,7 +241,7 @@ class DirectWire:
         host = parts.netloc[: -len(f":{default}")] if parts.port == default else parts.netloc
         signed = await self._sign("GET", url, {**headers, "Host": host})
         async with self._recv.get(parts.path, signed, "GET", key) as answer:
-            if answer.status not in (200, 206):
+            if is_error_status(answer.status):
                 raise await _recv_error("GET", key, answer)
             yield _RecvGetAnswer(answer)
 
@@ -258,7 +259,7 @@ class DirectWire:
         # other way out (an error answer, a short body, our caller's exception,
         # cancellation) closes it, so it can never stay pinned.
         try:
-            if resp.status >= 300:
+            if is_error_status(resp.status):
                 raise await _error(op, key, resp)
             yield resp
         except BaseException:
@@ -292,7 +293,7 @@ async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
                 body += chunk
         except (aiohttp.ClientError, TimeoutError):  # the status alone still says enough
             body = b""
-    return _typed_error(op, key, resp.status, resp.reason or "", body)
+    return _typed_error(op, key, resp.status, resp.reason or "", body, resp.headers.get("Retry-After"))
 
 
 class GetAnswer:
@@ -342,16 +343,17 @@ async def _recv_error(op: str, key: str, answer: RecvAnswer) -> StoreError:
         body = await answer.read_error_body(_ERROR_BODY_LIMIT)
     except StoreError:  # the status alone still says enough
         body = b""
-    return _typed_error(op, key, answer.status, answer.reason, body)
+    return _typed_error(op, key, answer.status, answer.reason, body, answer.headers.get("Retry-After"))
 
 
-def _typed_error(op: str, key: str, status: int, reason: str, body: bytes) -> StoreError:
+def _typed_error(op: str, key: str, status: int, reason: str, body: bytes, retry_after: str | None) -> StoreError:
     code = _CODE_RE.search(body)
     message = _MESSAGE_RE.search(body)
     return from_status(
         op, key, status,
         html.unescape(code.group(1).decode("utf-8", "replace")) if code else None,
         html.unescape(message.group(1).decode("utf-8", "replace")) if message else reason,
+        retry_after=retry_after,
     )
 
 

@@ -38,9 +38,10 @@ class Quirks:
 
     enforces_credentials: bool
     # If-None-Match: * on CompleteMultipartUpload onto an existing key: "atomic" (412,
-    # also when two Completes race), "racy" (412 once the key exists, but two racing
-    # Completes may both win: moto checks, then writes, without a lock), "ignored"
-    # (overwrites)
+    # also when two Completes race; none of the servers here), "racy" (412 once the key
+    # exists, but two racing Completes may both win: they check, then write, without a
+    # lock), "ignored" (overwrites). Measured with scripts/race_complete.py: SeaweedFS
+    # 55 of 100 raced pairs both 200 (1 KiB, one part), 16 of 30 (three 5 MiB parts).
     conditional_complete: Literal["atomic", "racy", "ignored"]
     # a wrong x-amz-checksum-crc32 on PUT is refused (400) rather than stored
     verifies_checksum: bool
@@ -51,7 +52,7 @@ class Quirks:
 
 
 QUIRKS: dict[str, Quirks] = {
-    "seaweedfs": Quirks(enforces_credentials=True, conditional_complete="atomic", verifies_checksum=True,
+    "seaweedfs": Quirks(enforces_credentials=True, conditional_complete="racy", verifies_checksum=True,
                         verifies_md5=True, chunked_listing=False),
     "moto": Quirks(enforces_credentials=False, conditional_complete="racy", verifies_checksum=False,
                    verifies_md5=False, chunked_listing=False),
