@@ -233,3 +233,121 @@ def test_a_lookup_landing_after_local_encoding_pins_nothing(
         node.driver.abort("r1")
     finally:
         node.close()
+
+
+# ---------------------------------------------------------------- scenarios that held
+# (issue 25: keep them as tests), each with the slot rules checked after every step.
+
+
+def _drive_checked(node: Node, timeout_s: float = 20.0, after_step: Callable[[int], None] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    step = 0
+    while node.driver.scheduler.has_requests():
+        assert time.monotonic() < deadline, "requests still pending"
+        so = node.driver.step()
+        _check(node)
+        if after_step is not None:
+            after_step(step)
+        step += 1
+        if so is not None and not so.total_num_scheduled_tokens:
+            time.sleep(0.001)
+
+
+def _consumer_with_blobs(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store],
+                         names: list[str], salt: str | None = None, **engine: Any) -> tuple[Node, KeySpace]:
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=5), **engine)
+    keyspace = node.scheduler_connector.model.keyspace
+    store = make_store()
+    for name in names:
+        _put(store, keyspace, name, fake_encoder_output(name, ROWS), salt=salt)
+    return node, keyspace
+
+
+def test_same_image_twice_in_one_request(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]],
+                                         make_store: Callable[..., S3Store]) -> None:
+    node, keyspace = _consumer_with_blobs(tiny_model_dir, extra_config, make_store, ["X"])
+    try:
+        node.driver.add("r1", ["X", "X"], ec_transfer_params={"X": _promise(keyspace, "X", ROWS)}, with_media=False)
+        _drive_checked(node)
+        assert node.driver.finished["r1"].finish_reason == FinishReason.LENGTH and node.sim.encoded == []
+    finally:
+        node.close()
+
+
+def test_two_requests_with_the_same_item_and_salt_share_one_fetch(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    node, keyspace = _consumer_with_blobs(tiny_model_dir, extra_config, make_store, ["X"], salt="s")
+    try:
+        for rid in ("r1", "r2"):
+            node.driver.add(rid, ["X"], cache_salt="s", with_media=False,
+                            ec_transfer_params={"X": _promise(keyspace, "X", ROWS, "s")})
+        _drive_checked(node)
+        assert all(node.driver.finished[r].finish_reason == FinishReason.LENGTH for r in ("r1", "r2"))
+        assert node.scheduler_connector.counters.get("blobs_downloaded") == 1 and node.sim.encoded == []
+    finally:
+        node.close()
+
+
+def test_chunked_prefill_over_several_steps(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]],
+                                            make_store: Callable[..., S3Store]) -> None:
+    node, keyspace = _consumer_with_blobs(tiny_model_dir, extra_config, make_store, ["X", "Y"],
+                                          max_num_batched_tokens=64, long_prefill_token_threshold=16)
+    try:
+        params = {i: _promise(keyspace, i, ROWS) for i in ("X", "Y")}
+        node.driver.add("r1", ["X", "Y"], ec_transfer_params=params, with_media=False, prompt_len_text=120)
+        _drive_checked(node)
+        assert node.driver.finished["r1"].finish_reason == FinishReason.LENGTH and node.sim.encoded == []
+        assert sum(1 for st in node.driver.steps if "r1" in st.scheduler_output.num_scheduled_tokens) > 4
+    finally:
+        node.close()
+
+
+def test_abort_mid_lookup_and_under_pressure_leaves_no_pin(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """r1 is aborted while its lookups run; r2 is aborted while it holds staging that r3
+    needs (room for two blobs): r3 is served, and no pin outlives its request."""
+    node, keyspace = _consumer_with_blobs(tiny_model_dir, extra_config, make_store, ["A", "B", "C", "D"])
+    try:
+        sched = node.scheduler_connector._scheduler
+        node.driver.add("r0", ["A"], ec_transfer_params={"A": _promise(keyspace, "A", ROWS)}, with_media=False)
+        _drive_checked(node)
+        nbytes = next(i for i in sched._items if i.identifier == "A").slot.nbytes
+        node.driver.add("r1", ["B"], ec_transfer_params={"B": _promise(keyspace, "B", ROWS)}, with_media=False)
+        node.driver.step()
+        node.driver.abort("r1")
+        _check(node)
+        sched._staging.capacity = sched._admission.staging_capacity = 2 * nbytes
+        never = {"B": _promise(keyspace, "B", ROWS), "Z": _promise(keyspace, "Z", ROWS)}  # Z never comes
+        node.driver.add("r2", ["B", "Z"], ec_transfer_params=never, with_media=False)
+        _step_slowly(node, lambda: any(i.identifier == "B" and i.state.value == "staged" for i in sched._items))
+        node.driver.add("r3", ["C", "D"], with_media=False,
+                        ec_transfer_params={i: _promise(keyspace, i, ROWS) for i in ("C", "D")})
+        node.driver.step()
+        node.driver.abort("r2")
+        _drive_checked(node)
+        assert node.driver.finished["r3"].finish_reason == FinishReason.LENGTH and node.sim.encoded == []
+        assert all(slot.pins == 0 for slot in sched._staging.slots())
+    finally:
+        node.close()
+
+
+def test_preemption_after_hits(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]],
+                               make_store: Callable[..., S3Store]) -> None:
+    node, keyspace = _consumer_with_blobs(tiny_model_dir, extra_config, make_store, ["X"])
+    try:
+        node.driver.add("r1", ["X"], ec_transfer_params={"X": _promise(keyspace, "X", ROWS)}, with_media=False,
+                        max_tokens=8)
+        preempted = []
+
+        def preempt(step: int) -> None:
+            if not preempted and node.worker.counters.get("blobs_loaded"):
+                node.driver.scheduler.reset_prefix_cache(reset_running_requests=True)
+                preempted.append(step)
+
+        _drive_checked(node, after_step=preempt)
+        assert preempted and node.driver.finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+    finally:
+        node.close()
