@@ -548,7 +548,10 @@ class ECS3Scheduler:
                 users.discard(request.request_id)
                 if not users:
                     del self._by_identifier[identifier]
-            if state is not None and identifier not in state.saved and identifier in self._skipped:
+            skipped_for = self._skipped.get(identifier)
+            if state is not None and identifier not in state.saved and skipped_for is not None and (
+                skipped_for != self._model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
+            ):
                 # A bucket hit under another key made vLLM skip it for this request
                 # too: nothing is published under this request's key, so no promise.
                 withhold.add(identifier)
