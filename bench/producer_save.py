@@ -46,7 +46,7 @@ def _step(conn: Any, outputs: dict[str, Any], cpu: list[float] | None = None) ->
     cache gets each output between ``start_save_caches`` and its ``save_caches``."""
     from ec_s3.connector.messages import ECS3ConnectorMetadata
 
-    meta = ECS3ConnectorMetadata(save_keys={ident: conn.model.keyspace.key_for(ident) for ident in outputs})
+    meta = ECS3ConnectorMetadata(save_keys={ident: [conn.model.keyspace.key_for(ident)] for ident in outputs})
     cache: dict[str, Any] = {}
     saves = []
     t0 = time.perf_counter()

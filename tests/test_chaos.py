@@ -25,6 +25,9 @@ end listing them all:
   when it carries no media) failed alone through ``take_unavailable_requests``;
 * every tensor a consumer's worker loads is bit-equal to the producer's encoding;
   every blob left in the bucket decodes to it too;
+* staging slots keep their rules (the scheduler's ``check_invariants``, after every
+  step of every consumer): no slot both free and pinned, no pin by a request that will
+  not read the slot, pin counts match the requests' pins, bytes in use = live slots;
 * fds, sockets, threads, RSS and staging bytes stay under the bounds below; no
   connector table keeps state of a finished request; shutdown releases staging,
   sockets and threads; nothing logs an exception it did not expect;
@@ -113,6 +116,8 @@ P_NO_PARAMS = 0.12  # the consumer gets no ec_transfer_params (lookup: always)
 P_SKIP_PRODUCER = 0.05  # straight to a consumer, never encoded by the producer
 P_DUPLICATE_SET = 0.15  # same images as a request in flight
 P_UNIQUE_IMAGE = 0.35  # an image seen only once (most real traffic), else one of the repeated pool
+P_SALTED = 0.35  # the request is a tenant's (cache_salt): tenants share the repeated pool's identifiers
+TENANTS = ("tenant-a", "tenant-b", "tenant-c")
 SIZE_CLASSES = (16, 64, 256, 576, 1024)  # image tokens (= encoder rows) per image
 IDENTIFIERS_PER_CLASS = 10
 
@@ -316,6 +321,10 @@ class Soak:
             self.crashed(node, exc, "step")
             return True
         self._after_step(node)
+        sched = node.driver.ec_connector._scheduler
+        for line in sched.check_invariants():
+            self.ledger.violation("staging slot invariant broken", line, self.context(node))
+        self.counters["invariant checks"] += 1
         for fr in node.take_finished():
             self.finished(node, fr)
         return so is not None and so.total_num_scheduled_tokens > 0
@@ -340,6 +349,10 @@ class Soak:
         corrupt, remove_staged, remove_on = rng.random() < P_CORRUPT_GET, rng.random() < P_REMOVE_STAGED, rng.choice(["consumer", "tiny"])
         truncate, drop = rng.random() < P_TRUNCATE_GET, rng.random() < P_DROP_RESPONSE
         preempt, preempt_on, preempt_in = rng.random() < P_PREEMPT, rng.choice(["consumer", "tiny"]), rng.randint(1, 40)
+        salted, salt = rng.random() < P_SALTED, rng.choice(TENANTS)
+        if salted:
+            shape["cache_salt"] = salt
+            self.ledger.fault("tenant request (cache_salt)")
 
         identifiers = [f"img-{size:04d}-u{index:04d}{k}" if unique[k] else i for k, i in enumerate(identifiers)]
         same_class = [j for j in self.active.values() if j.shape["num_image_tokens"] == size]
@@ -752,7 +765,8 @@ class Soak:
     def audit(self) -> None:
         """Every blob the bucket holds decodes to the producer's encoding."""
         self.phase = "audit"
-        by_key = {self.keyspace.key_for(identifier): identifier for identifier in self.all_identifiers}
+        by_key = {self.keyspace.key_for(identifier, cache_salt=salt): identifier
+                  for identifier in self.all_identifiers for salt in (None, *TENANTS)}
 
         async def keys() -> list[str]:
             return [info.key async for info in self.admin.list_async(self.keyspace.root)]
@@ -790,6 +804,7 @@ class Soak:
                     biggest[f"{name}.{path}"] = size
         # Sizes only: a cache may rightly keep an entry per distinct image up to a cap
         # the soak cannot see; state left per finished request is checked above.
+        self.ledger.measures["staging invariant checks (after every step)"] = str(self.counters["invariant checks"])
         top = sorted(biggest.items(), key=lambda kv: -kv[1])[:4]
         self.ledger.measures["largest connector tables at the end"] = (
             ", ".join(f"{k}={v}" for k, v in top) + f" ({len(self.all_identifiers)} distinct images requested)")

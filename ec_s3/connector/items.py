@@ -285,6 +285,13 @@ class RequestState:
     items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses
     # Keys of items marked present that the bucket did not have: reported in the answer.
     gone: set[str] = dataclasses.field(default_factory=set)
+    saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published under its key
+
+    def forget(self, identifier: str) -> None:
+        """The request will not read ``identifier``'s item (any more)."""
+        old = self.items.pop(identifier, None)
+        if old is not None:
+            old.users.discard(self.request.request_id)
 
     def use(self, identifier: str, item: Item) -> None:
         old = self.items.get(identifier)

@@ -41,7 +41,7 @@ class ECS3ConnectorMetadata(ECConnectorMetadata):
     # Consumer: items to load into the encoder cache before the embeddings are gathered.
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     # Producer: key to publish each encoder output of this step's requests under.
-    save_keys: dict[str, str] = dataclasses.field(default_factory=dict)
+    save_keys: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     # Consumer: the step's ``scheduler_output.scheduled_encoder_inputs`` itself (the
     # same object: vLLM pickles the scheduler output with this metadata in it as one
     # object graph, which keeps shared references shared). vLLM runs the encoder on it

@@ -14,6 +14,20 @@ only for a blob staged on this host, pinned, and only while its workers can read
 staging area (:mod:`ec_s3.connector.topology`): vLLM gathers a hit's embedding in the
 same step, and a worker that cannot deliver it would stop the engine.
 
+Tenants share identifiers (client uuids), never keys (``cache_salt`` is in the key):
+``has_cache_item`` answers about the asking request's own item, and a staged blob
+serves a request only if it fits that request's placeholders (rows and width); a
+mismatch is a miss for that request alone (encoded locally, or the request fails).
+
+Staging pins, the hold-and-wait rule: a request pins a staged slot only while it will
+read it (not once it encodes the item itself or vLLM freed its output), and a request
+deferred for a blob holds no slot while it waits, except the senior (the oldest
+request waiting): the others pin their slots all at once, in the call that admits
+them. So staging never fills with first items whose requests all wait for their
+second ones; the senior's downloads may evict what the others staged, so one request
+at a time always progresses when it alone fits. :meth:`ECS3Scheduler.check_invariants`
+states the rules a test checks after every step.
+
 Owns applying admission decisions (the item table, lookups, staging pins, counters), the
 hit answers and the per-step load list. Does not own the admission rules, wait budgets
 and retry timing (:mod:`ec_s3.connector.admission`, a pure decision), the item state
@@ -108,8 +122,20 @@ class ECS3Scheduler:
             self._admission = ProducerAdmission(config)
         self._fetcher = ItemFetcher(self._store, self._staging, counters)
         self._requests: dict[str, RequestState] = {}
-        # This step's hits: identifier -> the item answered for (until build_connector_meta).
-        self._hits: dict[str, Item] = {}
+        # This step's hits: (request id, identifier) -> the item answered for (until
+        # build_connector_meta).
+        self._hits: dict[tuple[str, str], Item] = {}
+        # The request of the last ensure_cache_available: vLLM asks has_cache_item
+        # right after it, for that request (see has_cache_item).
+        self._asking: RequestState | None = None
+        # Requests deferred for blobs, oldest first: the first is the senior (the one
+        # request that may hold staged slots while it waits; see _release_partial).
+        self._waiting: dict[str, None] = {}
+        # Producer: live requests by identifier (their keys are published together),
+        # and identifiers vLLM skips for every request because of a bucket hit under
+        # one key (its encoder cache is keyed by identifier) -> that key.
+        self._by_identifier: dict[str, set[str]] = {}
+        self._skipped: dict[str, str] = {}
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
         self._looking = 0  # lookups running on the I/O loop
@@ -122,7 +148,7 @@ class ECS3Scheduler:
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         self._apply_results()
         now = time.monotonic()
-        state = self._state_of(request)
+        state = self._asking = self._state_of(request)
         ready = True
         for feature in request.mm_features:
             pos = feature.mm_position
@@ -135,13 +161,34 @@ class ECS3Scheduler:
                 ready, self._deferred = False, True
             elif decision.action is Action.UNAVAILABLE and not self._fall_back(state, feature, decision.reason):
                 return False
+        if ready:
+            self._waiting.pop(request.request_id, None)
+        else:
+            self._waiting.setdefault(request.request_id)
+            self._release_partial(state)
         return ready
+
+    def _release_partial(self, state: RequestState) -> None:
+        """The hold-and-wait rule: a request deferred for a blob holds no staged slot
+        while it waits, unless it is the senior (the oldest request waiting): it pins
+        its slots only once it has them all (then it is admitted in the same call).
+        Staging full of first items whose requests wait for their second ones would
+        otherwise never drain; the senior's allocations can always evict what the
+        others staged, so one request at a time always progresses if it alone fits."""
+        if self._staging is None or not state.pins or next(iter(self._waiting)) == state.request.request_id:
+            return
+        for slot in state.pins.values():
+            self._staging.unpin(slot)
+        state.pins.clear()
 
     def _state_of(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             promises = read_promises(request, self._model, self._config.max_blob_bytes, self._counters)
             state = self._requests[request.request_id] = RequestState(request=request, promises=promises)
+            if self._is_producer:
+                for feature in request.mm_features:
+                    self._by_identifier.setdefault(feature.identifier, set()).add(request.request_id)
         return state
 
     def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> Decision:
@@ -153,7 +200,12 @@ class ECS3Scheduler:
         decision = self._decide(state, feature, self._items.peek(key), now)
         if decision.gone:
             state.gone.add(key)
+        if decision.action is Action.HIT:
+            misfit = self._misfit(feature, self._items.peek(key))
+            if misfit:
+                decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit)
         if not decision.uses_item:
+            self._unuse(state, identifier)
             self._items.point(identifier, None)
             self._settle(state, identifier, decision, now)
             return decision
@@ -177,6 +229,27 @@ class ECS3Scheduler:
         self._settle(state, identifier, decision, now)
         return decision
 
+    def _misfit(self, feature: MultiModalFeatureSpec, item: Item | None) -> str:
+        """Why a staged blob cannot serve this request's ``feature`` ("" when it fits):
+        a blob is validated against the request that started its lookup, and a client
+        may reuse a uuid for an image of another size. vLLM would gather it for this
+        request's placeholders at once and stop the engine."""
+        staged = item.staged if item is not None else None
+        if staged is None:
+            return ""
+        rows, width = feature.mm_position.get_num_embeds(), self._model.width_for(feature.modality)
+        if staged.shape[0] == rows and (width is None or staged.shape[-1] == width):
+            return ""
+        return f"the staged blob is {list(staged.shape)} but this request has {rows} placeholders of width {width}"
+
+    def _unuse(self, state: RequestState, identifier: str) -> None:
+        """The request will not read ``identifier``'s item (encoded locally, freed, or
+        failing): it stops using it and unpins its slot."""
+        slot = state.pins.pop(identifier, None)
+        if slot is not None and self._staging is not None:
+            self._staging.unpin(slot)
+        state.forget(identifier)
+
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
         identifier = feature.identifier
         return self._admission.decide(Ask(
@@ -199,6 +272,7 @@ class ECS3Scheduler:
         if decision.action is Action.ENCODE_LOCALLY:
             self._stop_waiting(state, identifier, now)
             state.local.add(identifier)
+            self._unuse(state, identifier)
 
     def _hold(self, state: RequestState, identifier: str, item: Item) -> bool:
         """Pin ``item``'s staging slot for this request (consumers); False, and the
@@ -247,6 +321,7 @@ class ECS3Scheduler:
         self._stop_waiting(state, identifier, time.monotonic())
         if feature.data is not None:
             state.local.add(identifier)
+            self._unuse(state, identifier)
             self._counters.inc("fallbacks_local")
             quiet = self._store.breaker.is_open or not self._topology.workers_read_staging
             (logger.debug if quiet else logger.warning)(
@@ -284,20 +359,42 @@ class ECS3Scheduler:
                 if not outcome.transient and (item.attempts == 1 or item.attempts % 50 == 0):
                     logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, outcome.reason, item.attempts)
             elif outcome.staged is not None:
-                # Pin it for the requests waiting on it now, so that no other
-                # allocation evicts it before they are admitted again.
-                for req_id in list(item.users):
-                    state = self._requests.get(req_id)
-                    if state is not None and not self._hold(state, item.identifier, item):
-                        break
+                # Pin it for the senior request waiting on it (see _release_partial),
+                # so that no other allocation evicts it before it is admitted again.
+                # Users are the requests that will read it: one that encodes it
+                # itself, or whose encoder output vLLM freed, stopped using it.
+                senior = next(iter(self._waiting), None)
+                if senior in item.users:
+                    state = self._requests.get(senior)
+                    if state is not None:
+                        self._hold(state, item.identifier, item)
         if self._staging is not None:
             self._counters.set_gauge("staged_bytes", self._staging.used)
 
     # ------------------------------------------------------------------ vLLM hooks
     def has_cache_item(self, identifier: str) -> bool:
-        item = self._items.current(identifier)
+        """Whether the asking request's own item (its key: its cache_salt) is a hit.
+
+        vLLM passes only the identifier, which tenants may share; the request is the
+        one of the last ``ensure_cache_available``: both of vLLM's scheduling loops
+        call ``_try_schedule_encoder_inputs`` (which asks this) right after that
+        request's own ``ensure_cache_available`` (vllm 0.32
+        ``v1/core/sched/scheduler.py``: running loop, ensure at line 695, then
+        ``_try_schedule_encoder_inputs`` at 741; waiting loop,
+        ``_ec_transfer_pending`` at 1070 / 1094, then 1203; the question at 1957)."""
+        state = self._asking
+        if state is None or identifier in state.local:
+            return False
+        item = state.items.get(identifier)
         if item is None or item.state is not self._admission.hit_state:
             return False
+        if self._is_producer:
+            # vLLM skips this identifier for every request while its encoder cache
+            # holds it: a request under another key then has nothing published.
+            self._skipped[identifier] = item.key
+            if len(self._skipped) > PRODUCER_CAPACITY:  # bounded like the item table
+                del self._skipped[next(iter(self._skipped))]
+            state.saved.add(identifier)
         if self._staging is not None:
             assert item.slot is not None
             if not self._topology.workers_read_staging:
@@ -305,13 +402,13 @@ class ECS3Scheduler:
             if not self._staging.touch(item.slot):
                 self._items.drop(item)
                 return False
-        self._hits[identifier] = item
+        self._hits[(state.request.request_id, identifier)] = item
         return True
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         feature = request.mm_features[index]
         identifier = feature.identifier
-        item = self._hits.get(identifier)
+        item = self._hits.get((request.request_id, identifier))
         staged = item.staged if item is not None else None
         if item is None or staged is None:
             return  # vLLM encodes this one itself, or (a producer's hit) skips it: nothing to load
@@ -349,28 +446,46 @@ class ECS3Scheduler:
             self._prune()
         return meta
 
-    def _save_keys(self, scheduler_output: SchedulerOutput) -> dict[str, str]:
-        """Producer: identifier -> key of the items this step's workers publish."""
-        keys: dict[str, str] = {}
+    def _save_keys(self, scheduler_output: SchedulerOutput) -> dict[str, list[str]]:
+        """Producer: identifier -> every key this step's workers publish it under
+        (tenants may share an identifier; each promises its own key)."""
+        keys: dict[str, list[str]] = {}
+
+        def add(identifier: str, state: RequestState) -> None:
+            key = self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
+            listed = keys.setdefault(identifier, [])
+            if key not in listed:
+                listed.append(key)
+            state.saved.add(identifier)
+
         # Every item of a request's first step: the worker publishes those vLLM
         # serves from its own encoder cache (save_caches never fires for them), so
         # a blob deleted since (gc) or never uploaded (an outage) is published again;
         # the publisher skips what it published within present_ttl_s.
-        # Items a HEAD found in the bucket are left out: nothing to publish again.
+        # Items a HEAD found in the bucket are left out: nothing to publish again;
+        # so are those vLLM skips after a bucket hit (its cache holds no tensor).
         for new_req in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new_req.req_id)
             if state is not None:
                 for feature in state.request.mm_features:
+                    if feature.identifier in self._skipped:
+                        continue
                     key = self._model.keyspace.key_for(feature.identifier, cache_salt=state.request.cache_salt)
                     if not self._known_present(key):
-                        keys[feature.identifier] = key
+                        add(feature.identifier, state)
+        # An identifier encoded in this step is published under the key of every live
+        # request that has it: vLLM encodes it once for all of them.
         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
             state = self._requests.get(req_id)
-            if state is None or not state.request.cache_salt:
-                continue  # the worker derives unsalted keys itself
+            if state is None:
+                continue
             for index in input_ids:
                 identifier = state.request.mm_features[index].identifier
-                keys[identifier] = self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
+                self._skipped.pop(identifier, None)
+                for other in self._by_identifier.get(identifier, ()):
+                    other_state = self._requests.get(other)
+                    if other_state is not None:
+                        add(identifier, other_state)
         return keys
 
     def _known_present(self, key: str) -> bool:
@@ -389,14 +504,18 @@ class ECS3Scheduler:
             item = self._items.current(identifier)
             if item is not None and item.slot is not None and self._staging is not None:
                 logger.error("ec-s3: a worker could not read staged item %s; dropping it", identifier[:64])
-                self._staging.discard(item.slot.name)
+                slot = item.slot
+                for req_id in list(item.users):
+                    state = self._requests.get(req_id)
+                    if state is not None and state.pins.get(identifier) is slot:
+                        self._unuse(state, identifier)  # nobody reads a discarded slot
+                self._staging.discard(slot)
                 self._items.drop(item)
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         state = self._requests.get(request.request_id)
-        slot = state.pins.pop(request.mm_features[index].identifier, None) if state is not None else None
-        if slot is not None and self._staging is not None:
-            self._staging.unpin(slot)
+        if state is not None:  # vLLM freed its output: the request no longer reads the slot
+            self._unuse(state, request.mm_features[index].identifier)
 
     def take_unavailable_requests(self) -> set[str]:
         if not self._unavailable:
@@ -407,6 +526,9 @@ class ECS3Scheduler:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
         gone: dict[str, Any] = {}
+        self._waiting.pop(request.request_id, None)
+        if self._asking is state:
+            self._asking = None
         if state is not None:
             if self._staging is not None:
                 for slot in state.pins.values():
@@ -418,12 +540,54 @@ class ECS3Scheduler:
                 gone = {MISSING_REPORT: sorted(state.gone)}
         if not self._is_producer:
             return False, gone or None
+        withhold: set[str] = set()
+        for feature in request.mm_features:
+            identifier = feature.identifier
+            users = self._by_identifier.get(identifier)
+            if users is not None:
+                users.discard(request.request_id)
+                if not users:
+                    del self._by_identifier[identifier]
+            skipped_for = self._skipped.get(identifier)
+            if state is not None and identifier not in state.saved and skipped_for is not None and (
+                skipped_for != self._model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
+            ):
+                # A bucket hit under another key made vLLM skip it for this request
+                # too: nothing is published under this request's key, so no promise.
+                withhold.add(identifier)
         # A producer whose store is down (circuit open) cannot keep a promise: sending
         # none lets consumers encode at once instead of waiting out promised_wait_s.
         promise = not self._store.breaker.is_open
-        if not promise:
+        if not promise or withhold:
             self._counters.inc("promises_withheld")
-        return False, {**build_transfer_params(request, self._model, self._resolver, promise=promise), **gone} or None
+        params = build_transfer_params(request, self._model, self._resolver, promise=promise, withhold=withhold)
+        return False, {**params, **gone} or None
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self) -> list[str]:
+        """Broken rules of staging slots and their pins (tests and the chaos soak call
+        it after every step; vLLM never does): no pinned slot is free (evicted or
+        discarded); no pin by a request that will not read the slot (it encodes the
+        item itself, vLLM freed it, or the slot is not its item's); a slot's pin
+        count is its requests' pins; staged bytes in use are the live slots' bytes."""
+        if self._staging is None:
+            return []
+        out = self._staging.violations()
+        counts: dict[int, int] = {}
+        for req_id, state in self._requests.items():
+            for identifier, slot in state.pins.items():
+                counts[id(slot)] = counts.get(id(slot), 0) + 1
+                item = state.items.get(identifier)
+                if slot.evicted:
+                    out.append(f"request {req_id} pins the free slot {slot.name} ({identifier[:32]})")
+                if identifier in state.local:
+                    out.append(f"request {req_id} pins {identifier[:32]}, which it encodes itself")
+                if item is None or item.slot is not slot:
+                    out.append(f"request {req_id} pins a slot of {identifier[:32]} that is not its item's")
+        for slot in self._staging.slots():
+            if slot.pins != counts.get(id(slot), 0):
+                out.append(f"slot {slot.name} has {slot.pins} pins, its requests hold {counts.get(id(slot), 0)}")
+        return out
 
     # ------------------------------------------------------------------ metrics
     def take_stats(self) -> ECS3Stats | None:

@@ -56,18 +56,20 @@ class Promise:
 
 
 def build_transfer_params(
-    request: Request, model: ModelInfo, resolver: PlaceholderMetadataResolver, *, promise: bool = True
+    request: Request, model: ModelInfo, resolver: PlaceholderMetadataResolver, *, promise: bool = True,
+    withhold: set[str] | frozenset[str] = frozenset(),
 ) -> dict[str, dict[str, Any]]:
     """Producer: vLLM's per-item metadata plus what a consumer needs to fetch and check
     each blob: key, dtype, shape and the blob's size in bytes. With ``promise=False``
     (the producer knows it cannot upload now) only vLLM's metadata is sent: a key is a
-    promise, and a consumer waits up to ``promised_wait_s`` for a promised blob."""
+    promise, and a consumer waits up to ``promised_wait_s`` for a promised blob. Items
+    in ``withhold`` get no promise either (nothing is published under their key)."""
     items = collect_ec_item_metadata(request.mm_features, resolver)
     dtype = model.dtype
     for identifier, entry in items.items():
         feature = request.mm_features[entry["item_indices"][0]]
         entry.setdefault("modality", feature.modality)  # vLLM 0.32 omits it; 0.33 adds it
-        if not promise:
+        if not promise or identifier in withhold:
             continue
         entry["key"] = model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
         entry["dtype"] = str(dtype).removeprefix("torch.")

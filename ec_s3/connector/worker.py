@@ -114,8 +114,9 @@ class ECS3Worker:
         if tensor is None:
             return
         save_keys = metadata.save_keys if isinstance(metadata, ECS3ConnectorMetadata) else {}
-        key = save_keys.get(identifier) or self._model.keyspace.key_for(identifier)
-        self._publisher.publish(identifier, tensor, key)
+        # Each tenant's request promised its own key (cache_salt): publish under all.
+        for key in save_keys.get(identifier) or [self._model.keyspace.key_for(identifier)]:
+            self._publisher.publish(identifier, tensor, key)
 
     def start_save_caches(
         self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None

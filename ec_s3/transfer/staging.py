@@ -224,6 +224,23 @@ class StagingArea:
             self.used -= current.nbytes
         _unlink(current.path)
 
+    def slots(self) -> list[StagingSlot]:
+        """The live slots (a copy), for invariant checks."""
+        with self._lock:
+            return list(self._slots.values())
+
+    def violations(self) -> list[str]:
+        """Broken rules of the bookkeeping: bytes in use are the live slots' bytes; no
+        live slot is marked evicted; no evicted slot is pinned."""
+        with self._lock:
+            out = []
+            live = sum(s.nbytes for s in self._slots.values())
+            if live != self.used:
+                out.append(f"staging books {self.used} bytes in use, its live slots hold {live}")
+            out += [f"slot {s.name} is live but marked evicted" for s in self._slots.values() if s.evicted]
+            out += [f"evicted slot {s.name} is pinned {s.pins} times" for s in self._doomed if s.pins]
+            return out
+
     def mark_ready(self, slot: StagingSlot) -> None:
         with self._lock:
             slot.ready = True

@@ -356,7 +356,8 @@ class ECWorkerSim:
     4. (not on an encoder-only producer) gather: every item overlapping a
        request's scheduled window must be in ``encoder_cache``, else
        ``RuntimeError("Encoder cache miss for ...")`` like vLLM (which crashes the
-       engine);
+       engine), with as many rows as the request has placeholders for it and the
+       model's width, else ``ValueError`` like ``_merge_multimodal_embeddings``;
     5. finally ``get_finished(finished_req_ids)``,
        ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
 
@@ -430,6 +431,14 @@ class ECWorkerSim:
             for f in st.mm_features[lo:hi]:
                 if f.identifier not in self.encoder_cache:
                     raise RuntimeError(f"Encoder cache miss for {f.identifier}.")
+                out = self.encoder_cache[f.identifier]
+                rows = f.mm_position.get_num_embeds()
+                if out.shape[0] != rows or out.shape[-1] != self.hidden:
+                    # _merge_multimodal_embeddings' error: it stops the engine.
+                    raise ValueError(
+                        f"Attempted to assign {tuple(out.shape)} multimodal tokens of {f.identifier} "
+                        f"to {rows} placeholders of width {self.hidden}"
+                    )
                 self.gathered.append((rid, f.identifier))
 
     def __call__(self, so: SchedulerOutput) -> ECConnectorOutput | None:
