@@ -605,7 +605,8 @@ class WatchedNode:
                         self.loaded_by_req[rid] += 1
                 salt, rows = self.variant.get(spec.request_id, (None, int(got.shape[0])))
                 where = f"item {identifier} for request {spec.request_id} (salt {salt}, {rows} rows; key {spec.key})"
-                if spec.key != self.key_for(identifier, cache_salt=salt):
+                own_key = spec.key == self.key_for(identifier, cache_salt=salt)
+                if not own_key:
                     self.mismatches.append(f"{where}: loaded from another tenant's key")
                 candidates = [v for v in self.published.get(spec.key, ()) if v[1] == rows] or [(salt, rows)]
                 match = next((v for v in candidates if _equal(got, self.expected(identifier, *v))), None)
@@ -621,7 +622,8 @@ class WatchedNode:
                     )
                     self.mismatches.append(f"{where}, staged {spec.path}: {diff} (published under the key: "
                                            f"{sorted(self.published.get(spec.key, ()), key=str)})")
-                self.origin[identifier] = (spec.request_id, match or (salt, rows))
+                # Only a variant published under the request's own key excuses its gathers.
+                self.origin[identifier] = (spec.request_id, match if match and own_key else (salt, rows))
 
         return load
 
