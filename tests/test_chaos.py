@@ -378,7 +378,12 @@ class Soak:
         identifiers = [f"img-{size:04d}-u{index:04d}{k}" if unique[k] else i for k, i in enumerate(identifiers)]
         same_class = [j for j in self.active.values() if j.shape["num_image_tokens"] == size]
         if duplicate and same_class:
-            identifiers = list(same_class[int(dup_pick * len(same_class))].identifiers)
+            source = same_class[int(dup_pick * len(same_class))]
+            identifiers = list(source.identifiers)
+            if dup_pick < 0.5:  # half the copies are another tenant's: tenants meet on live items
+                theirs = source.shape.get("cache_salt")
+                shape["cache_salt"] = next(t for t in TENANTS if t != theirs and (t == salt or salt == theirs))
+                self.ledger.fault("duplicate_ids under another tenant (live)")
         fits = [s for s in SIZE_CLASSES if s != size and s * len(identifiers) <= 1800]
         if resized and fits:  # the same uuids, an image of another size
             shape["num_image_tokens"] = fits[int(resize_pick * len(fits))]
