@@ -23,8 +23,13 @@ end listing them all:
 * every connector call returns within its bound (scheduler side: never waits on S3);
 * every request finishes within ``REQUEST_BOUND_S``: served, encoded locally, or (only
   when it carries no media) failed alone through ``take_unavailable_requests``;
-* every tensor a consumer's worker loads is bit-equal to the producer's encoding;
-  every blob left in the bucket decodes to it too;
+* content depends on (cache_salt, identifier, rows): tenants reuse the repeated
+  pool's identifiers and a client reuses a uuid for an image of another size. Every
+  tensor a consumer's worker loads is of its request's own key and rows and bit-equal
+  to what the producer wrote under that key; every embedding a request gathers is its
+  own (or, where vLLM shares an entry by identifier, that entry's exactly); every blob
+  left in the bucket decodes to what the producer wrote; a request only vLLM's own
+  embed-mismatch guard fails (a uuid reused at another size while cached) is counted;
 * staging slots keep their rules (the scheduler's ``check_invariants``, after every
   step of every consumer): no slot both free and pinned, no pin by a request that will
   not read the slot, pin counts match the requests' pins, bytes in use = live slots;
@@ -153,10 +158,18 @@ STORE_TUNING = {
 }
 
 
-@functools.lru_cache(maxsize=512)
-def expected(identifier: str) -> torch.Tensor:
-    """What the producer's encoder outputs for an identifier (its size is in its name)."""
-    return fake_encoder_output(identifier, int(identifier.split("-")[1]))
+P_RESIZED = 0.08  # the client reuses its uuids for images of another size (another row count)
+P_BURST = 0.02  # a burst of promised items for the tiny consumer, more bytes at once than its staging
+BURST_REQUESTS, BURST_ITEMS, BURST_ROWS = 4, 2, 576  # 8 x 144 KiB = 1.1 MiB > STAGING_BYTES["tiny"]
+
+
+@functools.lru_cache(maxsize=1024)
+def expected(identifier: str, salt: str | None = None, rows: int | None = None) -> torch.Tensor:
+    """What the encoder outputs for a tenant's (salt's) item of ``rows`` rows (by
+    default the size in its name): content depends on all three, so an embedding
+    of another tenant or size is caught."""
+    rows = rows or int(identifier.split("-")[1])
+    return fake_encoder_output(identifier if salt is None else f"{salt}/{identifier}", rows)
 
 
 @dataclasses.dataclass
@@ -177,6 +190,7 @@ class Job:
     stage: str = "producer"
     rid: str = ""
     stage_started: int = 0
+    promised_bytes: int = 0  # on the tiny consumer, while it is there
     requests: list[Any] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
@@ -208,6 +222,8 @@ class Soak:
         self.events: list[tuple[int, str, str]] = []  # (due iteration, kind, argument)
         self.produced: set[str] = set()
         self.gc_deleted: set[str] = set()
+        self.resized: set[str] = set()  # identifiers requested at a size other than their name's
+        self.published: dict[str, set[tuple[str | None, int]]] = {}  # key -> variants the producer wrote
         self.all_identifiers: set[str] = set()
         self.seen_on: dict[str, set[str]] = collections.defaultdict(set)  # consumer -> images it was asked for
         self.finished_rids: set[str] = set()
@@ -252,7 +268,8 @@ class Soak:
     def _build(self, name: str) -> WatchedNode:
         role = "ec_producer" if name == "producer" else "ec_consumer"
         return WatchedNode(
-            name, role, self.model_dir, self.extras[name], expected=expected, call_bounds_s=CALL_BOUNDS_S,
+            name, role, self.model_dir, self.extras[name], expected=expected, published=self.published,
+            call_bounds_s=CALL_BOUNDS_S,
             engine_kwargs=ENGINE_KWARGS, num_blocks=1 if name == "producer" else CONSUMER_KV_BLOCKS,
         )
 
@@ -288,6 +305,9 @@ class Soak:
 
     def retire(self, node: WatchedNode) -> None:
         """Shut a node down, keeping its counters and call maxima for the report."""
+        self.counters["gathered embeddings checked"] += node.gathers_checked
+        self.counters["gathers of an entry vLLM shared across variants"] += node.shared_by_vllm
+        node.gathers_checked = node.shared_by_vllm = 0
         for conn in (node.scheduler_connector, node.worker):
             for key, value in conn.counters.snapshot().items():
                 if not key.endswith(("seconds", "_bytes")) and key not in ("inflight_bytes", "spool_blobs"):
@@ -350,6 +370,7 @@ class Soak:
         truncate, drop = rng.random() < P_TRUNCATE_GET, rng.random() < P_DROP_RESPONSE
         preempt, preempt_on, preempt_in = rng.random() < P_PREEMPT, rng.choice(["consumer", "tiny"]), rng.randint(1, 40)
         salted, salt = rng.random() < P_SALTED, rng.choice(TENANTS)
+        resized, resize_pick, burst = rng.random() < P_RESIZED, rng.random(), rng.random() < P_BURST
         if salted:
             shape["cache_salt"] = salt
             self.ledger.fault("tenant request (cache_salt)")
@@ -357,7 +378,18 @@ class Soak:
         identifiers = [f"img-{size:04d}-u{index:04d}{k}" if unique[k] else i for k, i in enumerate(identifiers)]
         same_class = [j for j in self.active.values() if j.shape["num_image_tokens"] == size]
         if duplicate and same_class:
-            identifiers = list(same_class[int(dup_pick * len(same_class))].identifiers)
+            source = same_class[int(dup_pick * len(same_class))]
+            identifiers = list(source.identifiers)
+            if dup_pick < 0.5:  # half the copies are another tenant's: tenants meet on live items
+                theirs = source.shape.get("cache_salt")
+                shape["cache_salt"] = next(t for t in TENANTS if t != theirs and (t == salt or salt == theirs))
+                self.ledger.fault("duplicate_ids under another tenant (live)")
+        fits = [s for s in SIZE_CLASSES if s != size and s * len(identifiers) <= 1800]
+        if resized and fits:  # the same uuids, an image of another size
+            shape["num_image_tokens"] = fits[int(resize_pick * len(fits))]
+            self.ledger.fault("uuid reused at another size")
+        if any(int(i.split("-")[1]) != shape["num_image_tokens"] for i in identifiers):  # also a copy of such a set
+            self.resized.update(identifiers)
         self.all_identifiers.update(identifiers)
         if any(set(identifiers) & set(j.identifiers) for j in self.active.values()):
             self.ledger.fault("duplicate_ids (shares an item with a request in flight)")
@@ -385,6 +417,8 @@ class Soak:
                 self.nodes[remove_on].remove_staged_next += 1
             if preempt:
                 self.events.append((self.iteration + preempt_in, "preempt", preempt_on))
+            if burst:
+                self.burst(qid, shape.get("cache_salt"))
         else:
             job.abort_stage, job.gc_delete = None, False
         if job.skip_producer:
@@ -392,6 +426,20 @@ class Soak:
             self.to_consumer(job, None)
         else:
             self.submit(job, "producer", f"{qid}.p", {})
+
+    def burst(self, qid: str, salt: str | None) -> None:
+        """Promised items for the tiny consumer, more bytes at once than its staging
+        holds: each request fits alone, all of them together do not."""
+        self.ledger.fault("burst of promised items larger than tiny staging")
+        for b in range(BURST_REQUESTS):
+            identifiers = [f"img-{BURST_ROWS:04d}-u{qid}b{b}{k}" for k in range(BURST_ITEMS)]
+            shape = {"num_image_tokens": BURST_ROWS, "prompt_len_text": 8, "max_tokens": 2,
+                     **({"cache_salt": salt} if salt else {})}
+            job = Job(f"{qid}b{b}", identifiers, time.monotonic(), shape, "tiny", with_media=b % 2 == 0,
+                      send_params=True, skip_producer=False, gc_delete=False, abort_stage=None, abort_after=0)
+            self.all_identifiers.update(identifiers)
+            self.active[job.qid] = job
+            self.submit(job, "producer", f"{job.qid}.p", {})
 
     def submit(self, job: Job, node_name: str, rid: str, kwargs: dict[str, Any]) -> None:
         node = self.nodes[node_name]
@@ -405,6 +453,10 @@ class Soak:
             kwargs["ec_transfer_params"] = params
         job.stage = "consumer"
         self.seen_on[job.consumer].update(job.identifiers)
+        if job.consumer == "tiny" and job.send_params and params:
+            job.promised_bytes = len(job.identifiers) * job.shape["num_image_tokens"] * 128 * 2  # bf16 rows of 128
+            at_once = sum(j.promised_bytes for j in self.active.values() if j.consumer == "tiny" and j.stage == "consumer")
+            self.peaks["tiny promised bytes at once"] = max(self.peaks.get("tiny promised bytes at once", 0), at_once)
         self.submit(job, job.consumer, f"{job.qid}.c", kwargs)
 
     def done(self, job: Job, outcome: str) -> None:
@@ -417,6 +469,10 @@ class Soak:
         job = self.jobs.get(fr.request_id)
         if job is None:
             self.unclaimed[fr.request_id] = fr
+            return
+        if fr.finish_reason == FinishReason.ERROR and fr.request_id in node.rejected_by_vllm:
+            # vLLM's own guard: its encoder cache holds the uuid at another size.
+            self.done(job, f"failed by vLLM's embed-mismatch guard at the {node.name} (uuid reused at another size)")
             return
         if node.name == "producer":
             self.finished_rids.add(fr.request_id)
@@ -631,8 +687,9 @@ class Soak:
         never deleted), each of which must be served from S3 at its first request.
         """
         rng = random.Random(SEED + 1)
-        deleted = sorted(self.gc_deleted)
-        others = sorted(i for i in self.produced - self.gc_deleted if "-u" not in i)  # unique images never repeat
+        deleted = sorted(self.gc_deleted - self.resized)
+        # Unique images never repeat; a uuid reused at another size has no one size to repeat at.
+        others = sorted(i for i in self.produced - self.gc_deleted - self.resized if "-u" not in i)
         rng.shuffle(deleted)
         rng.shuffle(others)
         n_deleted = min(len(deleted), REPEATS // 2) if REPEAT_GC_DELETED else 0
@@ -765,7 +822,7 @@ class Soak:
     def audit(self) -> None:
         """Every blob the bucket holds decodes to the producer's encoding."""
         self.phase = "audit"
-        by_key = {self.keyspace.key_for(identifier, cache_salt=salt): identifier
+        by_key = {self.keyspace.key_for(identifier, cache_salt=salt): (identifier, salt)
                   for identifier in self.all_identifiers for salt in (None, *TENANTS)}
 
         async def keys() -> list[str]:
@@ -774,14 +831,18 @@ class Soak:
         found = self.admin.run(keys(), timeout=60)
         bad = 0
         for key in found:
-            identifier = by_key.get(key)
+            identifier, salt = by_key.get(key, (None, None))
             if identifier is None:
                 self.ledger.violation("bucket audit: unexpected object", key, self.context())
                 continue
             blob = bytes(self.admin.run(self.admin.get_async(key), timeout=30))
             try:
                 tensor = safetensors.torch.load(blob)["ec_cache"]
-                ok = tensor.dtype == expected(identifier).dtype and torch.equal(tensor, expected(identifier))
+                # What the producer wrote under the key (vLLM saves one encoding of an
+                # identifier under every key of its step), else the key's own variant.
+                variants = self.published.get(key) or {(salt, int(identifier.split("-")[1]))}
+                ok = any(tensor.dtype == expected(identifier, *v).dtype and tuple(tensor.shape) == tuple(expected(identifier, *v).shape)
+                         and torch.equal(tensor, expected(identifier, *v)) for v in variants)
             except Exception as exc:  # noqa: BLE001 - any unreadable blob is a finding
                 ok, tensor = False, f"{describe_exception(exc)}"
             if not ok:
@@ -805,6 +866,8 @@ class Soak:
         # Sizes only: a cache may rightly keep an entry per distinct image up to a cap
         # the soak cannot see; state left per finished request is checked above.
         self.ledger.measures["staging invariant checks (after every step)"] = str(self.counters["invariant checks"])
+        self.ledger.measures["tiny consumer: most promised bytes at once"] = (
+            f"{self.peaks.get('tiny promised bytes at once', 0)} (staging_bytes {STAGING_BYTES['tiny']})")
         top = sorted(biggest.items(), key=lambda kv: -kv[1])[:4]
         self.ledger.measures["largest connector tables at the end"] = (
             ", ".join(f"{k}={v}" for k, v in top) + f" ({len(self.all_identifiers)} distinct images requested)")
@@ -839,6 +902,8 @@ class Soak:
         self.ledger.measures["server restarts"] = (f"{self.server.restarts}, took "
                                                    f"{', '.join(f'{s:.1f}s' for s in self.server.restart_seconds)}")
         self.ledger.measures["preemptions forced"] = str(self.forced_preemptions)
+        self.ledger.measures["gathered embeddings checked (own variant / vLLM-shared entry)"] = (
+            f"{self.counters['gathered embeddings checked']} / {self.counters['gathers of an entry vLLM shared across variants']}")
 
     def teardown(self) -> None:
         """Release everything, whatever state a failure left the soak in."""

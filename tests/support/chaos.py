@@ -451,11 +451,24 @@ class CallRecord:
     exc: BaseException
 
 
+Variant = tuple[str | None, int]  # (cache_salt, rows): what a request's item is, besides its identifier
+
+
 class WatchedNode:
     """One vLLM instance: the real Scheduler (whose scheduler-role ECS3Connector vLLM's
     factory builds), a worker-role ECS3Connector run by ``ECWorkerSim``, every
-    connector call timed and attributed, and each tensor the worker loads compared
-    bit for bit with ``expected(identifier)``.
+    connector call timed and attributed, and each tensor checked bit for bit.
+
+    Content depends on (cache_salt, identifier, rows): ``expected(identifier, salt,
+    rows)``; the encoder gives each request its own. ``published`` (shared by the
+    nodes) holds, per key, the variants the producer wrote under it. vLLM itself
+    shares an encoder-cache entry by identifier (its ``EncoderCacheManager``, and a
+    producer's save of one encoding under every key of the step), so the checks are:
+    * a load for request R is of R's own key (its salt), holds a variant published
+      under that key, and has R's rows;
+    * every gathered embedding is R's own variant, unless the entry was encoded or
+      loaded as another variant (vLLM's sharing by identifier, counted in
+      ``shared_by_vllm``); then it must equal that variant bit for bit.
 
     Faults this node injects on request: ``remove_staged_next`` unlinks the staging
     file of the next item handed to the worker, just before the worker reads it.
@@ -468,7 +481,8 @@ class WatchedNode:
         model_dir: Path,
         extra: dict[str, Any],
         *,
-        expected: Callable[[str], torch.Tensor],
+        expected: Callable[[str, str | None, int], torch.Tensor],
+        published: dict[str, set[Variant]],
         call_bounds_s: dict[str, float],
         engine_kwargs: dict[str, Any],
         num_blocks: int,
@@ -477,6 +491,7 @@ class WatchedNode:
         self.role = role
         self.extra = extra
         self.expected = expected
+        self.published = published
         self.call_bounds_s = call_bounds_s
         ec = {
             "ec_connector": "ECS3Connector",
@@ -490,7 +505,7 @@ class WatchedNode:
         assert isinstance(conn, ECS3Connector)
         self.scheduler_connector: ECS3Connector = conn
         self.worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
-        self.sim = ECWorkerSim(self.worker)
+        self.sim = ECWorkerSim(self.worker, encode_fn=self._encode)
         self.driver = SchedulerDriver(self.scheduler, self._worker_step)
         self.steps = 0
         self.requests: dict[str, list[str]] = {}  # live request id -> identifiers
@@ -501,6 +516,11 @@ class WatchedNode:
         self.removed_staged: list[str] = []  # identifiers whose staged file the soak removed this step
         self.undelivered: list[str] = []  # identifiers handed to the worker but not in its cache after the load
         self.mismatches: list[str] = []
+        self.variant: dict[str, Variant] = {}  # request id -> its items' variant
+        self.origin: dict[str, tuple[str, Variant]] = {}  # identifier -> (request, variant) it entered the cache as
+        self.rejected_by_vllm: set[str] = set()  # requests vLLM's own embed-mismatch guard failed
+        self.shared_by_vllm = 0  # gathers of an entry another variant put there (vLLM shares by identifier)
+        self.gathers_checked = 0
         self.slow_calls: list[str] = []
         self.call_error: CallRecord | None = None
         self.max_call_s: dict[str, float] = collections.defaultdict(float)
@@ -511,6 +531,33 @@ class WatchedNode:
         for method in WORKER_METHODS:
             self._watch(self.worker, "worker", method)
         self.worker.start_load_caches = self._checked_load(self.worker.start_load_caches)  # type: ignore[method-assign]
+        reject = self.scheduler._reject_on_encoder_cache_embed_mismatch
+
+        def rejected(request: Any, *args: Any) -> bool:
+            if reject(request, *args):
+                self.rejected_by_vllm.add(request.request_id)
+                return True
+            return False
+
+        self.scheduler._reject_on_encoder_cache_embed_mismatch = rejected  # type: ignore[method-assign]
+        self.key_for = self.scheduler_connector.model.keyspace.key_for
+        publisher = self.publisher()
+        if publisher is not None:
+            publish = publisher.publish
+
+            def published(identifier: str, tensor: torch.Tensor, key: str) -> bool:
+                origin = self.origin.get(identifier)  # the variant the encoder made this entry as
+                variant = origin[1] if origin is not None else ("?", int(tensor.shape[0]))
+                self.published.setdefault(key, set()).add(variant)
+                return publish(identifier, tensor, key)
+
+            publisher.publish = published  # type: ignore[method-assign]
+
+    def _encode(self, identifier: str, rows: int) -> torch.Tensor:
+        rid = self.sim.encoding_for or ""
+        variant = (self.variant.get(rid, (None, rows))[0], rows)
+        self.origin[identifier] = (rid, variant)
+        return self.expected(identifier, *variant)
 
     # -- watching --------------------------------------------------------------------
     def _watch(self, connector: ECS3Connector, side: str, method: str) -> None:
@@ -556,14 +603,27 @@ class WatchedNode:
                 for rid in self._step_requests:
                     if identifier in self.requests.get(rid, ()):
                         self.loaded_by_req[rid] += 1
-                want = self.expected(identifier)
-                if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape) or not torch.equal(got.cpu(), want):
+                salt, rows = self.variant.get(spec.request_id, (None, int(got.shape[0])))
+                where = f"item {identifier} for request {spec.request_id} (salt {salt}, {rows} rows; key {spec.key})"
+                own_key = spec.key == self.key_for(identifier, cache_salt=salt)
+                if not own_key:
+                    self.mismatches.append(f"{where}: loaded from another tenant's key")
+                candidates = [v for v in self.published.get(spec.key, ()) if v[1] == rows] or [(salt, rows)]
+                match = next((v for v in candidates if _equal(got, self.expected(identifier, *v))), None)
+                if match is None:
+                    want = self.expected(identifier, *candidates[0])
+                    alike = [v for v in ((t, rows) for t in (None, "tenant-a", "tenant-b", "tenant-c"))
+                             if _equal(got, self.expected(identifier, *v))]
+                    where += f"; it is the variant {alike or 'of no tenant'}"
                     diff = (
                         f"dtype {got.dtype} shape {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}"
                         if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape)
                         else f"{int((got.cpu() != want).sum())} of {want.numel()} values differ"
                     )
-                    self.mismatches.append(f"item {identifier} (key {spec.key}, staged {spec.path}): {diff}")
+                    self.mismatches.append(f"{where}, staged {spec.path}: {diff} (published under the key: "
+                                           f"{sorted(self.published.get(spec.key, ()), key=str)})")
+                # Only a variant published under the request's own key excuses its gathers.
+                self.origin[identifier] = (spec.request_id, match if match and own_key else (salt, rows))
 
         return load
 
@@ -582,11 +642,33 @@ class WatchedNode:
                 self.remove_staged_next -= 1
             except FileNotFoundError:
                 pass
-        return self.sim(so)
+        gathered = len(self.sim.gathered)
+        try:
+            return self.sim(so)
+        finally:
+            self._check_gathered(gathered)
+
+    def _check_gathered(self, since: int) -> None:
+        """Every embedding gathered this step is the request's own, or vLLM shared it."""
+        for rid, identifier in self.sim.gathered[since:]:
+            got, own = self.sim.encoder_cache.get(identifier), self.variant.get(rid)
+            if got is None or own is None:
+                continue
+            self.gathers_checked += 1
+            if _equal(got, self.expected(identifier, *own)):
+                continue
+            origin = self.origin.get(identifier)
+            if origin is not None and origin[1] != own and _equal(got, self.expected(identifier, *origin[1])):
+                self.shared_by_vllm += 1  # another variant's entry under the same identifier: vLLM's sharing
+                continue
+            self.mismatches.append(
+                f"request {rid} (salt {own[0]}, {own[1]} rows) gathered item {identifier} that is not its own "
+                f"(the entry came from {origin or 'nowhere the soak saw'})")
 
     # -- driving -----------------------------------------------------------------------
     def add(self, request_id: str, identifiers: list[str], **kwargs: Any) -> Any:
         self.requests[request_id] = list(identifiers)
+        self.variant[request_id] = (kwargs.get("cache_salt"), int(kwargs.get("num_image_tokens", 16)))
         return self.driver.add(request_id, identifiers, **kwargs)
 
     def step(self) -> Any:
@@ -606,12 +688,14 @@ class WatchedNode:
         for fr in done:
             self.driver.outputs.pop(fr.request_id, None)
             self.requests.pop(fr.request_id, None)
+            self.variant.pop(fr.request_id, None)
         return done
 
     def abort(self, request_id: str) -> bool:
         self.call_error = None
         aborted = self.driver.abort(request_id)
         self.requests.pop(request_id, None)
+        self.variant.pop(request_id, None)
         self.driver.outputs.pop(request_id, None)
         return bool(aborted)
 
@@ -632,6 +716,10 @@ class WatchedNode:
             self.worker.shutdown()
         finally:
             self.scheduler_connector.shutdown()
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got.cpu(), want)
 
 
 def _request_id(args: tuple[Any, ...]) -> str | None:

@@ -363,7 +363,8 @@ class ECWorkerSim:
 
     Returns the ``ECConnectorOutput``. ``connector=None`` runs the model-runner
     bookkeeping without a connector (returns None). ``encode_fn(identifier,
-    num_embeds) -> Tensor`` overrides the fake encoder; ``encoded`` lists every
+    num_embeds) -> Tensor`` overrides the fake encoder (``encoding_for`` names the
+    request it runs for); ``encoded`` lists every
     hash the encoder ran for, ``gathered`` every (req_id, hash) gathered.
     """
 
@@ -390,6 +391,7 @@ class ECWorkerSim:
         )
         self.requests: dict[str, _ReqState] = {}
         self.encoded: list[str] = []
+        self.encoding_for: str | None = None  # the request the encoder runs for now
         self.gathered: list[tuple[str, str]] = []
         self.num_calls = 0
 
@@ -413,6 +415,7 @@ class ECWorkerSim:
                 f = st.mm_features[i]
                 if f.data is None:
                     continue
+                self.encoding_for = rid  # lets an encode_fn give each request its own content
                 out = self.encode_fn(f.identifier, f.mm_position.get_num_embeds())
                 self.encoder_cache[f.identifier] = out
                 self.encoded.append(f.identifier)
