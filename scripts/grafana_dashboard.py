@@ -177,7 +177,8 @@ PANELS: list[dict[str, Any]] = [
     panel("Proxy to prefill/decode", [
         (proxy_rate("ec_s3_proxy_pd_responses_total", by="status"), "HTTP {{status}}"),
         (proxy_rate("ec_s3_proxy_pd_failures_total", by="reason"), "failed: {{reason}}"),
-        (proxy_rate("ec_s3_proxy_pd_resends_total"), "resent")], unit="ops"),
+        (proxy_rate("ec_s3_proxy_pd_resends_total"), "resent"),
+        (proxy_rate("ec_s3_proxy_pd_retries_total"), "sent once more (engine refused it)")], unit="ops"),
     panel("Proxy media items", [
         (proxy_rate("ec_s3_proxy_mm_items_total"), "items seen"),
         (proxy_rate("ec_s3_proxy_items_without_params_total"), "forwarded without encoder params")], unit="ops",

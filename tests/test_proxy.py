@@ -167,6 +167,7 @@ class FakePD:
     break_after_first: bool = False
     chunk_interval: float = 0.0
     health_status: int = 200
+    failed_generations: int = 0  # the first N requests end as vLLM's engine-refused ones do
     bodies: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
@@ -199,6 +200,9 @@ class FakePD:
         if self.error is not None:
             status, payload, ctype = self.error
             return web.Response(status=status, body=payload, headers={"Content-Type": ctype})
+        if self.failed_generations > 0:
+            self.failed_generations -= 1
+            return await failed_generation(request, bool(isinstance(body, dict) and body.get("stream")))
         with self.gauge.held(), (self.hold.held() if self.hold else contextlib.nullcontext()):
             if self.hold is not None:
                 await asyncio.wait_for(self.hold.reached.wait(), 20)
@@ -233,6 +237,26 @@ class FakePD:
             self.aborted.set()
             raise
         return out
+
+
+FAILED_GENERATION = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                               "param": None, "code": 500}}
+
+
+async def failed_generation(request: web.Request, stream: bool) -> web.StreamResponse:
+    """What vLLM's chat API answers for a request its engine ended with finish_reason
+    "error" before any token (vllm/entrypoints/openai/chat_completion/serving.py): a 500,
+    or in a stream a role chunk, then the error event."""
+    if not stream:
+        return web.json_response(FAILED_GENERATION, status=500)
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await out.prepare(request)
+    role = {"id": "chatcmpl-x", "object": "chat.completion.chunk",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    await out.write(f"data: {json.dumps(role)}\n\n".encode())
+    await out.write(f"data: {json.dumps(FAILED_GENERATION)}\n\n".encode())
+    await out.write(b"data: [DONE]\n\n")
+    return out
 
 
 def sse_chunk(name: str, i: int) -> bytes:
@@ -535,6 +559,42 @@ def test_pd_errors_are_passed_through(status: int, payload: bytes, ctype: str, s
             got_status, got_body, headers = await r.post(chat(image(1), stream=stream))
             assert (got_status, got_body) == (status, payload)
             assert headers["Content-Type"] == ctype
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dispatch", ["serial", "parallel"])
+def test_a_generation_the_engine_refused_is_sent_once_more(dispatch: str, stream: bool) -> None:
+    """vLLM ends a request with finish_reason "error" when its multimodal processor cache
+    drifted (an earlier request for the same image was aborted mid-preprocessing, as a
+    parallel-dispatch resend does) and calls that retryable: the proxy sends it once more,
+    so the client gets the answer (e2e: a 500 right after the encoder was killed)."""
+    async def scenario() -> None:
+        async with rig(pds=[FakePD("pd0", failed_generations=1)], dispatch=dispatch) as r:
+            status, body, _ = await r.post(chat(image(1), stream=stream))
+            assert status == 200 and b"hello from pd0" in body or b"tok0" in body, body
+            assert b"InternalServerError" not in body
+            assert len(r.pds[0].bodies) == 2 and r.pds[0].raw[0] == r.pds[0].raw[1]
+            assert r.metric("ec_s3_proxy_pd_retries_total", upstream=r.pds[0].url, reason="failed_generation") == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generation_refused_twice_is_relayed_and_real_errors_are_not_retried(stream: bool) -> None:
+    """Once more, never more: a second refusal reaches the client as vLLM sent it; any
+    other error (a 500 of another type, a 400) is relayed at once."""
+    async def scenario() -> None:
+        async with rig(pds=[FakePD("pd0", failed_generations=5)]) as r:
+            status, body, _ = await r.post(chat(image(1), stream=stream))
+            assert (status, b"InternalServerError" in body) == (500 if not stream else 200, True)
+            assert len(r.pds[0].bodies) == 2
+        other = json.dumps({"error": {"message": "boom", "type": "BadRequestError", "code": 400}}).encode()
+        for error in [(500, b"Internal Server Error", "text/plain"), (400, other, "application/json")]:
+            async with rig(pds=[FakePD("pd0", error=error)]) as r:
+                assert (await r.post(chat(image(1), stream=stream)))[0] == error[0]
+                assert len(r.pds[0].bodies) == 1
 
     run(scenario())
 

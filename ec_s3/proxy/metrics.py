@@ -26,6 +26,9 @@ class ProxyMetrics:
         "ec_s3_proxy_pd_failures_total": ("counter", "PD exchanges that failed below HTTP, by reason."),
         "ec_s3_proxy_pd_resends_total": (
             "counter", "PD requests cancelled and sent again without a failed encoder's pending marks."),
+        "ec_s3_proxy_pd_retries_total": (
+            "counter", "PD requests sent once more because vLLM's engine refused them before any token "
+                       "(finish_reason 'error', which vLLM calls retryable), by upstream."),
         "ec_s3_proxy_encoder_skips_total": (
             "counter", "Media items sent to prefill/decode as known to be in the bucket, with no encoder request, "
                        "by how the proxy knew (answer: an encoder answered for it here; bucket: a HEAD)."),

@@ -41,8 +41,9 @@ import aiohttp
 from aiohttp import web
 
 from ec_s3.blob.format import MISSING_REPORT, PRESENT_MARK
-from ec_s3.blob.keys import KeySpace
+from ec_s3.blob.keys import KeySpace, probe_key
 from ec_s3.log import logger
+from ec_s3.proxy.answer import PdAnswer
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.known import KnownBlobs, item_ref, keyspace_of
 from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
@@ -160,6 +161,9 @@ class EPDProxy:
 
             store_config = ECS3Config.from_extra_config(dict(self.config.bucket_lookup))
             self._bucket, self._bucket_prefix = S3Store(store_config), store_config.prefix
+            # The first lookup must not pay for the credential chain, the client and a
+            # handshake: within bucket_lookup_timeout_s that would send the item to an encoder.
+            self._bucket.warm_up(probe_key(store_config.prefix))
         logger.info(
             "ec-s3 proxy: listening on %s (encoders: %s; prefill/decode: %s)",
             self.url, ", ".join(self.config.encoder_urls) or "none", ", ".join(self.config.pd_urls),
@@ -450,10 +454,26 @@ class EPDProxy:
     async def pd_begin(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:
         """Send to the least busy PD (one that refuses the connection, so nothing was
         sent, is skipped for the next) and read the start of its answer: the whole body,
-        or for a 200 stream its first chunk, so nothing has reached the client yet when
-        this returns (parallel dispatch may still drop the answer and send again). The
-        :class:`PdAnswer` holds the upstream until :meth:`pd_finish` or its ``close``;
-        errors come back as the client's error answer. HTTP errors are relayed as they are."""
+        or for a 200 stream its first events (:meth:`PdAnswer.read_start`), so nothing has
+        reached the client yet when this returns (parallel dispatch may still drop the
+        answer and send again). The :class:`PdAnswer` holds the upstream until
+        :meth:`pd_finish` or its ``close``; errors come back as the client's error answer.
+        HTTP errors are relayed as they are, except that a generation vLLM's engine
+        refused before any token is sent once more (:mod:`.answer` says why)."""
+        answer = await self._pd_send(data, headers, stream=stream)
+        if isinstance(answer, PdAnswer) and answer.failed_generation():
+            answer.close()
+            self.metrics.inc("ec_s3_proxy_pd_retries_total", upstream=answer.upstream.url, reason="failed_generation")
+            logger.info(
+                "ec-s3 proxy: request %s: prefill/decode %s refused it before any token (vLLM's retryable "
+                "finish_reason 'error', e.g. after its multimodal cache drifted); sending it once more",
+                headers["X-Request-Id"], answer.upstream.url,
+            )
+            answer = await self._pd_send(data, headers, stream=stream)
+        return answer
+
+    async def _pd_send(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:
+        """One try of :meth:`pd_begin`."""
         assert self._pd_session is not None
         cfg = self.config
         timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
@@ -483,7 +503,7 @@ class EPDProxy:
                 self.pds.mark_up(upstream)
                 self.metrics.inc("ec_s3_proxy_pd_responses_total", upstream=upstream.url, status=str(answer.resp.status))
                 answer.stream = stream and answer.resp.status == 200
-                answer.first = await (answer.resp.content.readany() if answer.stream else answer.resp.read())
+                await answer.read_start()
                 return answer
             except asyncio.TimeoutError:
                 answer.close()
@@ -612,27 +632,6 @@ class EPDProxy:
 
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
-
-
-class PdAnswer:
-    """A prefill/decode answer begun by :meth:`EPDProxy.pd_begin`: the upstream it holds
-    in its pool, the open response and the bytes read so far. ``close`` (idempotent)
-    frees both; closing an unfinished response aborts the PD's work."""
-
-    def __init__(self, pool: Pool, upstream: Upstream, stream: bool) -> None:
-        self.pool = pool
-        self.upstream = upstream
-        self.stream = stream
-        self.resp: aiohttp.ClientResponse | None = None
-        self.first = b""
-        self._held = True
-
-    def close(self) -> None:
-        if self.resp is not None:
-            self.resp.close()  # no-op once released
-        if self._held:
-            self._held = False
-            self.pool.release(self.upstream)
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
