@@ -21,6 +21,7 @@ from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.known import KnownBlobs
 from ec_s3.proxy.main import build_parser, config_from_args
 from ec_s3.store.client import S3Store
+from support.faultproxy import FaultProxy
 from test_proxy import MODEL, FakeEncoder, FakePD, chat, image, identifier_of, params_of, rig, run
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,6 +149,21 @@ def test_config_keys_are_validated_and_on_the_command_line() -> None:
     assert "fleet" not in repr(config)
 
 
+def test_bucket_lookup_refuses_a_literal_secret_on_the_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's command line is readable by every local user: a literal secret in
+    --bucket-lookup is refused, naming the key and the way out; references are fine."""
+    for key in ("secret_access_key", "session_token"):
+        args = build_parser().parse_args(["--pd-url", "http://127.0.0.1:1", "--bucket-lookup",
+                                          json.dumps({"bucket": "fleet", key: "hunter2-literal"})])
+        with pytest.raises(ValueError, match=f"bucket_lookup: {key} is given literally") as err:
+            config_from_args(args)
+        assert "hunter2" not in str(err.value) and "env:NAME" in str(err.value)
+    monkeypatch.setenv("FLEET_SECRET", "from-the-environment")
+    args = build_parser().parse_args(["--pd-url", "http://127.0.0.1:1", "--bucket-lookup",
+                                      '{"bucket": "fleet", "access_key_id": "fleet", "secret_access_key": "env:FLEET_SECRET"}'])
+    assert dict(config_from_args(args).bucket_lookup or {})["secret_access_key"] == "env:FLEET_SECRET"
+
+
 class KeyedEncoder(FakeEncoder):
     """An encoder whose keys are the real key scheme's (identifier = the proxy's uuid)."""
 
@@ -178,7 +194,7 @@ def test_a_second_proxy_learns_from_the_bucket_with_a_head(
         enc_a, enc_b = KeyedEncoder("a"), KeyedEncoder("b")
         enc_a.space = enc_b.space = space
         async with rig(encoders=[enc_a], dispatch="parallel") as a, \
-                rig(encoders=[enc_b], dispatch="parallel", bucket_lookup=extra) as b:
+                rig(encoders=[enc_b], dispatch="parallel", bucket_lookup=extra, bucket_lookup_timeout_s=10.0) as b:
             assert (await a.post(chat(image(6))))[0] == 200
             published = enc_a.bodies[0]["messages"][0]["content"][0]["uuid"]
             # The encoder's upload (the store runs on its own loop).
@@ -191,5 +207,22 @@ def test_a_second_proxy_learns_from_the_bucket_with_a_head(
             assert params_of(b.pds[0].bodies[-1]) == {published: {PRESENT_MARK: True, "item_indices": [0]}}
             assert (await b.post(chat(image(8))))[0] == 200  # in nobody's bucket: HEAD miss, then the encoder
             assert len(enc_b.bodies) == 2 and b.metric("ec_s3_proxy_bucket_lookups_total", outcome="miss") == 1
+
+    run(scenario())
+
+
+def test_the_bucket_client_is_warm_before_the_first_lookup(
+    extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    """A proxy with ``bucket_lookup`` opens its S3 connection at start: the first lookup
+    must not pay for the credential chain, the client and a handshake, which on a busy
+    host outlasted the default bucket_lookup_timeout_s (0.25 s) and sent a published item
+    to an encoder (CI: ``assert 2 == 1`` in the test above)."""
+    extra = extra_config(endpoint_url=fault_proxy.endpoint_url, prefix="fleet")
+
+    async def scenario() -> None:
+        async with rig(encoders=[KeyedEncoder("b")], dispatch="parallel", bucket_lookup=extra):
+            # No chat request yet: the S3 server already saw the warm-up's HEAD.
+            await asyncio.to_thread(fault_proxy.wait_until, lambda c: c.forwarded >= 1, 20.0)
 
     run(scenario())

@@ -146,7 +146,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         known_max_bytes=args.known_max_bytes,
         known_ttl_s=args.known_ttl,
         known_settle_s=args.known_settle,
-        bucket_lookup=_json_object(args.bucket_lookup, "bucket_lookup"),
+        bucket_lookup=_without_literal_secrets(_json_object(args.bucket_lookup, "bucket_lookup"), "bucket_lookup"),
         bucket_lookup_timeout_s=args.bucket_lookup_timeout,
     )
 
@@ -160,6 +160,24 @@ def _json_object(text: str | None, name: str) -> dict[str, Any] | None:
         raise ValueError(f"{name}: not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name}: must be a JSON object")
+    return value
+
+
+# Keys of ec_connector_extra_config that hold secrets (ECS3Config's secret fields).
+_SECRET_KEYS = ("secret_access_key", "session_token")
+
+
+def _without_literal_secrets(value: dict[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """Refuse a secret written literally on the command line, where every local user
+    reads it (/proc/<pid>/cmdline, ps); a reference or the AWS chain is fine."""
+    for key in _SECRET_KEYS:
+        secret = (value or {}).get(key)
+        if isinstance(secret, str) and not secret.startswith(("env:", "file:")):
+            raise ValueError(
+                f"{name}: {key} is given literally, so every local user can read it on the command line; "
+                f'write "{key}": "env:NAME" or "file:/path", or leave it out and use the AWS credential chain '
+                "(AWS_SECRET_ACCESS_KEY, a profile or an instance role)"
+            )
     return value
 
 
