@@ -112,9 +112,14 @@ def _published(store: S3Store, key: str) -> bool:
     return store.run(store.head_async(key), timeout=30) is not None
 
 
-def test_one_identifier_under_two_salts_in_one_step_publishes_both_keys(
+def test_one_identifier_under_three_salts_in_one_step_is_published_for_its_encoding_tenant_only(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
 ) -> None:
+    """Three tenants send uuid X in one step: vLLM encodes it once, from one request's
+    media, and shares that output with all three. It is published under that tenant's
+    key only: under another tenant's it would hand that tenant's consumers an embedding
+    of someone else's image (a client may reuse a uuid for another image, or aim it at a
+    tenant's uuid). The others get no promise, so their consumers encode X themselves."""
     node = make_node(tiny_model_dir, "ec_producer", extra_config(lookup="promised"))
     try:
         node.driver.add("pa", ["X"], cache_salt="a")
@@ -122,10 +127,45 @@ def test_one_identifier_under_two_salts_in_one_step_publishes_both_keys(
         node.driver.add("pn", ["X"])
         finished = drive(node.driver)
         node.flush()
+        assert node.sim.encoded == ["X"]
         store = make_store()
-        keys = {rid: finished[rid].ec_transfer_params["X"]["key"] for rid in ("pa", "pb", "pn")}
-        assert len(set(keys.values())) == 3
-        assert all(_published(store, key) for key in keys.values()), keys
+        keyspace = node.scheduler_connector.model.keyspace
+        keyed = {rid for rid in ("pa", "pb", "pn") if "key" in finished[rid].ec_transfer_params["X"]}
+        assert len(keyed) == 1, {rid: finished[rid].ec_transfer_params for rid in finished}
+        salts = {"pa": "a", "pb": "b", "pn": None}
+        for rid, salt in salts.items():
+            assert _published(store, keyspace.key_for("X", cache_salt=salt)) == (rid in keyed), rid
+    finally:
+        node.close()
+
+
+def test_an_output_encoded_for_another_tenant_is_never_republished_under_a_tenants_key(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """Tenant a's X is encoded and published; tenant b's X arrives while vLLM's encoder
+    cache still holds a's output, so vLLM encodes nothing and b's first step would
+    republish that output under b's key. It must not: b gets no promise and no blob,
+    while a repeat of a's own X is still republished under a's key (gc may have
+    deleted it)."""
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(lookup="promised", present_ttl_s=0.01))
+    try:
+        store = make_store()
+        keyspace = node.scheduler_connector.model.keyspace
+        node.driver.add("pa", ["X"], cache_salt="a")
+        drive(node.driver)
+        node.flush()
+        key_a = keyspace.key_for("X", cache_salt="a")
+        assert _published(store, key_a)
+        store.run(store.delete_async(key_a), timeout=30)  # as gc would
+        time.sleep(0.05)  # past present_ttl_s: a repeat republishes
+        node.driver.add("pb", ["X"], cache_salt="b")
+        node.driver.add("pa2", ["X"], cache_salt="a")
+        finished = drive(node.driver)
+        node.flush()
+        assert node.sim.encoded == ["X"]  # served from vLLM's encoder cache both times
+        assert "key" not in finished["pb"].ec_transfer_params["X"]
+        assert not _published(store, keyspace.key_for("X", cache_salt="b"))
+        assert finished["pa2"].ec_transfer_params["X"]["key"] == key_a and _published(store, key_a)
     finally:
         node.close()
 

@@ -136,6 +136,11 @@ class ECS3Scheduler:
         # one key (its encoder cache is keyed by identifier) -> that key.
         self._by_identifier: dict[str, set[str]] = {}
         self._skipped: dict[str, str] = {}
+        # Producer: identifier -> the cache_salt of the request whose media vLLM last
+        # encoded it from. vLLM shares one encoder output among every request with the
+        # identifier, tenants included (a client may reuse a uuid for another image): it
+        # is published only under keys of that tenant, never under another's.
+        self._encoded_for: dict[str, str | None] = {}
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
         self._looking = 0  # lookups running on the I/O loop
@@ -458,34 +463,43 @@ class ECS3Scheduler:
                 listed.append(key)
             state.saved.add(identifier)
 
-        # Every item of a request's first step: the worker publishes those vLLM
-        # serves from its own encoder cache (save_caches never fires for them), so
-        # a blob deleted since (gc) or never uploaded (an outage) is published again;
-        # the publisher skips what it published within present_ttl_s.
-        # Items a HEAD found in the bucket are left out: nothing to publish again;
-        # so are those vLLM skips after a bucket hit (its cache holds no tensor).
-        for new_req in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new_req.req_id)
-            if state is not None:
-                for feature in state.request.mm_features:
-                    if feature.identifier in self._skipped:
-                        continue
-                    key = self._model.keyspace.key_for(feature.identifier, cache_salt=state.request.cache_salt)
-                    if not self._known_present(key):
-                        add(feature.identifier, state)
         # An identifier encoded in this step is published under the key of every live
-        # request that has it: vLLM encodes it once for all of them.
+        # request of the same tenant that has it: vLLM encodes it once for all of them.
         for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
+            salt = state.request.cache_salt
             for index in input_ids:
                 identifier = state.request.mm_features[index].identifier
                 self._skipped.pop(identifier, None)
+                self._encoded_for.pop(identifier, None)  # newest last: the oldest goes first
+                self._encoded_for[identifier] = salt
+                if len(self._encoded_for) > PRODUCER_CAPACITY:
+                    del self._encoded_for[next(iter(self._encoded_for))]
                 for other in self._by_identifier.get(identifier, ()):
                     other_state = self._requests.get(other)
-                    if other_state is not None:
+                    if other_state is not None and other_state.request.cache_salt == salt:
                         add(identifier, other_state)
+        # Every item of a request's first step that vLLM encoded for this tenant: the
+        # worker publishes those vLLM serves from its own encoder cache (save_caches
+        # never fires for them), so a blob deleted since (gc) or never uploaded (an
+        # outage) is published again; the publisher skips what it published within
+        # present_ttl_s. Items a HEAD found in the bucket are left out: nothing to
+        # publish again; so are those vLLM skips after a bucket hit (its cache holds no
+        # tensor), and those encoded from another tenant's media (request_finished
+        # withholds their promise).
+        for new_req in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new_req.req_id)
+            if state is not None:
+                salt = state.request.cache_salt
+                for feature in state.request.mm_features:
+                    identifier = feature.identifier
+                    if identifier in self._skipped or self._encoded_for.get(identifier, salt) != salt:
+                        continue
+                    key = self._model.keyspace.key_for(identifier, cache_salt=salt)
+                    if identifier not in state.saved and not self._known_present(key):
+                        add(identifier, state)
         return keys
 
     def _known_present(self, key: str) -> bool:
@@ -554,6 +568,12 @@ class ECS3Scheduler:
             ):
                 # A bucket hit under another key made vLLM skip it for this request
                 # too: nothing is published under this request's key, so no promise.
+                withhold.add(identifier)
+            elif state is not None and identifier not in state.saved and (
+                self._encoded_for.get(identifier, request.cache_salt) != request.cache_salt
+            ):
+                # vLLM served it from an output encoded from another tenant's media:
+                # never published under this request's key, so no promise.
                 withhold.add(identifier)
         # A producer whose store is down (circuit open) cannot keep a promise: sending
         # none lets consumers encode at once instead of waiting out promised_wait_s.
