@@ -24,7 +24,7 @@ body is complete): the client waits that much longer, and still gets one answer.
 Encoder requests still running once p/d's answer has begun run on (their uploads serve
 later requests; the proxy cancels them at stop); a client that leaves cancels them all.
 
-Items the proxy knows are in the bucket (:mod:`.known`: an encoder answered for them
+Items the proxy knows are in the bucket (:mod:`.skips`: an encoder answered for them
 here, or, opt-in, a HEAD found them) get no encoder request under either dispatch: they
 go to p/d with the encoder's remembered entry or a present mark (``ec_s3_present``); a
 consumer that finds such a blob missing encodes the item itself at once and says so in

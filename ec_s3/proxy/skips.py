@@ -1,0 +1,176 @@
+"""Which media items skip the encoder: the proxy's table of items in the bucket, kept up
+to date from encoder answers, prefill/decode answers and (opt-in) HEADs of the fleet's bucket.
+
+Parallel and serial dispatch ask :meth:`EncoderSkips.known_params` before any encoder
+request: an item an encoder answered for here (:mod:`.known`), or one a HEAD finds
+(``bucket_lookup``: the fleet's ``ec_connector_extra_config``, its own S3 client, opened
+and warmed at start), goes to prefill/decode with the remembered entry or a present mark.
+A consumer that finds such a blob missing lists it in its answer; the proxy forgets it.
+
+Owns the table's use, the lookup client's lifecycle, the key space per model (learned from
+encoder answers: the namespace is the producers' to derive) and the ``known`` and
+``bucket_lookups`` metrics. It does not own the table's bounds and expiry (:mod:`.known`),
+the order of sends (:mod:`.dispatch`) or HTTP (:mod:`.server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from ec_s3.blob.format import MISSING_REPORT, PRESENT_MARK
+from ec_s3.blob.keys import KeySpace, probe_key
+from ec_s3.log import logger
+from ec_s3.proxy.answer import PdAnswer
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.known import KnownBlobs, item_ref, keyspace_of
+from ec_s3.proxy.media import MediaItem, dump_body
+from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.upstreams import Warner
+
+__all__ = ["EncoderSkips"]
+
+# Models whose key space is remembered (one per model name the encoders answered for).
+_MAX_KEYSPACES = 64
+
+
+class EncoderSkips:
+    """The known-items table and the optional bucket lookups of one proxy (one loop)."""
+
+    def __init__(self, config: ProxyConfig, metrics: ProxyMetrics, warner: Warner) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._warner = warner
+        self.known = KnownBlobs(config.known_max_entries, config.known_max_bytes, config.known_ttl_s,
+                                config.known_settle_s)
+        self.metrics.set("ec_s3_proxy_known_entries", 0)
+        # Opt-in HEADs (bucket_lookup): the store, its key prefix, and per model the key
+        # space its encoders' answers showed.
+        self._bucket: Any = None
+        self._bucket_prefix = ""
+        self._keyspaces: dict[str, KeySpace] = {}
+
+    def open(self) -> None:
+        """Create the lookup client (``bucket_lookup``), warming it in the background."""
+        if self.config.bucket_lookup is None or self._bucket is not None:
+            return
+        from ec_s3.config import ECS3Config
+        from ec_s3.store.client import S3Store
+
+        store_config = ECS3Config.from_extra_config(dict(self.config.bucket_lookup))
+        self._bucket, self._bucket_prefix = S3Store(store_config), store_config.prefix
+        # The first lookup must not pay for the credential chain, the client and a
+        # handshake: within bucket_lookup_timeout_s that would send the item to an encoder.
+        self._bucket.warm_up(probe_key(store_config.prefix))
+
+    async def close(self) -> None:
+        if self._bucket is not None:
+            bucket, self._bucket = self._bucket, None
+            await asyncio.to_thread(bucket.close, 2.0)
+
+    async def known_params(
+        self, body: dict[str, Any], items: list[MediaItem], *, may_look: bool
+    ) -> tuple[dict[str, Any], set[int]]:
+        """The ``ec_transfer_params`` of the items known to be in the bucket, and their
+        indices in ``items``: those need no encoder. With ``may_look`` (parallel dispatch:
+        items named by content) and ``bucket_lookup``, the others are looked up with a
+        HEAD first, all at once, for at most ``bucket_lookup_timeout_s``."""
+        if not self.known.enabled or not self.config.forward_params:
+            return {}, set()
+        now = time.monotonic()
+        params: dict[str, Any] = {}
+        found: set[int] = set()
+        heads: list[tuple[int, str, str, str]] = []  # (index, ref, key, identifier)
+        space = self._keyspaces.get(str(body.get("model")))
+        for n, item in enumerate(items):
+            ref = item_ref(body, item)
+            known = self.known.get(ref, now)
+            if known is not None:
+                params.update(known.params(item.indices, now))
+                found.add(n)
+                self.metrics.inc("ec_s3_proxy_encoder_skips_total", source=known.source)
+                continue
+            name = item.part.get("uuid")
+            if (may_look and self._bucket is not None and space is not None and isinstance(name, str)
+                    and "mm_processor_kwargs" not in body):
+                # Without processor kwargs vLLM's identifier is the uuid itself.
+                salt = body.get("cache_salt")
+                key = space.key_for(name, cache_salt=salt if isinstance(salt, str) else None)
+                heads.append((n, ref, key, name))
+        if heads:
+            for (n, ref, key, name), hit in zip(heads, await self._head_all([k for _, _, k, _ in heads]), strict=True):
+                if hit:
+                    self.known.remember_present(ref, key, name)
+                    params[name] = {PRESENT_MARK: True, "item_indices": list(items[n].indices)}
+                    found.add(n)
+                    self.metrics.inc("ec_s3_proxy_encoder_skips_total", source="bucket")
+        self._metrics()
+        return params, found
+
+    async def _head_all(self, keys: list[str]) -> list[bool]:
+        """Whether each key is in the bucket; a failed or late HEAD counts as no (the
+        item then goes to an encoder, which is always right)."""
+        store = self._bucket
+        try:
+            futures = [asyncio.wrap_future(store.submit(store.head_async(k))) for k in keys]
+        except Exception as exc:  # noqa: BLE001 - the store is closing: the encoders get the items
+            self.metrics.inc("ec_s3_proxy_bucket_lookups_total", len(keys), outcome="error")
+            self._warner.warn(("bucket", "error"), "ec-s3 proxy: bucket lookup failed: %s", exc)
+            return [False] * len(keys)
+        done, pending = await asyncio.wait(futures, timeout=self.config.bucket_lookup_timeout_s)
+        for f in pending:
+            f.cancel()
+        out = []
+        for f in futures:
+            if f in pending:
+                outcome, hit = "timeout", False
+            elif f.exception() is not None:
+                outcome, hit = "error", False
+                self._warner.warn(("bucket", "error"), "ec-s3 proxy: bucket lookup failed: %s", f.exception())
+            else:
+                hit = f.result() is not None
+                outcome = "hit" if hit else "miss"
+            self.metrics.inc("ec_s3_proxy_bucket_lookups_total", outcome=outcome)
+            out.append(hit)
+        return out
+
+    def remember(self, body: dict[str, Any], item: MediaItem, params: dict[str, Any] | None) -> None:
+        """An encoder answered for ``item`` of ``body``: its blob is (about to be) in the bucket."""
+        if not params or not self.known.enabled or not self.config.forward_params:
+            return
+        if self.known.remember_answer(item_ref(body, item), params) and self._bucket is not None:
+            model = str(body.get("model"))
+            if model not in self._keyspaces and len(self._keyspaces) < _MAX_KEYSPACES:
+                key = next(e["key"] for e in params.values() if isinstance(e, dict) and "key" in e)
+                space = keyspace_of(key, self._bucket_prefix)
+                if space is not None:
+                    self._keyspaces[model] = space
+        self._metrics()
+
+    def learn_from_answer(self, answer: PdAnswer) -> None:
+        """A non-streamed answer whose consumer found blobs marked present missing lists
+        their keys (``ec_transfer_params``): forget them, and keep the list from the client."""
+        if answer.stream or answer.resp is None or answer.resp.status != 200:
+            return
+        if MISSING_REPORT.encode() not in answer.first:
+            return
+        try:
+            payload = json.loads(answer.first)
+            params = payload.get("ec_transfer_params")
+            keys = params.pop(MISSING_REPORT)
+        except (ValueError, AttributeError, KeyError, TypeError, RecursionError):
+            return
+        if isinstance(keys, list):
+            forgotten = self.known.forget_keys(keys)
+            logger.info("ec-s3 proxy: prefill/decode found %d blob(s) marked present missing; forgot %d entries",
+                        len(keys), forgotten)
+        payload["ec_transfer_params"] = params or None
+        answer.first = dump_body(payload)
+        self._metrics()
+
+    def _metrics(self) -> None:
+        self.metrics.set("ec_s3_proxy_known_entries", len(self.known))
+        for reason, n in self.known.forgotten.items():
+            self.metrics.set("ec_s3_proxy_known_forgotten_total", n, reason=reason)
