@@ -10,18 +10,17 @@ memory), and the lost answer, whose resend got 412, must count as uploaded: as m
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ec_s3.config import ECS3Config
 from ec_s3.demo.chat import chat_body, post_chat
 from ec_s3.sandbox.env import CPU_OFFLINE_ENV
 from ec_s3.sandbox.vllm_server import TINY_MODEL_ARGS, VllmServer, ec_transfer_config
 from ec_s3.store.client import S3Store
 from support.faultproxy import FaultProxy
+from support.s3_matrix import new_bucket
 from support.settled import settled_metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,11 +40,7 @@ def test_worker_store_retries_and_lost_answers_on_the_multiprocess_executor(
     s3_endpoint: Any, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     creds = s3_endpoint.credentials
-    bucket = f"mp-{secrets.token_hex(6)}"
-    store = S3Store(ECS3Config.from_extra_config(
-        {"bucket": bucket, "endpoint_url": s3_endpoint.url, "access_key_id": creds.access_key_id,
-         "secret_access_key": creds.secret_access_key}, environ={}))
-    store.run(store.create_bucket_async(), timeout=30)
+    bucket, store = new_bucket(s3_endpoint, "mp")
     proxy = FaultProxy(s3_endpoint.url).start()
     model = str(tiny_model_dir)
     extra = {"bucket": bucket, "endpoint_url": proxy.endpoint_url, "prefix": PREFIX, "max_attempts": 4,

@@ -38,7 +38,6 @@ from typing import Any
 
 import pytest
 
-from ec_s3.config import ECS3Config
 from ec_s3.demo.chat import (
     AGAIN,
     BATCHING_TOLERANCE,
@@ -66,6 +65,7 @@ from ec_s3.sandbox.vllm_server import (
 from ec_s3.proxy.server import ProxyConfig, ProxyThread
 from ec_s3.store.client import S3Store
 from support.procs import alive, still_alive_after
+from support.s3_matrix import new_bucket
 from support.settled import settled_metric
 
 # The tests that start real engines are marked slow one by one: the launch helpers'
@@ -117,11 +117,7 @@ def stack(s3_endpoint: Any, tiny_model_dir: Path, tmp_path_factory: pytest.TempP
     # Module-scoped: conftest's bucket / extra_config fixtures are per test, and these
     # servers are shared by (a) and (b).
     creds = s3_endpoint.credentials
-    bucket = f"e2e-{secrets.token_hex(6)}"
-    store = S3Store(ECS3Config.from_extra_config(
-        {"bucket": bucket, "endpoint_url": s3_endpoint.url, "access_key_id": creds.access_key_id,
-         "secret_access_key": creds.secret_access_key}, environ={}))
-    store.run(store.create_bucket_async(), timeout=30)
+    bucket, store = new_bucket(s3_endpoint, "e2e")
 
     work = tmp_path_factory.mktemp("e2e")
     model_dir = work / "model"

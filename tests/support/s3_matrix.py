@@ -27,7 +27,7 @@ from .moto_s3 import MotoServer
 from .rgw import RgwServer
 from .tls import TLSFront, make_private_ca
 
-__all__ = ["SERVERS", "Quirks", "S3Endpoint", "S3Servers", "s3_matrix"]
+__all__ = ["SERVERS", "Quirks", "S3Endpoint", "S3Servers", "new_bucket", "s3_matrix"]
 
 SERVERS = ("seaweedfs", "moto", "rgw")
 
@@ -84,6 +84,23 @@ class S3Endpoint:
 
     def __repr__(self) -> str:
         return f"S3Endpoint({self.name}, {self.url})"
+
+
+def new_bucket(endpoint: S3Endpoint, name_prefix: str) -> tuple[str, Any]:
+    """A fresh bucket ``<name_prefix>-<random>`` on ``endpoint`` and a store on it with
+    the endpoint's own credentials (not the environment's); the caller closes the store."""
+    import secrets
+
+    from ec_s3.config import ECS3Config
+    from ec_s3.store.client import S3Store
+
+    bucket = f"{name_prefix}-{secrets.token_hex(6)}"
+    creds = endpoint.credentials
+    store = S3Store(ECS3Config.from_extra_config(
+        {"bucket": bucket, "endpoint_url": endpoint.url, "access_key_id": creds.access_key_id,
+         "secret_access_key": creds.secret_access_key}, environ={}))
+    store.run(store.create_bucket_async(), timeout=30)
+    return bucket, store
 
 
 # The matrix's https entries (``<server>+https``: the server behind a TLS front whose
