@@ -628,6 +628,30 @@ def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers() -> None:
     assert config.keepalive_timeout_s < keepalive
 
 
+def check_proxy_drain(pod: dict[str, Any], pd_shutdown_timeout_s: float, where: str) -> None:
+    """A proxy pod drains like its prefill/decode: out of the endpoints first (preStop),
+    then requests in flight get as long as prefill/decode gives them, all within the pod's
+    grace period (default 30 s), so a proxy rollout never cuts a generation p/d would finish."""
+    (proxy,) = [c for c in pod["containers"] if c.get("command") == ["ec-s3", "proxy"]]
+    config = proxy_config_from_args(build_proxy_parser().parse_args(proxy["args"]))
+    pre_stop = _pre_stop_seconds(proxy)
+    grace = pod.get("terminationGracePeriodSeconds", 30)
+    assert pre_stop >= 5, f"{where}: the endpoints need a moment to drop the proxy before SIGTERM"
+    assert config.shutdown_timeout_s >= pd_shutdown_timeout_s, (
+        f"{where}: the proxy drains {config.shutdown_timeout_s:g} s, prefill/decode {pd_shutdown_timeout_s:g} s")
+    assert grace > pre_stop + config.shutdown_timeout_s, (
+        f"{where}: the kubelet kills the proxy after {grace} s, before preStop ({pre_stop:g} s) and its drain "
+        f"({config.shutdown_timeout_s:g} s) are over")
+
+
+def test_the_proxy_drains_as_long_as_prefill_decode() -> None:
+    objs = render(KUSTOMIZE)
+    pd = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]
+    vllm = next(c for c in pd["containers"] if c["name"] == "vllm")
+    check_proxy_drain(_find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"],
+                      float(_arg(vllm["args"], "--shutdown-timeout")), "kustomize")
+
+
 @pytest.mark.parametrize("name", ["ec-s3-gc", "ec-s3-abort-stale-uploads"])
 def test_cronjob_commands_parse(name: str) -> None:
     job = _find(render(KUSTOMIZE), "CronJob", name)

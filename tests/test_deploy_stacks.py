@@ -319,6 +319,18 @@ def test_each_stack_has_an_ec_s3_proxy_pointing_at_its_servers() -> None:
     assert ps["routerSpec"]["enableRouter"] is False
 
 
+@pytest.mark.parametrize("stack", ["production-stack", "llm-d", "kserve"])
+def test_each_stacks_proxy_drains_as_long_as_its_prefill_decode(stack: str, vllm_parser: Any) -> None:
+    from test_deploy import check_proxy_drain
+
+    (pd,) = [s for s in all_stacks()[stack] if _role(s["args"]) == "ec_consumer"]
+    objs = {"production-stack": lambda: _load(PRODUCTION_STACK)["extraObjects"],
+            "llm-d": lambda: [o for p in LLMD.values() for o in _load(p).get("extraObjects", [])],
+            "kserve": _kserve_docs}[stack]()
+    (pod,) = [o["spec"]["template"]["spec"] for o in objs if o["kind"] == "Deployment" and _proxies([o])]
+    check_proxy_drain(pod, float(vllm_parser.parse_args(pd["args"]).shutdown_timeout), stack)
+
+
 def test_rollouts_fit_a_full_gpu_pool() -> None:
     strategies = [_load(PRODUCTION_STACK)["servingEngineSpec"]["strategy"]]
     strategies += [_load(p)["decode"]["strategy"] for p in LLMD.values()]

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -766,41 +767,82 @@ def test_cli_flags() -> None:
         ProxyConfig(encoder_urls=["e1:8001"], pd_urls=["http://pd:1"])
 
 
+@contextlib.asynccontextmanager
+async def proxy_process(pd: FakePD, *args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    """``python -m ec_s3.proxy`` in front of ``pd`` (and a dead encoder), once /health
+    answers: (the process, its URL); killed afterwards if it still runs."""
+    runner, pd.url = await serve(pd.app())
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "ec_s3.proxy", "--pd-url", pd.url, "--encoder-url", dead_url(),
+        "--port", str(port), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(f"{url}/health") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("proxy did not come up")
+        yield proc, url
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await runner.cleanup()
+
+
 def test_python_m_ec_s3_proxy_serves_and_stops_on_sigterm() -> None:
     async def scenario() -> None:
-        pd = FakePD("pd0")
-        runner, pd.url = await serve(pd.app())
-        port = free_port()
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "ec_s3.proxy", "--pd-url", pd.url, "--encoder-url", dead_url(),
-            "--port", str(port), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        try:
-            async with aiohttp.ClientSession() as s:
-                for _ in range(200):
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with s.get(f"http://127.0.0.1:{port}/health") as resp:
-                            if resp.status == 200:
-                                break
-                    await asyncio.sleep(0.05)
-                else:
-                    raise AssertionError("proxy did not come up")
-                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat(image(1))) as resp:
-                    assert resp.status == 200
+        async with proxy_process(FakePD("pd0")) as (proc, url):
+            async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/chat/completions", json=chat(image(1))) as resp:
+                assert resp.status == 200
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 10) == 0
             assert proc.stdout is not None
             log = (await proc.stdout.read()).decode()
-            assert f"listening on http://127.0.0.1:{port}" in log
+            assert f"listening on {url}" in log
             assert "failed" in log  # the dead encoder was logged, not raised
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            await runner.cleanup()
 
     run(scenario())
+
+
+@pytest.mark.parametrize(("shutdown_timeout", "finishes"), [(10.0, True), (0.3, False)])
+def test_sigterm_lets_requests_in_flight_finish_for_shutdown_timeout(shutdown_timeout: float, finishes: bool) -> None:
+    """On SIGTERM the proxy stops listening at once and gives a request in flight (p/d
+    answers after 5 s) --shutdown-timeout to finish: it is relayed in full within it, and
+    cut past it, when the proxy exits 0 without waiting for it."""
+    async def scenario() -> None:
+        pd = FakePD("pd0", delay=5.0)
+        async with proxy_process(pd, "--shutdown-timeout", str(shutdown_timeout)) as (proc, url):
+            async with aiohttp.ClientSession() as s:
+                async def ask() -> int:
+                    async with s.post(f"{url}/v1/chat/completions", json=chat(image(1))) as resp:
+                        await resp.read()
+                        return resp.status
+
+                in_flight = asyncio.ensure_future(ask())
+                while pd.gauge.now < 1:
+                    await asyncio.sleep(0.01)
+                started = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
+                    await ask()
+                if finishes:
+                    assert await asyncio.wait_for(in_flight, 10) == 200
+                else:
+                    with pytest.raises(aiohttp.ClientError):
+                        await asyncio.wait_for(in_flight, 10)
+                assert await asyncio.wait_for(proc.wait(), 15) == 0
+                assert (time.monotonic() - started < 3.5) == (not finishes)
+
+    run(scenario(), timeout=60)
 
 
 def test_proxy_thread_for_synchronous_callers() -> None:

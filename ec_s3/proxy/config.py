@@ -100,6 +100,10 @@ class ProxyConfig:
     bucket_lookup: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
     # The longest a request waits for those HEADs; past it its items go to encoders.
     bucket_lookup_timeout_s: float = 0.25
+    # On SIGTERM (or stop()): stop listening, then let requests in flight finish for this
+    # long before cancelling them. Keep it at least the prefill/decode servers' own
+    # --shutdown-timeout, and below the pod's terminationGracePeriodSeconds minus preStop.
+    shutdown_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
@@ -133,6 +137,8 @@ class ProxyConfig:
             raise ValueError("known_ttl_s: must be > 0 and at most 7 days (keep it below the bucket's retention)")
         if not 0 <= float(self.known_settle_s) < float(self.known_ttl_s):
             raise ValueError("known_settle_s: must be >= 0 and below known_ttl_s")
+        if not 0 <= float(self.shutdown_timeout_s) <= 3600:
+            raise ValueError("shutdown_timeout_s: must be >= 0 and at most 3600 (0: cancel requests in flight at once)")
         if not float(self.bucket_lookup_timeout_s) > 0:
             raise ValueError("bucket_lookup_timeout_s: must be > 0")
         if self.bucket_lookup is not None:

@@ -67,6 +67,9 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help=f"connection pool bound per upstream instance (default {d.max_connections_per_upstream})")
     p.add_argument("--down-cooldown", type=float, default=d.down_cooldown_s, metavar="S",
                    help=f"skip an upstream this long after it refused a connection (default {d.down_cooldown_s:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s, metavar="S",
+                   help="on SIGTERM, stop listening and let requests in flight finish this long; keep it at least "
+                        f"prefill/decode's own --shutdown-timeout (default {d.shutdown_timeout_s:g})")
     p.add_argument("--dispatch", choices=["parallel", "serial"], default=d.dispatch,
                    help="parallel: send the request to prefill/decode while encoders encode its media (items "
                         "named by content, marked pending); serial: encoders first, then prefill/decode with "
@@ -132,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         keepalive_timeout_s=args.keepalive_timeout,
         max_connections_per_upstream=args.max_connections_per_upstream,
         down_cooldown_s=args.down_cooldown,
+        shutdown_timeout_s=args.shutdown_timeout,
         dispatch=args.dispatch,
         forward_media=args.forward_media,
         forward_params=args.forward_params,
@@ -204,7 +208,8 @@ async def _serve(config: ProxyConfig) -> None:
     try:
         await stop.wait()
     finally:
-        logger.info("ec-s3 proxy: shutting down")
+        logger.info("ec-s3 proxy: shutting down: no new connections; requests in flight get up to %g s "
+                    "(--shutdown-timeout)", config.shutdown_timeout_s)
         await proxy.stop()
 
 

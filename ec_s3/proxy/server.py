@@ -137,7 +137,8 @@ class EPDProxy:
             raise RuntimeError("proxy already started")
         # handler_cancellation: a client that hangs up cancels its handler, which closes
         # the upstream connection, so the PD aborts generating for nobody.
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                               shutdown_timeout=float(self.config.shutdown_timeout_s))
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
