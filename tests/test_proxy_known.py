@@ -226,3 +226,30 @@ def test_the_bucket_client_is_warm_before_the_first_lookup(
             await asyncio.to_thread(fault_proxy.wait_until, lambda c: c.forwarded >= 1, 20.0)
 
     run(scenario())
+
+
+def test_a_bucket_lookup_that_cannot_start_leaves_nothing_bound(
+    extra_config: Callable[..., dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup config is resolved again at start (``env:NAME`` secrets): when that
+    fails, start raises the config error and holds no port (the caller's ``async with``
+    never reaches its exit, so start must clean up itself)."""
+    from ec_s3.config import ConfigError
+    from ec_s3.proxy.server import EPDProxy
+    from ec_s3.sandbox.net import free_port
+
+    extra = extra_config(prefix="fleet")
+    monkeypatch.setenv("FLEET_SECRET", extra["secret_access_key"])
+    config = ProxyConfig(encoder_urls=[], pd_urls=["http://127.0.0.1:1"], port=free_port(),
+                         bucket_lookup={**extra, "secret_access_key": "env:FLEET_SECRET"})
+    monkeypatch.delenv("FLEET_SECRET")
+
+    async def scenario() -> None:
+        with pytest.raises(ConfigError, match="FLEET_SECRET"):
+            await EPDProxy(config).start()
+        # The port is free again: a second proxy binds it.
+        monkeypatch.setenv("FLEET_SECRET", extra["secret_access_key"])
+        proxy = await EPDProxy(config).start()
+        await proxy.stop()
+
+    run(scenario())

@@ -137,18 +137,24 @@ class EPDProxy:
             raise RuntimeError("proxy already started")
         # handler_cancellation: a client that hangs up cancels its handler, which closes
         # the upstream connection, so the PD aborts generating for nobody.
+        # The lookup client first: its config (env:/file: secrets) is resolved again
+        # here, and a failure must leave no port bound (no stop() follows a failed start).
+        self.skips.open()
         runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=float(self.config.shutdown_timeout_s))
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.port)
         try:
-            await site.start()
+            await runner.setup()
+            site = web.TCPSite(runner, self.config.host, self.config.port)
+            try:
+                await site.start()
+            except BaseException:
+                await runner.cleanup()
+                raise
         except BaseException:
-            await runner.cleanup()
+            await self.skips.close()
             raise
         self._runner = runner
         self._port = int(runner.addresses[0][1])
-        self.skips.open()
         logger.info(
             "ec-s3 proxy: listening on %s (encoders: %s; prefill/decode: %s)",
             self.url, ", ".join(self.config.encoder_urls) or "none", ", ".join(self.config.pd_urls),
