@@ -318,6 +318,7 @@ class DataPath:
             spec = types.SimpleNamespace(
                 identifier=expect.identifier, path=slot.path, nbytes=slot.nbytes, data_offset=decoded.data_offset,
                 dtype=str(decoded.tensor.dtype).removeprefix("torch."), shape=tuple(decoded.tensor.shape),
+                handle=slot.handle, inode=slot.inode,
             )
             del decoded
             buf.release()
@@ -343,7 +344,7 @@ class DataPath:
                 self.fetch_area.pin(result.slot)
                 spec = types.SimpleNamespace(
                     identifier=expect.identifier, path=result.slot.path, nbytes=result.slot.nbytes, data_offset=result.data_offset,
-                    dtype=result.dtype, shape=result.shape,
+                    dtype=result.dtype, shape=result.shape, handle=result.slot.handle, inode=result.slot.inode,
                 )
                 return StagedItem(spec, result.slot, self.fetch_area)
             time.sleep(0.002)

@@ -144,8 +144,10 @@ PANELS: list[dict[str, Any]] = [
     row("Prefill/decode (consumers)"),
     panel("Staging", [
         (rate("vllm:ec_s3_staging_no_space_total"), "fetches refused: no room"),
-        (rate("vllm:ec_s3_staging_read_failures_total"), "staged blobs unreadable")], unit="ops",
-        description="No room: staging_bytes or the /dev/shm tmpfs is full (alert EcS3StagingFull)."),
+        (rate("vllm:ec_s3_staging_read_failures_total"), "staged blobs unreadable"),
+        (rate("vllm:ec_s3_staging_reopened_total"), "read through the scheduler's open file")], unit="ops",
+        description="No room: staging_bytes or the /dev/shm tmpfs is full (alert EcS3StagingFull). Read through "
+                    "the open file: another process deletes files in staging_dir."),
     panel("Worker loads", [
         (rate("vllm:ec_s3_loads_encoded_locally_total"), "encoded in the step instead"),
         (rate("vllm:ec_s3_remote_loads_total"), "fetched by a worker on another host"),

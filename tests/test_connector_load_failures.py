@@ -199,27 +199,35 @@ def test_worker_without_credentials_does_not_raise_into_vllm(
     assert isinstance(meta, ECS3WorkerMetadata) and meta.failed_loads == {"img-z"}
 
 
-def test_staged_file_gone_and_store_down_is_encoded_in_the_same_step(
-    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
-) -> None:
-    """The scheduler answered "hit", then something deleted the staged file and the store
-    went down: the worker cannot load the item, so it adds it to the step's encoder
-    inputs and vLLM encodes it before the gather. Before, vLLM stopped the engine with
-    "Encoder cache miss" (the worker's S3 fallback failed too)."""
-    import os
-
-    params = produce(tiny_model_dir, extra_config(), ["img-a"])
-    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, max_attempts=1))
+def _before_the_worker_reads(node: Node, fault: Callable[[LoadSpec], None]) -> None:
+    """Run ``fault`` on each load just before the worker maps its staged file."""
     worker = node.worker._worker
     assert worker is not None
     load_slot = worker._device_loader.load_slot
 
-    def staged_file_vanishes(spec: LoadSpec, device: torch.device) -> torch.Tensor:
-        os.unlink(spec.path)  # another process cleaned staging_dir
-        fault_proxy.set_down(True)  # and the store is unreachable
-        return load_slot(spec, device)
+    def faulty(spec: LoadSpec, device: torch.device, *args: Any) -> torch.Tensor:
+        fault(spec)
+        return load_slot(spec, device, *args)
 
-    worker._device_loader.load_slot = staged_file_vanishes  # type: ignore[method-assign]
+    worker._device_loader.load_slot = faulty  # type: ignore[method-assign]
+
+
+def test_staged_file_spoiled_and_store_down_is_encoded_in_the_same_step(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
+) -> None:
+    """The scheduler answered "hit", then something overwrote the staged file and the
+    store went down: the worker cannot load the item, so it adds it to the step's encoder
+    inputs and vLLM encodes it before the gather. Before, vLLM stopped the engine with
+    "Encoder cache miss" (the worker's S3 fallback failed too)."""
+    params = produce(tiny_model_dir, extra_config(), ["img-a"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, max_attempts=1))
+
+    def spoil(spec: LoadSpec) -> None:
+        with open(spec.path, "r+b") as f:  # another process wrote into staging_dir
+            f.write(bytes(spec.nbytes))
+        fault_proxy.set_down(True)  # and the store is unreachable
+
+    _before_the_worker_reads(node, spoil)
     try:
         node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]})
         finished = drive(node.driver)
@@ -228,6 +236,43 @@ def test_staged_file_gone_and_store_down_is_encoded_in_the_same_step(
         assert torch.equal(node.sim.encoder_cache["img-a"], fake_encoder_output("img-a", ROWS))
         assert node.worker.counters.get("loads_encoded_locally") == 1
         assert node.worker.counters.get("blobs_loaded") == 0
+        assert fault_proxy.counters.down_refused == 0  # the step never waited for S3
+    finally:
+        fault_proxy.set_down(False)
+        node.close()
+
+
+@pytest.mark.parametrize("fault", ["deleted", "replaced"])
+def test_staged_file_a_peer_deletes_is_still_loaded_with_the_store_down(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy, fault: str
+) -> None:
+    """The scheduler answered "hit" for a request that carries no media, then another
+    process deleted (or replaced) the staged file and the store went down. The worker
+    reads the blob through the file the scheduler holds open: the request is served from
+    the bucket's blob, and the step never waits for S3. Before, nothing could deliver the
+    item and vLLM stopped the engine on an encoder cache miss."""
+    import os
+
+    params = produce(tiny_model_dir, extra_config(), ["img-a"])
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, max_attempts=1))
+
+    def peer_cleans_staging(spec: LoadSpec) -> None:
+        os.unlink(spec.path)
+        if fault == "replaced":  # same name, same size, another item's bytes
+            with open(spec.path, "xb") as f:
+                f.write(bytes(spec.nbytes))
+        fault_proxy.set_down(True)
+
+    _before_the_worker_reads(node, peer_cleans_staging)
+    try:
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": params["img-a"]}, with_media=False)
+        finished = drive(node.driver)
+        assert finished["r1"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        assert torch.equal(node.sim.encoder_cache["img-a"], fake_encoder_output("img-a", ROWS))
+        assert node.worker.counters.get("blobs_loaded") == 1
+        assert node.worker.counters.get("staging_reopened") == 1
+        assert node.worker.counters.get("staging_read_failures") == 0
         assert fault_proxy.counters.down_refused == 0  # the step never waited for S3
     finally:
         fault_proxy.set_down(False)

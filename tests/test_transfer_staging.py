@@ -5,6 +5,7 @@ half-written file) and directories or files someone else could write."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -352,3 +353,95 @@ def test_worker_refuses_another_items_blob_and_symlinks(
         assert worker.counters.get("staging_read_failures") == n, path.name
     cache = _load(worker, _spec(worker, identifier, str(good), meta))
     assert torch.equal(cache[identifier], x) and worker.counters.get("staging_read_failures") == 3
+
+
+# ---------------------------------------------------------------- a peer cleans staging_dir
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_slot_is_read_through_its_handle_by_another_process_once_its_name_is_gone(tmp_path: Path) -> None:
+    """A worker process maps the scheduler's open file (``/proc/<pid>/fd/<n>``) when a
+    peer deleted the slot's name, or put another file there; the inode proves it is
+    the slot. Before, both were unreadable (and with the store down, fatal)."""
+    x, meta, data = _blob("img-kept", "ns")
+    area = StagingArea(str(tmp_path), capacity_bytes=2 * len(data))
+    try:
+        layout = BlobLayout.plan(meta)
+        for fault in ("deleted", "replaced"):
+            slot = _stage(area, f"k-{fault}", data)
+            assert slot.handle == f"/proc/{os.getpid()}/fd/{slot.fd}" and slot.inode != (0, 0)
+            os.unlink(slot.path)
+            if fault == "replaced":
+                Path(slot.path).write_bytes(data)  # the same bytes, but not the slot's file
+            proc = _run_python(
+                """
+                import sys, torch
+                from ec_s3.transfer.slot_reader import map_verified_slot
+                path, handle, dev, ino, nbytes, offset = sys.argv[1:7]
+                mm, reopened = map_verified_slot(path, identifier="img-kept", nbytes=int(nbytes),
+                    data_offset=int(offset), dtype="bfloat16", shape=(16, 128), handle=handle, inode=(int(dev), int(ino)))
+                t = torch.frombuffer(mm, dtype=torch.uint8, offset=int(offset)).view(torch.bfloat16)
+                print(reopened, float(t.float().sum()))
+                """,
+                slot.path, slot.handle, str(slot.inode[0]), str(slot.inode[1]), str(layout.total_nbytes),
+                str(layout.data_offset),
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert proc.stdout.split() == ["True", str(float(x.float().sum()))], fault
+    finally:
+        area.close()
+
+
+def test_a_handle_whose_number_names_another_file_is_refused(tmp_path: Path) -> None:
+    """Once the area releases a slot its descriptor number is free, and the next open
+    gets it: a worker that reads the stale handle gets an error, never that file's bytes
+    (the inode check; and should a file system reuse the inode number, the header)."""
+    from ec_s3.transfer.slot_reader import SlotMismatch, map_verified_slot
+    from ec_s3.transfer.staging import map_handle
+
+    _, meta, data = _blob("img-gone", "ns")
+    layout = BlobLayout.plan(meta)
+    area = StagingArea(str(tmp_path), capacity_bytes=2 * len(data))
+    try:
+        live = _stage(area, "live", data)
+        with pytest.raises(OSError) as info:
+            map_handle(live.handle, (live.inode[0], live.inode[1] + 1))
+        assert info.value.errno == errno.ESTALE
+        slot = _stage(area, "k", data)
+        handle, inode, number = slot.handle, slot.inode, slot.fd
+        area.discard(slot)
+        assert slot.fd == -1 and slot.handle == ""
+        other = tmp_path / "other.bin"
+        other.write_bytes(bytes(len(data)))
+        fd = os.open(other, os.O_RDONLY)
+        try:
+            assert fd == number  # the lowest free number: the slot's old one
+            with pytest.raises((OSError, SlotMismatch)):
+                map_verified_slot(slot.path, identifier="img-gone", nbytes=layout.total_nbytes,
+                                  data_offset=layout.data_offset, dtype="bfloat16", shape=(16, 128),
+                                  handle=handle, inode=inode)
+        finally:
+            os.close(fd)
+    finally:
+        area.close()
+
+
+def test_open_slot_files_stay_within_their_budget_and_close_with_their_slots(tmp_path: Path) -> None:
+    """The area holds at most ``fd_budget`` slot files open; each closes when its slot's
+    file is removed (discard, eviction, expiry) or the area closes: none leaks."""
+    _, _, data = _blob("img-many", "ns")
+    before = _open_fds()
+    area = StagingArea(str(tmp_path), capacity_bytes=3 * len(data), fd_budget=2)
+    base = _open_fds()  # the area's own owner lock
+    slots = [_stage(area, f"k{n}", data) for n in range(3)]
+    assert [bool(s.handle) for s in slots] == [True, True, False] and area.held_fds == 2
+    assert _open_fds() == base + 2
+    area.discard(slots[0])
+    assert area.held_fds == 1 and _open_fds() == base + 1
+    assert _stage(area, "k3", data).handle and area.held_fds == 2  # the freed budget
+    k4 = _stage(area, "k4", data)  # evicts k1 (least recently used, never dispatched): unlinked now
+    assert slots[1].evicted and slots[1].fd == -1 and k4.handle
+    assert area.held_fds == 2 and _open_fds() == base + 2
+    area.close()
+    assert area.held_fds == 0 and _open_fds() == before

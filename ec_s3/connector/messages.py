@@ -29,6 +29,10 @@ class LoadSpec:
     dtype: str  # torch dtype name, e.g. "bfloat16"
     shape: tuple[int, ...]
     host: str  # host_id() of the scheduler that staged it
+    # The scheduler's open descriptor of the file (/proc/<pid>/fd/<n>, "" if none) and
+    # the file's (st_dev, st_ino): read through it when the path no longer leads there.
+    handle: str = ""
+    inode: tuple[int, int] = (0, 0)
     # Where the item sits in the step's encoder inputs, should the worker have to
     # encode it after all (see ECS3ConnectorMetadata.encoder_inputs).
     request_id: str = ""

@@ -90,6 +90,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_spool_drain_errors_total": ("Unexpected errors of the spool's drain task (it keeps running).", "spool_drain_errors"),
     "vllm:ec_s3_staging_no_space_total": ("Fetches refused because staging (staging_bytes or the tmpfs) had no room.", "staging_no_space"),
     "vllm:ec_s3_staging_read_failures_total": ("Staged blobs a worker could not read (then fetched from S3 or failed).", "staging_read_failures"),
+    "vllm:ec_s3_staging_reopened_total": (
+        "Staged blobs a worker read through the scheduler's open file because their path in staging_dir was gone "
+        "or replaced (another process cleans it).", "staging_reopened"),
     "vllm:ec_s3_loads_encoded_locally_total": ("Promised hits a worker could not load and had vLLM encode in the same step instead.", "loads_encoded_locally"),
     "vllm:ec_s3_remote_loads_total": ("Blobs a worker on another host than its scheduler fetched from S3 itself.", "remote_loads"),
     "vllm:ec_s3_remote_load_failures_total": ("Such fetches that failed after their retries.", "remote_load_failures"),

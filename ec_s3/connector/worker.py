@@ -76,6 +76,7 @@ class ECS3Worker:
         self._host = host_id()
         self._host_reported = False
         self._warned_remote = False
+        self._warned_reopen = False
         self._device: torch.device | None = None
         self._device_loader = DeviceLoader()
         if self._is_producer and _is_publishing_rank():
@@ -166,7 +167,7 @@ class ECS3Worker:
             device = self._target_device()
             if spec.host == self._host:
                 try:
-                    return self._device_loader.load_slot(spec, device)
+                    return self._device_loader.load_slot(spec, device, functools.partial(self._reopened, spec))
                 except Exception as exc:  # noqa: BLE001 - any failure here has a fallback
                     self._failed_loads.add(spec.identifier)
                     self._counters.inc("staging_read_failures")
@@ -195,6 +196,17 @@ class ECS3Worker:
             self._failed_loads.add(spec.identifier)
             logger.exception("ec-s3: unexpected error loading %s", spec.identifier[:64])
             return _ENCODE_LOCALLY if self._encode_locally(spec, encoder_inputs) else None
+
+    def _reopened(self, spec: LoadSpec) -> None:
+        self._counters.inc("staging_reopened")
+        if not self._warned_reopen:
+            self._warned_reopen = True
+            logger.warning(
+                "ec-s3: staged item %s was gone from %s (or replaced there), so it was read through the "
+                "scheduler's open file instead. Another process deletes files in staging_dir: exclude it from "
+                "tmp cleaners, or point staging_dir at a directory of its own (counted in "
+                "vllm:ec_s3_staging_reopened_total; said once)", spec.identifier[:64], spec.path,
+            )
 
     @staticmethod
     def _can_encode(spec: LoadSpec, encoder_inputs: dict[str, list[int]] | None) -> bool:

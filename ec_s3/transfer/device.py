@@ -21,6 +21,7 @@ Owns the side streams and the order of the copies on them. Does not own host buf
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +46,10 @@ class SlotRef(Protocol):
     def dtype(self) -> str: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
+    @property
+    def handle(self) -> str: ...
+    @property
+    def inode(self) -> tuple[int, int]: ...
 
 
 class DeviceLoader:
@@ -54,16 +59,19 @@ class DeviceLoader:
     def __init__(self) -> None:
         self._stream: Any = None
 
-    def load_slot(self, blob: SlotRef, device: torch.device) -> torch.Tensor:
+    def load_slot(self, blob: SlotRef, device: torch.device, on_reopen: Callable[[], None] | None = None) -> torch.Tensor:
         """The staged blob's tensor on ``device``. Raises ``OSError`` or
         :class:`~ec_s3.transfer.slot_reader.SlotMismatch` when the file is gone
-        or is another blob."""
+        or is another blob. ``on_reopen`` is called when the blob was read through
+        the scheduler's handle because its path no longer led to it."""
         dtype = getattr(torch, blob.dtype)
         # The path names one generation of a slot; the header must name this item.
-        mm = map_verified_slot(
+        mm, reopened = map_verified_slot(
             blob.path, identifier=blob.identifier, nbytes=blob.nbytes, data_offset=blob.data_offset,
-            dtype=blob.dtype, shape=blob.shape,
+            dtype=blob.dtype, shape=blob.shape, handle=blob.handle, inode=blob.inode,
         )
+        if reopened and on_reopen is not None:
+            on_reopen()
         try:
             count = blob.nbytes - blob.data_offset
             mapped = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=blob.data_offset)

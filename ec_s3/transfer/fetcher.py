@@ -32,7 +32,7 @@ import time
 
 from ec_s3.blob.codec import BlobError, BlobExpectation, decode_blob
 from ec_s3.log import logger
-from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot, map_slot
+from ec_s3.transfer.staging import NoStagingSpace, StagingArea, StagingSlot
 from ec_s3.transfer.counters import Counters
 from ec_s3.store.client import Download, IntegrityError, ObjectNotFound, S3Store, StoreError, StoreUnavailable
 
@@ -188,7 +188,8 @@ class ItemFetcher:
 
     async def _stage(self, download: Download, slot: StagingSlot, expect: BlobExpectation) -> Staged:
         """Read ``download`` into ``slot``, validate it, mark the slot ready."""
-        mm = map_slot(slot.path, writable=True)
+        assert self._staging is not None
+        mm = self._staging.map(slot, writable=True)  # through its open file: the name may go
         try:
             buf = memoryview(mm)
             try:

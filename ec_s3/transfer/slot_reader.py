@@ -9,6 +9,10 @@ parses and names the expected identifier (by digest), dtype, shape and data offs
 A half-written slot of another generation fails the header (zeros or another
 identifier) instead of being read as data.
 
+When the path is gone, or names another file than the slot's inode, the worker reopens
+the file through the scheduler's handle (``/proc/<pid>/fd/<n>``, see
+:mod:`ec_s3.transfer.staging`); the same checks then apply to what it maps.
+
 Owns that check. Does not own slot lifetimes (:mod:`ec_s3.transfer.staging`) or
 copying the tensor to a device (the connector's worker).
 """
@@ -19,7 +23,7 @@ import contextlib
 import mmap
 
 from ec_s3.blob.codec import BlobError, identifier_digest, read_header
-from ec_s3.transfer.staging import map_slot
+from ec_s3.transfer.staging import map_handle, map_slot
 
 __all__ = ["SlotMismatch", "map_verified_slot"]
 
@@ -30,20 +34,28 @@ class SlotMismatch(BlobError):
 
 def map_verified_slot(
     path: str, *, identifier: str, nbytes: int, data_offset: int, dtype: str, shape: tuple[int, ...],
-) -> mmap.mmap:
-    """Map ``path`` read-only (copy-on-write) after checking it is the expected blob.
+    handle: str = "", inode: tuple[int, int] = (0, 0),
+) -> tuple[mmap.mmap, bool]:
+    """Map the slot read-only (copy-on-write) after checking it is the expected blob;
+    the mapping, and whether it came through ``handle`` because ``path`` did not lead
+    to the slot's ``inode``.
 
-    Raises ``OSError`` if it cannot be opened (gone, a symlink, not a regular file)
-    and :class:`SlotMismatch` (a ``ValueError``) if it is another blob.
+    Raises ``OSError`` if neither can be opened (gone, a symlink, not a regular file,
+    another inode) and :class:`SlotMismatch` (a ``ValueError``) if it is another blob.
     """
-    mm = map_slot(path)
+    try:
+        mm, reopened = map_slot(path, inode=inode), False
+    except OSError:
+        if not handle:
+            raise
+        mm, reopened = map_handle(handle, inode), True
     try:
         _check(mm, identifier=identifier, nbytes=nbytes, data_offset=data_offset, dtype=dtype, shape=shape)
     except BaseException:
         with contextlib.suppress(BufferError):
             mm.close()
         raise
-    return mm
+    return mm, reopened
 
 
 def _check(

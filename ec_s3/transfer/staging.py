@@ -16,6 +16,14 @@ Slot files are reserved with ``posix_fallocate`` before anything writes them thr
 ``mmap``: on a full tmpfs a write to an unreserved page is a SIGBUS that kills the
 engine, while a failed reservation is an ordinary "no space" answer.
 
+The area keeps each slot's file open (up to a budget below ``RLIMIT_NOFILE``) until it
+unlinks it, and a load names that descriptor as ``/proc/<pid>/fd/<n>`` (the slot's
+*handle*) beside its path, with the file's inode. A process that deletes or replaces
+files in ``staging_dir`` (a tmp cleaner, a script emptying ``/dev/shm``) then costs
+nothing: the worker reopens the very file through the handle, and the inode proves it.
+Without the handle such a load would need a GET inside the model step, and with the
+store down and no media to encode, vLLM would stop on an encoder cache miss.
+
 Each process owns one directory ``ec-s3-<pid>-<random>``, marked by an ``flock`` on
 its ``.owner.lock`` held for the life of the process. At start-up a directory is
 removed only if its lock can be taken: its owner is gone. PIDs cannot tell that,
@@ -42,6 +50,7 @@ import fcntl
 import mmap
 import os
 import re
+import resource
 import secrets
 import shutil
 import stat
@@ -52,7 +61,7 @@ from pathlib import Path
 from ec_s3.log import logger
 from ec_s3.transfer.fsutil import UnsafeDirectory, create_exclusive, ensure_private_dir, open_nofollow
 
-__all__ = ["NoStagingSpace", "StagingArea", "StagingSlot", "map_slot"]
+__all__ = ["NoStagingSpace", "StagingArea", "StagingSlot", "map_handle", "map_slot", "slot_fd_budget"]
 
 _DIR_PREFIX = "ec-s3-"
 _LOCK_NAME = ".owner.lock"
@@ -63,6 +72,10 @@ _SLOT_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # Errors of a reservation that mean "the file system is full", not "something broke".
 _NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 _NO_SPACE_LOG_EVERY_S = 60.0
+# Open slot files may take at most this share of the soft RLIMIT_NOFILE, and never more
+# than _MAX_HELD_FDS: the engine's sockets, ZMQ and shared memory need the rest.
+_FD_SHARE = 4
+_MAX_HELD_FDS = 4096
 
 
 class NoStagingSpace(Exception):
@@ -95,6 +108,15 @@ class StagingSlot:
     touched_step: int = -1_000_000
     ready: bool = False
     evicted: bool = False
+    # The open file (kept while the area holds it, -1 otherwise) and its identity.
+    fd: int = -1
+    inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino); (0, 0) before the file exists
+
+    @property
+    def handle(self) -> str:
+        """``/proc/<pid>/fd/<n>``: the file itself for any process of this host's PID
+        namespace, even once its name is gone; "" when the area keeps no descriptor."""
+        return f"/proc/{os.getpid()}/fd/{self.fd}" if self.fd >= 0 else ""
 
 
 class StagingArea:
@@ -105,8 +127,10 @@ class StagingArea:
     file contents are written only by the download that owns the slot.
     """
 
-    def __init__(self, root: str, capacity_bytes: int) -> None:
+    def __init__(self, root: str, capacity_bytes: int, fd_budget: int | None = None) -> None:
         self.capacity = capacity_bytes
+        self.fd_budget = slot_fd_budget() if fd_budget is None else fd_budget
+        self.held_fds = 0
         base = ensure_private_dir(root, key="staging_dir", shared_ok=True)
         _remove_orphaned_dirs(base)
         self.dir, self._owner_fd = _create_owned_dir(base)
@@ -176,13 +200,48 @@ class StagingArea:
                 # Reserve every page now; writing an unreserved page of a full tmpfs
                 # through mmap is a SIGBUS, not an error.
                 os.posix_fallocate(fd, 0, slot.nbytes)
+            st = os.fstat(fd)
         except OSError as exc:
+            os.close(fd)
             _unlink(slot.path)
             if exc.errno in _NO_SPACE_ERRNOS:
                 self._log_no_space(slot.nbytes)
                 raise NoStagingSpace(str(self.dir), slot.nbytes, exc.errno) from exc
             raise
+        except BaseException:
+            os.close(fd)
+            _unlink(slot.path)
+            raise
+        with self._lock:
+            slot.inode = (st.st_dev, st.st_ino)
+            if not slot.evicted and self.held_fds < self.fd_budget:
+                slot.fd, fd = fd, -1
+                self.held_fds += 1
+        if fd >= 0:
+            os.close(fd)
+
+    def map(self, slot: StagingSlot, writable: bool = False) -> mmap.mmap:
+        """Map ``slot``'s file: through the descriptor the area holds when it has one
+        (its name may be gone), else by path."""
+        with self._lock:
+            # A duplicate under the lock: the scheduler thread may release the slot
+            # (closing its descriptor, whose number the next open reuses) meanwhile.
+            fd = os.dup(slot.fd) if slot.fd >= 0 else -1
+        if fd < 0:
+            return map_slot(slot.path, writable)
+        try:
+            return _map_fd(fd, slot.path, writable)
         finally:
+            os.close(fd)
+
+    def _release(self, slot: StagingSlot) -> None:
+        """Remove ``slot``'s file and close the descriptor the area held for it."""
+        with self._lock:
+            fd, slot.fd = slot.fd, -1
+            if fd >= 0:
+                self.held_fds -= 1
+        _unlink(slot.path)
+        if fd >= 0:
             os.close(fd)
 
     def _rollback(self, slot: StagingSlot) -> None:
@@ -191,7 +250,7 @@ class StagingArea:
                 del self._slots[slot.name]
                 self.used -= slot.nbytes
             slot.evicted = True
-        _unlink(slot.path)
+        self._release(slot)
 
     def _log_no_space(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -222,7 +281,7 @@ class StagingArea:
             del self._slots[name]
             current.evicted = True
             self.used -= current.nbytes
-        _unlink(current.path)
+        self._release(current)
 
     def slots(self) -> list[StagingSlot]:
         """The live slots (a copy), for invariant checks."""
@@ -278,7 +337,7 @@ class StagingArea:
                 return
             self._doomed = [s for s in self._doomed if s not in expired]
         for slot in expired:
-            _unlink(slot.path)
+            self._release(slot)
 
     def _evict(self, slot: StagingSlot) -> tuple[StagingSlot, bool]:
         """Take ``slot`` out (lock held). Returns it and whether to unlink it now; a
@@ -293,15 +352,19 @@ class StagingArea:
         self._doomed.append(slot)
         return slot, False
 
-    @staticmethod
-    def _finish_evictions(victims: list[tuple[StagingSlot, bool]]) -> None:
+    def _finish_evictions(self, victims: list[tuple[StagingSlot, bool]]) -> None:
         for slot, unlink_now in victims:
             if unlink_now:
-                _unlink(slot.path)
+                self._release(slot)
 
     def close(self) -> None:
         with self._lock:
             shutil.rmtree(self.dir, ignore_errors=True)
+            for slot in [*self._slots.values(), *self._doomed]:
+                if slot.fd >= 0:
+                    os.close(slot.fd)
+                    slot.fd = -1
+            self.held_fds = 0
             self._slots.clear()
             self._doomed.clear()
             self.used = 0
@@ -310,19 +373,53 @@ class StagingArea:
                 self._owner_fd = -1
 
 
-def map_slot(path: str, writable: bool = False) -> mmap.mmap:
+def map_slot(path: str, writable: bool = False, inode: tuple[int, int] = (0, 0)) -> mmap.mmap:
     """Map a slot's file, unchecked (never through a symlink). Copy-on-write when read-only, so
     torch can view it without a read-only-buffer warning and without ever writing
-    back to the shared file."""
+    back to the shared file. A known ``inode`` (not ``(0, 0)``) must be the file's."""
     fd = open_nofollow(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
-        return mmap.mmap(fd, st.st_size, access=access)
+        return _map_fd(fd, path, writable, inode)
     finally:
         os.close(fd)
+
+
+def map_handle(handle: str, inode: tuple[int, int]) -> mmap.mmap:
+    """Map, read-only, the slot file a scheduler holds open as ``handle``
+    (``/proc/<pid>/fd/<n>``), checking it is still the file of ``inode``: the number
+    is reused for another file once the scheduler closes it. (A disk file system may
+    reuse the inode number too, tmpfs practically never; the caller's header check
+    still refuses any other blob.)"""
+    if not handle.startswith("/proc/") or inode == (0, 0):
+        raise OSError(errno.EINVAL, "not a slot handle", handle)
+    # A magic link, followed on purpose (O_NOFOLLOW refuses it); the inode is the check.
+    fd = os.open(handle, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _map_fd(fd, handle, False, inode)
+    finally:
+        os.close(fd)
+
+
+def _map_fd(fd: int, name: str, writable: bool, inode: tuple[int, int] = (0, 0)) -> mmap.mmap:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", name)
+    if inode != (0, 0) and (st.st_dev, st.st_ino) != inode:
+        raise OSError(errno.ESTALE, "another file than the staged slot", name)
+    access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY
+    return mmap.mmap(fd, st.st_size, access=access)
+
+
+def slot_fd_budget() -> int:
+    """How many slot files an area keeps open: a quarter of the soft ``RLIMIT_NOFILE``
+    (vLLM raises it at start), at most 4096."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return _MAX_HELD_FDS
+    return max(0, min(_MAX_HELD_FDS, soft // _FD_SHARE))
 
 
 def _unlink(path: str) -> None:
