@@ -10,8 +10,11 @@ each run. Arguments: ``--backend openai-chat --endpoint /v1/chat/completions
 --dataset-name custom_image --dataset-path X.jsonl --custom-ensure-client-side-data
 --request-rate R --goodput ttft:MS --save-result --result-dir D``.
 
-Workloads (seeded PNGs this script writes, one JSONL segment per rate, the same segment
-for every topology), each with 1 and 4 images per request:
+Workloads (seeded PNGs this script writes, one JSONL segment per rate), each with 1 and
+4 images per request. Every topology gets the same draws, each over images of its own
+(:func:`for_topology`): ``epd-parallel`` and ``epd-serial`` share one encoder, one
+prefill/decode server and one bucket, so an image one of them sent is in the other's
+bucket and staging, and a "fresh" image would be a fleet repeat for the second.
 
 * ``fresh``: every image new;
 * ``zipf``: a working set of :data:`ZIPF_SET_FACTOR` x the encoder cache's images drawn
@@ -85,8 +88,10 @@ HOT_SET_FACTOR = 8
 HOT_REPEAT = 0.85
 SLO_FRACTION = 0.9
 PROMPT = "What is in this picture?"
-# Image ids: disjoint ranges per workload, so that no workload repeats another's images.
+# Image ids: disjoint ranges per workload, so that no workload repeats another's images,
+# and per topology (an offset above every workload's range), so that none sees another's.
 _ID_BASE = {"fresh": 1_000_000, "zipf": 2_000_000, "hot": 3_000_000, "hot-fresh": 4_000_000}
+_TOPOLOGY_ID_STRIDE = 10_000_000
 
 # Counters and histograms per server role, for the run's window (sum of label series).
 COUNTERS = ("vllm:ec_s3_blobs_uploaded_total", "vllm:ec_s3_uploads_already_present_total",
@@ -144,6 +149,20 @@ def draw_stream(kind: str, images: int, n_requests: int, rng: random.Random, *,
 def hot_set(cache_images: int = ENCODER_CACHE_IMAGES) -> list[int]:
     """The images ``hot`` publishes before the sweep."""
     return [_ID_BASE["hot"] + i for i in range(HOT_SET_FACTOR * cache_images)]
+
+
+def for_topology(stream: Sequence[Sequence[int]], topology: str) -> list[list[int]]:
+    """``stream`` over ``topology``'s own images: the same draws (repeats, sizes), ids no
+    other topology is sent."""
+    offset = _TOPOLOGY_ID_STRIDE * (1 + TOPOLOGIES.index(topology))
+    return [[offset + i for i in req] for req in stream]
+
+
+def write_segment(work: Path, name: str, stream: Sequence[Sequence[int]], image_dir: Path,
+                  size: int) -> dict[str, Path]:
+    """One JSONL per topology for one segment of a workload (:func:`for_topology`)."""
+    return {t: write_jsonl(work / f"{name}-{t}.jsonl", for_topology(stream, t), image_dir, size)
+            for t in TOPOLOGIES}
 
 
 def repeat_fraction(stream: Sequence[Sequence[int]], seen: set[int]) -> float:
@@ -529,10 +548,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hot = hot_set()
             if "hot" in kinds:
                 # Publish the hot set: one earlier request per 4 images through every topology.
-                path = write_jsonl(work / "hot-warm.jsonl", [hot[i:i + 4] for i in range(0, len(hot), 4)],
-                                   work / "images", shape.image_size)
+                paths = write_segment(work, "hot-warm", [hot[i:i + 4] for i in range(0, len(hot), 4)],
+                                      work / "images", shape.image_size)
                 for t in TOPOLOGIES:
-                    run_bench_serve(bench_serve_argv(base_url=urls[t], model=model, dataset=path, rate=math.inf,
+                    run_bench_serve(bench_serve_argv(base_url=urls[t], model=model, dataset=paths[t], rate=math.inf,
                                                      n=len(hot) // 4, slo_ms=1e6, result_dir=work / "warm",
                                                      result_file=f"warm-{t}.json", output_len=1, seed=0))
                 time.sleep(args.gap_s)
@@ -547,14 +566,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         w, rate = workload_name(kind, k), rates[k][ri]
                         n = max(args.min_requests, int(round(rate * args.seconds)))
                         stream = draw_stream(kind, k, n, rng[w], counter=fresh_ids.setdefault(w, {}))
-                        path = write_jsonl(work / f"{w}-r{ri}.jsonl", stream, work / "images", shape.image_size)
+                        paths = write_segment(work, f"{w}-r{ri}", stream, work / "images", shape.image_size)
                         order = TOPOLOGIES[step % len(TOPOLOGIES):] + TOPOLOGIES[:step % len(TOPOLOGIES)]
                         step += 1
                         for t in order:
                             rep = repeat_fraction(stream, seen[w][t])
                             before = scrape(s, urls, t)
                             fname = f"{w}-{t}-{rate:g}.json"
-                            argv = bench_serve_argv(base_url=urls[t], model=model, dataset=path, rate=rate, n=n,
+                            argv = bench_serve_argv(base_url=urls[t], model=model, dataset=paths[t], rate=rate, n=n,
                                                     slo_ms=slo[k], result_dir=work / "results", result_file=fname,
                                                     output_len=args.output_len, seed=ri)
                             try:

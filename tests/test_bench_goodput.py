@@ -61,6 +61,28 @@ def test_streams_are_seeded_and_workloads_use_disjoint_images() -> None:
         _stream("lukewarm", 1, 1)
 
 
+def test_no_image_is_sent_through_two_topologies(tmp_path: Path) -> None:
+    """epd-parallel and epd-serial share their servers and bucket: an image one of them
+    sent must never reach the other, or its "fresh" images are fleet repeats. Every
+    topology still gets the same draws. Before, one segment went to every topology."""
+    stream = _stream("zipf", 4, 30)
+    paths = gp.write_segment(tmp_path, "zipf-4-r0", stream, tmp_path / "img", 28)
+    files = {t: [json.loads(x)["image_files"] for x in p.read_text().splitlines()] for t, p in paths.items()}
+    assert set(files) == set(gp.TOPOLOGIES)
+    for a in gp.TOPOLOGIES:
+        for b in gp.TOPOLOGIES:
+            if a < b:
+                assert not {f for r in files[a] for f in r} & {f for r in files[b] for f in r}, (a, b)
+    # The same structure: request sizes and which images repeat.
+    shapes = {t: [[r.index(f) for f in r] for r in reqs] for t, reqs in files.items()}
+    assert len({json.dumps(v) for v in shapes.values()}) == 1
+    repeats = {t: gp.repeat_fraction(gp.for_topology(stream, t), set()) for t in gp.TOPOLOGIES}
+    assert len(set(repeats.values())) == 1 and repeats["epd-serial"] == gp.repeat_fraction(stream, set())
+    # The hot set, published before the sweep, is each topology's own too.
+    hot = {t: {i for r in gp.for_topology([gp.hot_set()], t) for i in r} for t in gp.TOPOLOGIES}
+    assert not hot["epd-parallel"] & hot["epd-serial"]
+
+
 def test_jsonl_is_what_vllm_custom_image_dataset_reads(tmp_path: Path) -> None:
     stream = [[gp._ID_BASE["hot"] + 1, gp._ID_BASE["hot"] + 2], [gp._ID_BASE["hot"] + 1]]
     path = gp.write_jsonl(tmp_path / "w.jsonl", stream, tmp_path / "img", 28)
