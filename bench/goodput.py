@@ -88,9 +88,12 @@ HOT_SET_FACTOR = 8
 HOT_REPEAT = 0.85
 SLO_FRACTION = 0.9
 PROMPT = "What is in this picture?"
-# Image ids: disjoint ranges per workload, so that no workload repeats another's images,
-# and per topology (an offset above every workload's range), so that none sees another's.
+# Image ids: disjoint ranges per kind and, within one, per images-per-request (so that
+# fresh-1 never repeats fresh-4's images, nor zipf-1 zipf-4's set), except the hot set,
+# which hot-1 and hot-4 share as published; and per topology (an offset above every
+# workload's range), so that none sees another's.
 _ID_BASE = {"fresh": 1_000_000, "zipf": 2_000_000, "hot": 3_000_000, "hot-fresh": 4_000_000}
+_IMAGES_ID_STRIDE = 100_000
 _TOPOLOGY_ID_STRIDE = 10_000_000
 
 # Counters and histograms per server role, for the run's window (sum of label series).
@@ -119,9 +122,11 @@ def draw_stream(kind: str, images: int, n_requests: int, rng: random.Random, *,
     ``counter`` carries the next fresh id per workload between segments of one stream."""
     counter = counter if counter is not None else {}
 
+    own = _IMAGES_ID_STRIDE * images  # this workload's own range within its kind's
+
     def fresh(tag: str) -> int:
         counter[tag] = counter.get(tag, 0) + 1
-        return _ID_BASE[tag] + counter[tag]
+        return _ID_BASE[tag] + own + counter[tag]
 
     out: list[list[int]] = []
     for _ in range(n_requests):
@@ -132,7 +137,7 @@ def draw_stream(kind: str, images: int, n_requests: int, rng: random.Random, *,
             elif kind == "zipf":
                 n = ZIPF_SET_FACTOR * cache_images
                 weights = [1.0 / (r + 1) ** ZIPF_S for r in range(n)]
-                i = _ID_BASE["zipf"] + rng.choices(range(n), weights)[0]
+                i = _ID_BASE["zipf"] + own + rng.choices(range(n), weights)[0]
             elif kind == "hot":
                 if rng.random() < HOT_REPEAT:
                     i = _ID_BASE["hot"] + rng.randrange(HOT_SET_FACTOR * cache_images)

@@ -46,9 +46,10 @@ def test_zipf_draws_from_its_working_set_with_a_heavy_head() -> None:
     stream = _stream("zipf", 1, 400)
     ids = [i for r in stream for i in r]
     n = gp.ZIPF_SET_FACTOR * gp.ENCODER_CACHE_IMAGES
-    assert all(0 <= i - gp._ID_BASE["zipf"] < n for i in ids)
-    top = ids.count(gp._ID_BASE["zipf"])
-    assert top > ids.count(gp._ID_BASE["zipf"] + n - 1) * 5  # rank 1 far above the last rank
+    base = gp._ID_BASE["zipf"] + gp._IMAGES_ID_STRIDE  # zipf-1's own set
+    assert all(0 <= i - base < n for i in ids)
+    top = ids.count(base)
+    assert top > ids.count(base + n - 1) * 5  # rank 1 far above the last rank
     frac = gp.repeat_fraction(stream, set())
     assert 0.5 < frac < 0.95, frac
 
@@ -59,6 +60,17 @@ def test_streams_are_seeded_and_workloads_use_disjoint_images() -> None:
     assert not (sets[0] & sets[1]) and not (sets[1] & sets[2]) and not (sets[0] & sets[2])
     with pytest.raises(ValueError, match="workload kind"):
         _stream("lukewarm", 1, 1)
+
+
+def test_one_and_four_images_of_a_kind_never_share_an_image() -> None:
+    """fresh-1 and fresh-4 run one after the other on the same servers: a "fresh" image
+    of one must not be an image the other sent (nor zipf-1's set zipf-4's). Only the hot
+    set, published for both before the sweep, is shared. Before, both counted fresh ids
+    from the same base: fresh-1 at 12/s made no encoder request."""
+    hot = set(gp.hot_set())
+    for kind in gp.KINDS:
+        one, four = ({i for r in _stream(kind, k, 200) for i in r} - hot for k in gp.IMAGES)
+        assert one and four and not one & four, kind
 
 
 def test_no_image_is_sent_through_two_topologies(tmp_path: Path) -> None:
