@@ -288,6 +288,21 @@ def counts(topo: str, d: Mapping[str, Mapping[str, float]]) -> dict[str, float |
             + (cons.get("vllm:ec_s3_loads_encoded_locally_total") or 0.0)}
 
 
+def check_new_images_were_encoded(workload: str, topology: str, rate: float, stream: Sequence[Sequence[int]],
+                                  repeats: float, run_counts: Mapping[str, float | None], errors: list[str]) -> None:
+    """An image new to a topology must reach its encoder: fewer encoder requests than new
+    images means the topology had seen them (another workload's or topology's images),
+    and the run measures repeats, not what its workload says. Recorded as an error."""
+    if topology not in EPD_TOPOLOGIES:
+        return
+    new = round((1.0 - repeats) * sum(len(r) for r in stream))
+    sent = run_counts.get("encoder requests") or 0.0
+    if sent < 0.9 * new:
+        errors.append(f"{workload} {topology} {rate:g}: {sent:.0f} encoder requests for {new} images new to this "
+                      f"topology: it had seen them before, so this run measured repeats")
+        bl.log(f"goodput: {errors[-1]}")
+
+
 # --------------------------------------------------------------------------- goodput and goals
 def slo90_rate(points: Sequence[tuple[float, float | None]], fraction: float = SLO_FRACTION) -> dict[str, Any]:
     """The highest request rate at which >= ``fraction`` of requests met the SLO, from
@@ -594,6 +609,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             enc_n = prod.get("vllm:request_success_total") or 0.0
                             encoded = (prod.get("vllm:ec_s3_blobs_uploaded_total") or 0.0) + (
                                 prod.get("vllm:ec_s3_uploads_already_present_total") or 0.0)
+                            check_new_images_were_encoded(w, t, rate, stream, rep, counts(t, dd), errors)
                             runs.append({"workload": w, "kind": kind, "images": k, "topology": t, "rate": rate,
                                          "n": n, "slo_ttft_ms": slo[k], "repeat_fraction": rep,
                                          "miss_fraction": 1.0 - rep,

@@ -252,3 +252,16 @@ def test_fleet_table_splits_and_s3_requests() -> None:
         enc = [int(by[(hosts, q)]["split_E_PD"].split(":")[0]) for q in a["repeat_rates"]]
         assert enc == sorted(enc, reverse=True)
     assert all(math.isfinite(r["epd_rps_per_gpu"]) and r["epd_rps_per_gpu"] > 0 for r in rows)
+
+
+def test_a_run_whose_new_images_skipped_the_encoder_is_an_error() -> None:
+    """The sweep says so when an EPD topology sent fewer encoder requests than it had new
+    images: it had seen them, and the run measured repeats."""
+    stream = [[1, 2], [3, 4], [1, 5]]  # 5 new images of 6 (1 repeats in the stream)
+    errors: list[str] = []
+    gp.check_new_images_were_encoded("fresh-4", "epd-serial", 2.0, stream, 1 / 6, {"encoder requests": 5.0}, errors)
+    gp.check_new_images_were_encoded("fresh-4", "plain-dp", 2.0, stream, 1 / 6, {"encoder requests": 0.0}, errors)
+    assert errors == []
+    gp.check_new_images_were_encoded("fresh-4", "epd-parallel", 2.0, stream, 1 / 6, {"encoder requests": 0.0}, errors)
+    assert errors == ["fresh-4 epd-parallel 2: 0 encoder requests for 5 images new to this topology: it had seen "
+                      "them before, so this run measured repeats"]
