@@ -609,12 +609,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             enc_n = prod.get("vllm:request_success_total") or 0.0
                             encoded = (prod.get("vllm:ec_s3_blobs_uploaded_total") or 0.0) + (
                                 prod.get("vllm:ec_s3_uploads_already_present_total") or 0.0)
-                            check_new_images_were_encoded(w, t, rate, stream, rep, counts(t, dd), errors)
+                            run_counts = counts(t, dd)
+                            check_new_images_were_encoded(w, t, rate, stream, rep, run_counts, errors)
                             runs.append({"workload": w, "kind": kind, "images": k, "topology": t, "rate": rate,
                                          "n": n, "slo_ttft_ms": slo[k], "repeat_fraction": rep,
                                          "miss_fraction": 1.0 - rep,
                                          "encoded_fraction": encoded / enc_n if enc_n and t != "vllm-epd" else None,
-                                         "vllm": res, "deltas": dd, "counts": counts(t, dd),
+                                         "vllm": res, "deltas": dd, "counts": run_counts,
                                          "command": ["vllm", "bench", "serve", *argv]})
                             bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
                                    f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "

@@ -426,7 +426,8 @@ class ECS3Scheduler:
         spec = LoadSpec(
             identifier=identifier, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
             nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
-            handle=staged.slot.handle, inode=staged.slot.inode, request_id=request.request_id, input_index=index, has_media=feature.data is not None,
+            handle=staged.slot.handle, inode=staged.slot.inode,
+            request_id=request.request_id, input_index=index, has_media=feature.data is not None,
         )
         self._loads.append((spec, staged.slot))
 

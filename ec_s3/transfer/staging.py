@@ -201,16 +201,12 @@ class StagingArea:
                 # through mmap is a SIGBUS, not an error.
                 os.posix_fallocate(fd, 0, slot.nbytes)
             st = os.fstat(fd)
-        except OSError as exc:
+        except BaseException as exc:
             os.close(fd)
             _unlink(slot.path)
-            if exc.errno in _NO_SPACE_ERRNOS:
+            if isinstance(exc, OSError) and exc.errno in _NO_SPACE_ERRNOS:
                 self._log_no_space(slot.nbytes)
                 raise NoStagingSpace(str(self.dir), slot.nbytes, exc.errno) from exc
-            raise
-        except BaseException:
-            os.close(fd)
-            _unlink(slot.path)
             raise
         with self._lock:
             slot.inode = (st.st_dev, st.st_ino)
