@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,8 @@ from ec_s3.blob.keys import KeySpace
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.known import KnownBlobs
 from ec_s3.proxy.main import build_parser, config_from_args
+from ec_s3.proxy.media import find_media_items
+from ec_s3.proxy.naming import name_media
 from ec_s3.store.client import S3Store
 from support.faultproxy import FaultProxy
 from test_proxy import MODEL, FakeEncoder, FakePD, chat, image, identifier_of, params_of, rig, run
@@ -207,6 +210,36 @@ def test_a_second_proxy_learns_from_the_bucket_with_a_head(
             assert params_of(b.pds[0].bodies[-1]) == {published: {PRESENT_MARK: True, "item_indices": [0]}}
             assert (await b.post(chat(image(8))))[0] == 200  # in nobody's bucket: HEAD miss, then the encoder
             assert len(enc_b.bodies) == 2 and b.metric("ec_s3_proxy_bucket_lookups_total", outcome="miss") == 1
+
+    run(scenario())
+
+
+def test_a_late_bucket_lookup_sends_the_item_to_an_encoder_and_says_so(
+    extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store], fault_proxy: FaultProxy,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A HEAD slower than bucket_lookup_timeout_s (a slow store, a busy host) counts as a
+    miss: the published item goes to the encoder, which is always right, and the proxy
+    logs why with the key to raise (before: only a metric said so, and a CI run whose
+    lookup was late failed the e2e test with nothing in the log)."""
+    extra = extra_config(endpoint_url=fault_proxy.endpoint_url, prefix="fleet")
+    space = KeySpace("fleet", "tiny-0123456789abcdef")
+    store = make_store()
+
+    async def scenario() -> None:
+        enc = KeyedEncoder("b")
+        enc.space = space
+        async with rig(encoders=[enc], dispatch="parallel", bucket_lookup=extra, bucket_lookup_timeout_s=0.2) as b:
+            assert (await b.post(chat(image(7))))[0] == 200  # shows B the key space
+            (item,) = find_media_items(name_media(chat(image(6)), give_uuids=True))
+            await asyncio.wrap_future(store.submit(store.put_async(space.key_for(item.part["uuid"]), bytearray(b"blob"))))
+            fault_proxy.set_latency(1.0, methods=["HEAD"])
+            with caplog.at_level(logging.WARNING, logger="vllm.ec_s3"):
+                assert (await b.post(chat(image(6))))[0] == 200
+            assert len(enc.bodies) == 2 and b.metric(SKIPS, source="bucket") == 0
+            assert b.metric("ec_s3_proxy_bucket_lookups_total", outcome="timeout") == 1
+            (line,) = [r.getMessage() for r in caplog.records if "bucket lookup" in r.getMessage()]
+            assert "bucket_lookup_timeout_s (0.2 s)" in line and "--bucket-lookup-timeout" in line, line
 
     run(scenario())
 

@@ -122,6 +122,13 @@ class EncoderSkips:
         done, pending = await asyncio.wait(futures, timeout=self.config.bucket_lookup_timeout_s)
         for f in pending:
             f.cancel()
+        if pending:
+            self._warner.warn(
+                ("bucket", "timeout"),
+                "ec-s3 proxy: %d bucket lookup(s) took longer than bucket_lookup_timeout_s (%g s); their items "
+                "went to encoders. Check the store's latency from this host, or raise --bucket-lookup-timeout",
+                len(pending), self.config.bucket_lookup_timeout_s,
+            )
         out = []
         for f in futures:
             if f in pending:
