@@ -307,16 +307,25 @@ def check_new_images_were_encoded(workload: str, topology: str, rate: float, str
 def slo90_rate(points: Sequence[tuple[float, float | None]], fraction: float = SLO_FRACTION) -> dict[str, Any]:
     """The highest request rate at which >= ``fraction`` of requests met the SLO, from
     (rate, good fraction) points, interpolated linearly to the first rate that misses.
-    ``bound``: "=" interpolated, ">=" every rate met (censored above), "<" none met."""
+    ``bound``: "=" interpolated, ">=" every rate met (censored above), "<" none met, "~"
+    not monotone: a rate missed while a higher one met (``noisy`` names them), so the
+    sweep cannot tell the rate (too few requests per run) and no goal is decided on it."""
     pts = sorted((r, f) for r, f in points if f is not None)
     if not pts:
         return {"rate": None, "bound": None}
-    if pts[0][1] < fraction:
+    missed = next((i for i, (_, f) in enumerate(pts) if f < fraction), None)
+    if missed is None:
+        return {"rate": pts[-1][0], "bound": ">="}
+    met_above = [r for r, f in pts[missed + 1:] if f >= fraction]
+    if met_above:
+        # The rate: the highest that met, so a best-of choice picks this topology when it
+        # may be the best, and its goal stays undecided.
+        return {"rate": met_above[-1], "bound": "~",
+                "noisy": f"missed at {pts[missed][0]:g}/s, met at {', '.join(f'{r:g}' for r in met_above)}/s"}
+    if missed == 0:
         return {"rate": pts[0][0], "bound": "<"}
-    for (r0, f0), (r1, f1) in zip(pts, pts[1:]):
-        if f1 < fraction:
-            return {"rate": r0 + (r1 - r0) * (f0 - fraction) / (f0 - f1), "bound": "="}
-    return {"rate": pts[-1][0], "bound": ">="}
+    (r0, f0), (r1, f1) = pts[missed - 1], pts[missed]
+    return {"rate": r0 + (r1 - r0) * (f0 - fraction) / (f0 - f1), "bound": "="}
 
 
 def goodput_by_topology(runs: Sequence[Mapping[str, Any]], workload: str) -> dict[str, dict[str, Any]]:
@@ -380,10 +389,10 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         err = q / pred["ratio"] - 1.0
         met = abs(err) <= 0.15 if bound == "=" else None
+        measured = "" if bound == "~" else f"measured {bound}{q:.2f}x vs predicted {pred['ratio']:.2f}x ({err * 100:+.0f}%): "
         out.append({"goal": f"{w}: measured EPD / plain-dp within 15% of the model", "workload": w, "ratio": q,
                     "bound": bound, "target": f"{pred['ratio']:.2f} +- 15%", "met": met, "epd": best,
-                    "why": "" if met else (f"measured {bound}{q:.2f}x vs predicted {pred['ratio']:.2f}x "
-                                           f"({err * 100:+.0f}%): " + why(d, w, best))})
+                    "why": "" if met else measured + why(d, w, best)})
     return out
 
 
@@ -412,6 +421,10 @@ def why(d: Mapping[str, Any], w: str, epd: str, other: str = "plain-dp") -> str:
                     f"{g[other]['rate']:g}/s): sweep higher rates (--rates-1/--rates-4); ")
     elif g[epd].get("bound") == "<" and g[other].get("bound") == "<":
         censored = f"not decided: {epd} and {other} both missed at the lowest rate swept: sweep lower rates; "
+    noisy = [f"{t} {g[t]['noisy']}" for t in (epd, other) if g[t].get("bound") == "~"]
+    if noisy:
+        censored = (f"not decided: the sweep is not monotone ({'; '.join(noisy)}): too few requests per run to "
+                    f"tell the rate; rerun with more --seconds per rate; ")
     pick = {t: [r for r in runs if r["topology"] == t] for t in (epd, other)}
     if not pick[epd] or not pick[other]:
         return "not measured"
@@ -440,12 +453,19 @@ def why(d: Mapping[str, Any], w: str, epd: str, other: str = "plain-dp") -> str:
 def goal_rows(d: Mapping[str, Any] | None) -> list[dict[str, str]]:
     """Rows of bench/run_all.py's goals table from ``goodput.json``."""
     g = "10. goodput (issue 26)"
+    if d and d.get("runs"):
+        # Judged again from the runs by this code, so a rule changed since the run (a
+        # sweep that is not monotone decides nothing) shows in the committed summary.
+        d = {**d, "goals": goals(d)}
     if not d or not d.get("goals"):
         return [{"goal": g, "case": name, "result": "-", "target": f">= {t}", "status": "not measured",
                  "why": (d or {}).get("error") or "run python -m bench.goodput"} for name, _w, t in GOALS]
     rows = []
     for r in d["goals"]:
-        res = "-" if r["ratio"] is None else f"{r['bound'] if r['bound'] != '=' else ''}{r['ratio']:.2f}x ({r.get('epd')})"
+        if r["ratio"] is None or r["bound"] == "~":  # "~": nothing to state; the why says why
+            res = "-" if r["ratio"] is None else f"- ({r.get('epd')})"
+        else:
+            res = f"{r['bound'] if r['bound'] != '=' else ''}{r['ratio']:.2f}x ({r.get('epd')})"
         status = {True: "met", False: "MISSED", None: "not decided"}[r["met"]]
         rows.append({"goal": g, "case": r["goal"], "result": res, "target": r["target"], "status": status,
                      "why": r["why"]})
@@ -460,8 +480,9 @@ def measurement_rows(d: Mapping[str, Any] | None) -> list[list[Any]]:
     for w in sorted({r["workload"] for r in d["runs"]}):
         for t, g in goodput_by_topology(d["runs"], w).items():
             if g["rate"] is not None:
-                rows.append(["10. goodput: highest rate with >= 90% TTFT SLO", f"{w}: {t}",
-                             f"{g['bound'] if g['bound'] != '=' else ''}{g['rate']:.2f} req/s", "-", ""])
+                result = (f"not monotone ({g['noisy']})" if g["bound"] == "~"
+                          else f"{g['bound'] if g['bound'] != '=' else ''}{g['rate']:.2f} req/s")
+                rows.append(["10. goodput: highest rate with >= 90% TTFT SLO", f"{w}: {t}", result, "-", ""])
     return rows
 
 
@@ -684,7 +705,8 @@ def print_tables(d: Mapping[str, Any]) -> None:
     for w in sorted({r["workload"] for r in d["runs"]}):
         g = goodput_by_topology(d["runs"], w)
         pred = ((d.get("model") or {}).get("predicted") or {}).get(w, {})
-        rows.append([w, *(f"{g[t]['bound'] if g[t]['bound'] != '=' else ''}{g[t]['rate']:.2f}"
+        rows.append([w, *("not monotone" if g[t]["bound"] == "~" else
+                          f"{g[t]['bound'] if g[t]['bound'] != '=' else ''}{g[t]['rate']:.2f}"
                           if g[t]["rate"] is not None else "-" for t in TOPOLOGIES),
                      pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred)])
     print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees"], rows,
@@ -695,7 +717,8 @@ def print_tables(d: Mapping[str, Any]) -> None:
         print("cost model (fitted, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in c.items()))
     for g in d["goals"]:
         status = {True: "met", False: "MISSED", None: "not decided"}[g["met"]]
-        ratio = "-" if g["ratio"] is None else f"{g['bound'] if g['bound'] != '=' else ''}{g['ratio']:.2f}x"
+        ratio = "-" if g["ratio"] is None or g["bound"] == "~" else \
+            f"{g['bound'] if g['bound'] != '=' else ''}{g['ratio']:.2f}x"
         print(f"goal {g['goal']}: {ratio} (target {g['target']}): {status}" + (f" - {g['why']}" if g["why"] else ""))
 
 

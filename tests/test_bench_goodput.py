@@ -144,6 +144,24 @@ def test_slo90_rate_interpolates_and_says_when_censored() -> None:
     assert gp.slo90_rate([]) == {"rate": None, "bound": None}
 
 
+def test_a_sweep_that_misses_below_a_rate_it_meets_decides_nothing() -> None:
+    """Runs of ~10 requests are noisy: the committed sweep had EPD miss at 2/s and meet
+    at 4.5 and 7/s. Before, that read "< 2 req/s" and a goal MISSED at <= 0.38x, which the
+    same sweep contradicts; it is "~" now (its goals not decided, the why says so)."""
+    g = gp.slo90_rate([(2, 0.8), (4.5, 0.95), (7, 1.0)])
+    assert g["bound"] == "~" and g["rate"] == 7 and g["noisy"] == "missed at 2/s, met at 4.5, 7/s"
+    assert gp.slo90_rate([(2, 1.0), (4.5, 0.6), (7, 0.95)])["bound"] == "~"
+    runs = []
+    for rate, plain, epd in ((2, 1.0, 0.8), (4.5, 1.0, 0.95), (7, 1.0, 1.0)):
+        runs += [_run("hot-4", "plain-dp", rate, plain), _run("hot-4", "epd-parallel", rate, epd),
+                 _run("hot-4", "epd-serial", rate, 0.5), _run("hot-4", "vllm-epd", rate, 1.0)]
+    hot = next(x for x in gp.goals({"runs": runs, "model": {}}) if x["workload"] == "hot-4")
+    assert hot["met"] is None and hot["epd"] == "epd-parallel" and "not monotone" in hot["why"], hot
+    rows = gp.measurement_rows({"runs": runs})
+    assert ["10. goodput: highest rate with >= 90% TTFT SLO", "hot-4: epd-parallel",
+            "not monotone (missed at 2/s, met at 4.5, 7/s)", "-", ""] in rows
+
+
 def _run(w: str, topo: str, rate: float, good: float, k: int = 4) -> dict:
     return {"workload": w, "topology": topo, "rate": rate, "images": k, "slo_ttft_ms": 800, "repeat_fraction": 0.85,
             "miss_fraction": 0.15, "counts": {}, "deltas": {},
