@@ -24,13 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from bench import benchlib as bl
-from bench import goodput, ttft
+from bench import goodput, small_ops, ttft
 
-BENCHES = ["producer_save", "transfer", "scheduler_cost", "stats_cost", "prefetch", "memory", "gil",
-           "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft", "goodput"]
+BENCHES = ["producer_save", "transfer", "small_ops", "scheduler_cost", "stats_cost", "prefetch", "memory",
+           "gil", "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft", "goodput"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
-TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "scheduler_cost": (180, 90),
+TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "small_ops": (240, 120),
+            "scheduler_cost": (180, 90),
             "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
             "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900),
@@ -113,6 +114,8 @@ def headline(out_dir: Path) -> tuple[list[list[Any]], dict[str, Any]]:
             rows.append(["1. producer: save_caches / ECExampleConnector save", f"{size} MiB",
                          f"{r['ratio_save_to_example_save']:.3f}x", "-", ""])
         goals["producer_save"] = ok
+
+    rows.extend(small_ops.measurement_rows(load(out_dir, "small_ops")))
 
     d = load(out_dir, "poll_sockets")
     if d:

@@ -1,11 +1,12 @@
-"""Direct data path: HEAD, PUT, UploadPart and GET signed by botocore, sent on ec-s3's aiohttp pool.
+"""Direct data path: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
 
 Why: through aiobotocore each request costs ~1.5-2 ms of client CPU in botocore's
 request building, event hooks, user agent and response parsing, more than the bytes of
 a 1 MiB blob cost to move (bench/transfer.py: GET 0.41-0.67x the best raw client). The
 four requests that carry blobs are simple enough to build here: an URL, a handful of
-headers, a SigV4 signature by botocore's own :class:`~botocore.auth.S3SigV4Auth` with
-``UNSIGNED-PAYLOAD`` (as the botocore path, whose payload signing is off too), and the
+headers, a SigV4 signature with ``UNSIGNED-PAYLOAD`` (:mod:`.sigv4`: botocore's
+``S3SigV4Auth`` byte for byte, without its per-request cost; the botocore path's payload
+signing is off too: hashing every body would cost ~0.5 s of CPU per GiB), and the
 body streamed from the caller's buffers or into the caller's buffer. Without a proxy,
 GET bodies go through :mod:`.recv` instead of aiohttp: the kernel (or TLS decryption)
 writes them straight into the caller's buffer, no intermediate bytes objects.
@@ -39,8 +40,6 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import aiohttp.payload
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
 from botocore.exceptions import NoCredentialsError
 from botocore.httpsession import ProxyConfiguration
 from botocore.utils import get_environ_proxies
@@ -52,6 +51,7 @@ from ec_s3.store.error_map import from_status
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable
 from ec_s3.store.http1 import is_error_status
 from ec_s3.store.recv import RecvAnswer, RecvPool
+from ec_s3.store.sigv4 import signed_headers
 from ec_s3.store.tls import Trust, ssl_context
 
 __all__ = ["DirectWire", "GetAnswer", "collect_chunks", "fill_from_chunks", "object_url"]
@@ -66,15 +66,6 @@ _ERROR_BODY_LIMIT = 64 * 1024
 _READ_BUFSIZE = 1 << 20
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
 _MESSAGE_RE = re.compile(rb"<Message>([^<]{0,1024})</Message>")
-
-
-class _UnsignedPayloadAuth(S3SigV4Auth):
-    """botocore's S3 SigV4 signer with ``x-amz-content-sha256: UNSIGNED-PAYLOAD``: the
-    botocore path runs with ``payload_signing_enabled: False`` as well, and hashing every
-    body would cost ~0.5 s of CPU per GiB (sha256 ~1.8 GB/s here)."""
-
-    def _should_sha256_sign_payload(self, request: AWSRequest) -> bool:
-        return False
 
 
 class _ChainPayload(aiohttp.payload.Payload):
@@ -275,9 +266,8 @@ class DirectWire:
         frozen = credentials.get_frozen_credentials()  # refreshes refreshable credentials
         if inspect.isawaitable(frozen):  # aiobotocore's are coroutines, botocore's are not
             frozen = await frozen
-        request = AWSRequest(method=method, url=url, headers={**headers, "Accept-Encoding": "identity"})
-        _UnsignedPayloadAuth(frozen, "s3", self._region).add_auth(request)
-        return dict(request.headers.items())
+        return signed_headers(method, url, {**headers, "Accept-Encoding": "identity"}, access_key=frozen.access_key,
+                              secret_key=frozen.secret_key, token=frozen.token, region=self._region)
 
 
 async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
