@@ -328,6 +328,14 @@ def slo90_rate(points: Sequence[tuple[float, float | None]], fraction: float = S
     return {"rate": r0 + (r1 - r0) * (f0 - fraction) / (f0 - f1), "bound": "="}
 
 
+def _bounded(value: float, bound: str, unit: str) -> str | None:
+    """``value`` with its censoring bound (``=`` shown bare); None for ``~`` (not monotone:
+    no value to state)."""
+    if bound == "~":
+        return None
+    return f"{bound if bound != '=' else ''}{value:.2f}{unit}"
+
+
 def goodput_by_topology(runs: Sequence[Mapping[str, Any]], workload: str) -> dict[str, dict[str, Any]]:
     out = {}
     for topo in TOPOLOGIES:
@@ -462,10 +470,8 @@ def goal_rows(d: Mapping[str, Any] | None) -> list[dict[str, str]]:
                  "why": (d or {}).get("error") or "run python -m bench.goodput"} for name, _w, t in GOALS]
     rows = []
     for r in d["goals"]:
-        if r["ratio"] is None or r["bound"] == "~":  # "~": nothing to state; the why says why
-            res = "-" if r["ratio"] is None else f"- ({r.get('epd')})"
-        else:
-            res = f"{r['bound'] if r['bound'] != '=' else ''}{r['ratio']:.2f}x ({r.get('epd')})"
+        # "~": nothing to state; the why says why.
+        res = "-" if r["ratio"] is None else f"{_bounded(r['ratio'], r['bound'], 'x') or '-'} ({r.get('epd')})"
         status = {True: "met", False: "MISSED", None: "not decided"}[r["met"]]
         rows.append({"goal": g, "case": r["goal"], "result": res, "target": r["target"], "status": status,
                      "why": r["why"]})
@@ -480,8 +486,7 @@ def measurement_rows(d: Mapping[str, Any] | None) -> list[list[Any]]:
     for w in sorted({r["workload"] for r in d["runs"]}):
         for t, g in goodput_by_topology(d["runs"], w).items():
             if g["rate"] is not None:
-                result = (f"not monotone ({g['noisy']})" if g["bound"] == "~"
-                          else f"{g['bound'] if g['bound'] != '=' else ''}{g['rate']:.2f} req/s")
+                result = _bounded(g["rate"], g["bound"], " req/s") or f"not monotone ({g['noisy']})"
                 rows.append(["10. goodput: highest rate with >= 90% TTFT SLO", f"{w}: {t}", result, "-", ""])
     return rows
 
@@ -705,8 +710,7 @@ def print_tables(d: Mapping[str, Any]) -> None:
     for w in sorted({r["workload"] for r in d["runs"]}):
         g = goodput_by_topology(d["runs"], w)
         pred = ((d.get("model") or {}).get("predicted") or {}).get(w, {})
-        rows.append([w, *("not monotone" if g[t]["bound"] == "~" else
-                          f"{g[t]['bound'] if g[t]['bound'] != '=' else ''}{g[t]['rate']:.2f}"
+        rows.append([w, *((_bounded(g[t]["rate"], g[t]["bound"], "") or "not monotone")
                           if g[t]["rate"] is not None else "-" for t in TOPOLOGIES),
                      pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred)])
     print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees"], rows,
@@ -717,8 +721,7 @@ def print_tables(d: Mapping[str, Any]) -> None:
         print("cost model (fitted, ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in c.items()))
     for g in d["goals"]:
         status = {True: "met", False: "MISSED", None: "not decided"}[g["met"]]
-        ratio = "-" if g["ratio"] is None or g["bound"] == "~" else \
-            f"{g['bound'] if g['bound'] != '=' else ''}{g['ratio']:.2f}x"
+        ratio = "-" if g["ratio"] is None else (_bounded(g["ratio"], g["bound"], "x") or "-")
         print(f"goal {g['goal']}: {ratio} (target {g['target']}): {status}" + (f" - {g['why']}" if g["why"] else ""))
 
 

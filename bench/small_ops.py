@@ -114,30 +114,21 @@ def signing_cost(n: int = 2000) -> dict[str, float]:
     signing is."""
     import datetime
 
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-
     from ec_s3.store.sigv4 import signed_headers
-
-    class Unsigned(S3SigV4Auth):
-        def _should_sha256_sign_payload(self, request: AWSRequest) -> bool:
-            return False
+    from tests.support.botocore_sigv4 import botocore_signed_headers
 
     url = "http://127.0.0.1:8333/bucket/bench/ns/0123456789abcdef.safetensors"
     headers = {"If-None-Match": "*", "Content-Type": "application/octet-stream", "Content-Length": "16680",
                "x-amz-meta-ec-s3-crc32": "deadbeef", "x-amz-meta-ec-s3-write": "0123456789abcdef",
                "Accept-Encoding": "identity"}
-    creds = Credentials("AKIDEXAMPLE", "secret", None)
+    creds = {"access_key": "AKIDEXAMPLE", "secret_key": "secret", "token": None, "region": "us-east-1"}
     now = datetime.datetime.now(datetime.timezone.utc)
 
     def ours() -> None:
-        signed_headers("PUT", url, headers, access_key="AKIDEXAMPLE", secret_key="secret", token=None,
-                       region="us-east-1", now=now)
+        signed_headers("PUT", url, headers, **creds, now=now)
 
     def botocores() -> None:
-        Unsigned(creds.get_frozen_credentials(), "s3", "us-east-1").add_auth(
-            AWSRequest(method="PUT", url=url, headers=dict(headers)))
+        botocore_signed_headers("PUT", url, headers, **creds)
 
     out = {}
     for name, fn in (("ec-s3", ours), ("botocore", botocores), ("ec-s3 again", ours)):

@@ -11,12 +11,10 @@ import datetime
 import itertools
 
 import pytest
-from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
-from botocore.credentials import Credentials
 
 from ec_s3.store.sigv4 import signed_headers
 from ec_s3.store.wire import object_url
+from support.botocore_sigv4 import botocore_signed_headers
 
 NOW = datetime.datetime(2026, 12, 3, 6, 5, 4, tzinfo=datetime.timezone.utc)
 KEYS = ["prefix/ns/abc.safetensors", "a b/ü€/x+y=z~%/&?#", "..//dots/./", "ключ", "trailing/"]
@@ -30,29 +28,17 @@ HEADERS = [{}, {"Range": "bytes=0-8388607", "If-Match": '"0123abcd"'},
            {"X-Amz-Date": "stale", "Authorization": "stale", "x-amz-content-sha256": "stale"}]
 
 
-class _Botocore(S3SigV4Auth):
-    def _should_sha256_sign_payload(self, request: AWSRequest) -> bool:
-        return False
-
-
-def _botocore(method: str, url: str, headers: dict[str, str], token: str | None, region: str,
-              monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    monkeypatch.setattr("botocore.auth.get_current_datetime", lambda: NOW)
-    request = AWSRequest(method=method, url=url, headers=dict(headers))
-    _Botocore(Credentials("AKIDEXAMPLE", "wJalr/XUtnFEMI+K7MDENG", token), "s3", region).add_auth(request)
-    return dict(request.headers.items())
-
-
 @pytest.mark.parametrize("endpoint,style,custom", ENDPOINTS)
 def test_signatures_equal_botocores(endpoint: str, style: str, custom: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("botocore.auth.get_current_datetime", lambda: NOW)
     for key, headers, token, region, method, query in itertools.product(
             KEYS, HEADERS, (None, "FQoG/session+token=="), ("us-east-1", "eu-central-1"), ("GET", "HEAD", "PUT"),
             ("", "uploadId=up%2Fid&partNumber=3", "partNumber=1&uploadId=x")):
         url = object_url(endpoint, "bucket-1", key, style, custom_endpoint=custom)
         url = f"{url}?{query}" if query else url
-        want = _botocore(method, url, headers, token, region, monkeypatch)
-        got = signed_headers(method, url, headers, access_key="AKIDEXAMPLE", secret_key="wJalr/XUtnFEMI+K7MDENG",
-                             token=token, region=region, now=NOW)
+        creds = {"access_key": "AKIDEXAMPLE", "secret_key": "wJalr/XUtnFEMI+K7MDENG", "token": token, "region": region}
+        want = botocore_signed_headers(method, url, headers, **creds)
+        got = signed_headers(method, url, headers, **creds, now=NOW)
         assert {k.lower(): v for k, v in got.items()} == {k.lower(): v for k, v in want.items()}, (url, headers)
 
 
