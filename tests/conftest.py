@@ -81,6 +81,14 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llava(tmp_path_factory.mktemp("tiny-llava") / "model")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny offline Qwen2.5-VL (random weights), built once per session."""
+    from ec_s3.sandbox.tiny_qwen import build_tiny_qwen
+
+    return build_tiny_qwen(tmp_path_factory.mktemp("tiny-qwen") / "model")
+
+
 @pytest.fixture
 def bucket(s3: S3Endpoint) -> str:
     """A fresh, empty bucket for this test."""

@@ -39,6 +39,7 @@ import shutil
 import uuid
 import zlib
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -208,31 +209,31 @@ def _is_complete(dst: Path, want: dict[str, Any]) -> bool:
     return bool(files) and all((dst / f).is_file() for f in files)
 
 
-def _train_tokenizer():
+def train_tokenizer(specials: list[str] = SPECIAL_TOKENS, bos: str | None = "<s>"):
+    """A byte-level BPE tokenizer trained on a few sentences (vocab < 512) whose first
+    ids are ``specials``; ``bos`` (a special) is prepended to every sequence, as llama
+    tokenizers do (None: nothing is)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(unk_token=specials[0]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=400,
         min_frequency=1,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    bos = tok.token_to_id("<s>")
-    # Prepend <s> like llama tokenizers do; ByteLevel post-processing keeps offsets sane.
-    tok.post_processor = processors.Sequence(
-        [
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(
-                single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-            ),
-        ]
-    )
-    for i, t in enumerate(SPECIAL_TOKENS):
+    steps: list[Any] = [processors.ByteLevel(trim_offsets=False)]
+    if bos is not None:
+        bos_id = tok.token_to_id(bos)
+        steps.append(processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]))
+    # ByteLevel post-processing keeps offsets sane.
+    tok.post_processor = processors.Sequence(steps)
+    for i, t in enumerate(specials):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     assert tok.get_vocab_size() < 512
     return tok
@@ -307,32 +308,39 @@ def _hf_key(name: str) -> str:
     return name
 
 
-def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
+def random_state_dict(model_cls: Any, cfg: Any, seed: int, hf_key: Any) -> dict[str, Any]:
+    """Random weights for ``model_cls(cfg)`` under checkpoint names ``hf_key(name)``:
+    norms one (weights) and zero (biases), the rest normal with std :data:`INIT_STD`, each
+    tensor from its own generator (values do not depend on iteration order)."""
     import torch
-    from transformers import LlavaForConditionalGeneration
 
     with torch.device("meta"):
-        model = LlavaForConditionalGeneration(cfg)
+        model = model_cls(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, p in sorted(model.named_parameters()):
-        key = _hf_key(name)
+        key = hf_key(name)
         is_norm = "norm" in key or "layrnorm" in key  # RMSNorm / LayerNorm params
         if is_norm and key.endswith(".weight"):
             t = torch.ones(p.shape, dtype=torch.float32)
         elif is_norm and key.endswith(".bias"):
             t = torch.zeros(p.shape, dtype=torch.float32)
         else:
-            # Per-tensor generator: values do not depend on iteration order.
             g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
             t = torch.randn(p.shape, generator=g, dtype=torch.float32) * INIT_STD
         out[key] = t.to(getattr(torch, WEIGHT_DTYPE)).contiguous()
     return out
 
 
+def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
+    from transformers import LlavaForConditionalGeneration
+
+    return random_state_dict(LlavaForConditionalGeneration, cfg, seed, _hf_key)
+
+
 def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE) -> list[str]:
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
-    tok = _train_tokenizer()
+    tok = train_tokenizer()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -424,16 +432,21 @@ def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True,
     ``model.safetensors`` is written: load it with ``load_format="dummy"`` (the image
     then has no visible effect on outputs).
     """
-    dst = Path(dst)
     want = _manifest(seed, random_weights, shape)
+    return atomic_model_dir(Path(dst), want, lambda tmp: _write_model(tmp, seed, random_weights, shape))
+
+
+def atomic_model_dir(dst: Path, want: dict[str, Any], write: Callable[[Path], list[str]]) -> Path:
+    """``dst`` holding a complete build described by ``want`` (its manifest): reused if it
+    already does, else ``write(tmp)`` fills a sibling temp dir (returning its file names)
+    that is renamed into place (a concurrent builder that wins the rename is accepted)."""
     if _is_complete(dst, want):
         return dst
-
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        files = _write_model(tmp, seed, random_weights, shape)
+        files = write(tmp)
         manifest = dict(want, files=files)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
 
