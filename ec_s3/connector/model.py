@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import socket
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,8 +26,9 @@ from ec_s3.log import logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
 
-__all__ = ["ModelInfo", "describe_role", "host_id"]
+__all__ = ["ModelInfo", "carries_media", "describe_role", "host_id"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,15 @@ class ModelInfo:
         (it knows DeepStack-style wide outputs); the text hidden size is the fallback.
         """
         return self.widths.get(modality, self.default_width)
+
+
+def carries_media(feature: MultiModalFeatureSpec, metadata_fields: Collection[str]) -> bool:
+    """Whether ``feature`` holds anything vLLM can encode (media, or embeddings) beyond
+    ``metadata_fields``, the model's placeholder metadata (vLLM's
+    ``placeholder_metadata_fields``: what a metadata-only item carries, e.g. Qwen-VL's
+    ``image_grid_thw``). False for an item without data at all."""
+    data = feature.data
+    return data is not None and any(field not in metadata_fields for field in data)
 
 
 _HOST_ID: str | None = None

@@ -68,7 +68,7 @@ from ec_s3.connector.items import (
 )
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.connector.metrics import ECS3Stats, open_stats_reader, scheduler_stats
-from ec_s3.connector.model import ModelInfo, describe_role, host_id
+from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.topology import Topology, WorkerReach
 from ec_s3.connector.transfer_params import build_transfer_params, read_promises
@@ -258,9 +258,19 @@ class ECS3Scheduler:
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
         identifier = feature.identifier
         return self._admission.decide(Ask(
-            item=item, promise=state.promises.get(identifier), has_media=feature.data is not None,
+            item=item, promise=state.promises.get(identifier), has_media=self._carries_media(feature),
             since=state.waiting_since.get(identifier), now=now, workers_read_staging=self._topology.workers_read_staging,
         ))
+
+    def _carries_media(self, feature: MultiModalFeatureSpec) -> bool:
+        """Whether vLLM could encode ``feature`` here: it holds media (or embeddings),
+        not only the placeholder metadata of a metadata-only item (``{"type":
+        "image_embeds", "image_embeds": {"image_grid_thw": ...}}``, which an EC consumer
+        accepts). vLLM runs the encoder on a metadata-only item if asked to, gets no
+        embedding, and its engine dies (``Expected number of multimodal embeddings to
+        match number of input items``): such an item is served from the store or its
+        request fails alone."""
+        return carries_media(feature, self._resolver.fields_for(feature.modality))
 
     def _track(self, state: RequestState, identifier: str, item: Item | None) -> Item | None:
         """``item`` is the one admitted for ``identifier`` now (for has_cache_item), and the
@@ -324,7 +334,7 @@ class ECS3Scheduler:
         record it for ``take_unavailable_requests`` (False)."""
         req_id, identifier = state.request.request_id, feature.identifier
         self._stop_waiting(state, identifier, time.monotonic())
-        if feature.data is not None:
+        if self._carries_media(feature):
             state.local.add(identifier)
             self._unuse(state, identifier)
             self._counters.inc("fallbacks_local")
@@ -427,7 +437,7 @@ class ECS3Scheduler:
             identifier=identifier, key=item.key, path=staged.slot.path, data_offset=staged.data_offset,
             nbytes=staged.slot.nbytes, dtype=staged.dtype, shape=staged.shape, host=self._host,
             handle=staged.slot.handle, inode=staged.slot.inode,
-            request_id=request.request_id, input_index=index, has_media=feature.data is not None,
+            request_id=request.request_id, input_index=index, has_media=self._carries_media(feature),
         )
         self._loads.append((spec, staged.slot))
 

@@ -85,7 +85,8 @@ def make_node(
         # how the worker's counters find the scheduler side (connector/metrics.py).
         worker_config.ec_transfer_config.engine_id = vllm_config.ec_transfer_config.engine_id
     worker = ECS3Connector(worker_config, ECConnectorRole.WORKER)
-    sim = ECWorkerSim(worker, encode_fn=encode_fn)
+    # The fake encoder's rows are as wide as the model's (LLaVA 128, Qwen 256).
+    sim = ECWorkerSim(worker, encode_fn=encode_fn, hidden=vllm_config.model_config.get_hidden_size())
     return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
 
 

@@ -246,7 +246,7 @@ def make_mm_request(
     *,
     num_image_tokens: int = 16,
     prompt_len_text: int = 8,
-    with_media: bool = True,
+    with_media: bool | str = True,
     ec_transfer_params: dict | None = None,
     max_tokens: int = 4,
     image_token_id: int = IMAGE_TOKEN_ID,
@@ -264,7 +264,9 @@ def make_mm_request(
     (``<s>`` included; at least ``1 + len(identifiers)``). Each item becomes a
     ``MultiModalFeatureSpec(data=MultiModalKwargsItem.dummy() if with_media else
     None, modality="image", identifier=..., mm_position=PlaceholderRange(offset,
-    num_image_tokens), mm_hash=identifier)``. ``ec_transfer_params`` travel as
+    num_image_tokens), mm_hash=identifier)``; ``with_media="metadata"`` gives the data of
+    a metadata-only item as Qwen-VL's processor builds it on an EC consumer (only
+    ``image_grid_thw``, see :func:`metadata_only_data`). ``ec_transfer_params`` travel as
     vLLM's frontend sends them: ``SamplingParams.extra_args["ec_transfer_params"]``
     (``Request.__init__`` copies them to ``request.ec_transfer_params``).
     """
@@ -295,7 +297,8 @@ def make_mm_request(
         prompt.extend([image_token_id] * num_image_tokens)
         features.append(
             MultiModalFeatureSpec(
-                data=MultiModalKwargsItem.dummy() if with_media else None,
+                data=(metadata_only_data(num_image_tokens) if with_media == "metadata"
+                      else MultiModalKwargsItem.dummy() if with_media else None),
                 modality="image",
                 identifier=identifier,
                 mm_position=PlaceholderRange(offset=offset, length=num_image_tokens),
@@ -320,6 +323,20 @@ def make_mm_request(
         arrival_time=arrival_time,
         cache_salt=cache_salt,
     )
+
+
+def metadata_only_data(num_image_tokens: int):
+    """A metadata-only item's data: only ``image_grid_thw`` (1 x 2 x 2n: 4n patches
+    merged 2x2 into n tokens), what vLLM keeps of an ``image_embeds`` part that carries
+    no embedding on an EC consumer (``DictEmbeddingItems`` with the embeddings optional)."""
+    from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldElem, MultiModalKwargsItem
+
+    grid = torch.tensor([1, 2, 2 * num_image_tokens])
+    return MultiModalKwargsItem({"image_grid_thw": MultiModalFieldElem(data=grid, field=MultiModalBatchedField())})
+
+
+# Per modality, the fields a metadata-only item carries (vLLM's placeholder metadata).
+METADATA_FIELDS = {"image": frozenset({"image_grid_thw"})}
 
 
 # ---------------------------------------------------------------------- worker sim
@@ -351,7 +368,8 @@ class ECWorkerSim:
        producer: ``start_save_caches(encoder_cache=...)``; consumer:
        ``start_load_caches(encoder_cache)``;
     3. run the "encoder" for ``scheduled_encoder_inputs`` whose feature has data
-       (vLLM skips ``data is None``), store in ``encoder_cache`` and call
+       (vLLM skips ``data is None``; a metadata-only item's data stops the engine with
+       vLLM's ``AssertionError``), store in ``encoder_cache`` and call
        ``save_caches(encoder_cache=..., mm_hash=...)`` per item;
     4. (not on an encoder-only producer) gather: every item overlapping a
        request's scheduled window must be in ``encoder_cache``, else
@@ -415,6 +433,14 @@ class ECWorkerSim:
                 f = st.mm_features[i]
                 if f.data is None:
                     continue
+                if set(f.data) <= METADATA_FIELDS.get(f.modality, frozenset()):
+                    # vLLM's encoder gets no pixels and returns no embedding for it; the
+                    # model runner's check then stops the engine (vllm 0.32
+                    # gpu_model_runner._execute_mm_encoder).
+                    raise AssertionError(
+                        "Expected number of multimodal embeddings to match number of input items: 1, "
+                        f"but got len(mm_embeddings)=0 ({f.identifier} carries only {sorted(f.data)})"
+                    )
                 self.encoding_for = rid  # lets an encode_fn give each request its own content
                 out = self.encode_fn(f.identifier, f.mm_position.get_num_embeds())
                 self.encoder_cache[f.identifier] = out
