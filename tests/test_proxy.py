@@ -106,6 +106,8 @@ class FakeEncoder:
     delay: float = 0.0
     gate: Callable[[], Any] | None = None  # awaited before answering
     with_params: bool = True
+    # vLLM's placeholder metadata in each entry: {} like LLaVA; Qwen-VL reports its grid.
+    metadata: dict[str, Any] = field(default_factory=dict)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     gauge: Gauge = field(default_factory=Gauge)
@@ -150,7 +152,7 @@ class FakeEncoder:
                     "dtype": "bfloat16",
                     "modality": "image",
                     "item_indices": [0],
-                    "metadata": {},
+                    "metadata": dict(self.metadata),
                     "encoder": self.name,
                 }
             }

@@ -65,6 +65,17 @@ class ProxyConfig:
     # like vLLM's example proxy (encoders still run, PD gets the client's request only):
     # consumers then need `lookup: always` and never wait for an upload in flight.
     forward_params: bool = True
+    # Send prefill/decode a metadata-only part (e.g. {"type": "image_embeds", "image_embeds":
+    # {"image_grid_thw": [1, 70, 70]}, "uuid": ...}) instead of the media for items whose
+    # encoder output is in the bucket and whose placeholder metadata an encoder reported
+    # (Qwen-VL and other models that declare vLLM's embedding_fields): prefill/decode then
+    # never decodes nor processes that image (ec_s3.proxy.embeds). False: always the media.
+    metadata_only: bool = True
+    # Trust clients to name items in the servers' caches: their metadata-only parts and
+    # the uuids of their embeddings parts are forwarded as they are. Only for clients that
+    # are part of the serving stack (another proxy, a batch driver); otherwise a
+    # metadata-only part is refused (400) and such uuids are namespaced (ec_s3.proxy.naming).
+    trust_client_embeds: bool = False
     # Forward the client's Authorization header upstream, only when the proxy does not
     # check one itself (api_key unset) and upstream_api_key is unset. A key the proxy
     # checks is the proxy's, and never leaves it.

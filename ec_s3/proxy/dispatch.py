@@ -30,6 +30,12 @@ go to p/d with the encoder's remembered entry or a present mark (``ec_s3_present
 consumer that finds such a blob missing encodes the item itself at once and says so in
 its answer, and the proxy forgets it (docs/proxy.md).
 
+Items in the bucket whose placeholder metadata an encoder reported go to p/d as
+metadata-only parts (:mod:`.embeds`): under serial dispatch every such item, under parallel
+dispatch the known ones (a pending item keeps its media: its metadata comes with its
+encoder's answer, and p/d must be able to encode it if that encoder fails). The request
+with the media is kept for one resend, should p/d fail it for want of a blob.
+
 Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
 (:mod:`.naming`) or body rewriting (:mod:`.media`).
 """
@@ -52,6 +58,7 @@ from ec_s3.proxy.media import (
     strip_published_media,
 )
 from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.embeds import metadata_only_body
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.naming import pending_params
 
@@ -73,12 +80,15 @@ class Sender(Protocol):
 
     async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None: ...
 
-    async def pd_begin(self, data: bytes, headers: dict[str, str], *, stream: bool) -> Any: ...
+    async def pd_begin(
+        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None
+    ) -> Any: ...
 
     async def pd_finish(self, request: web.Request, answer: Any, request_id: str) -> web.StreamResponse: ...
 
     async def forward_to_pd(
-        self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool
+        self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
+        retry_data: bytes | None = None,
     ) -> web.StreamResponse: ...
 
     def detach(self, tasks: list[asyncio.Task[Any]]) -> None: ...
@@ -147,6 +157,9 @@ async def dispatch_serial(
         )
     if not proxy.config.forward_params:
         params = {}  # vLLM's example-proxy contract: PD sees the client's request only
+    slim, retry = _metadata_only(proxy, body, [*known, *items], params, params)
+    if retry is not None:
+        return await proxy.forward_to_pd(request, slim, headers, stream=stream, retry_data=retry)
     if not params and body is original and "ec_transfer_params" not in body:
         return await proxy.forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
     if params and body is original:
@@ -172,6 +185,20 @@ def _pd_payload(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     if params:
         forwarded["ec_transfer_params"] = params
     return dump_body(forwarded)
+
+
+def _metadata_only(
+    proxy: Sender, body: dict[str, Any], items: list[MediaItem], entries: dict[str, Any], params: dict[str, Any]
+) -> tuple[bytes, bytes | None]:
+    """p/d's payload (``body`` with ``params``) with ``items`` sent metadata-only where
+    their entry in ``entries`` allows, and the payload with their media for a resend;
+    (b"", None) when no item is."""
+    if proxy.config.metadata_only and entries:
+        slim, count = metadata_only_body(body, items, entries)
+        if count:
+            proxy.metrics.inc("ec_s3_proxy_metadata_only_items_total", count)
+            return _pd_payload(slim, params), _pd_payload(body, params)
+    return b"", None
 
 
 def _kept(params: dict[str, Any] | None) -> bool:
@@ -204,8 +231,10 @@ async def dispatch_parallel(
     def begin() -> asyncio.Task[Answer | web.Response]:
         stripped = [*(item.part for item in known), *(items[n].part for n in marked)]
         pd_body = body if proxy.config.forward_media else strip_media(body, stripped)
-        data = _pd_payload(pd_body, {**present, **pending_params(items, marked)})
-        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream))
+        params = {**present, **pending_params(items, marked)}
+        slim, retry = _metadata_only(proxy, pd_body, known, present, params)
+        data = slim if retry is not None else _pd_payload(pd_body, params)
+        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream, retry_data=retry))
 
     attempt = begin()
     try:

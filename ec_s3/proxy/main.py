@@ -79,6 +79,12 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
     p.add_argument("--no-forward-params", dest="forward_params", action="store_false",
                    help="still send media to encoders but forward no ec_transfer_params to prefill/decode, "
                         "like vLLM's example proxy (consumers then need lookup: always; see docs/proxy.md)")
+    p.add_argument("--no-metadata-only", dest="metadata_only", action="store_false",
+                   help="always forward an item's media to prefill/decode, never a metadata-only part for items "
+                        "in the bucket (see docs/proxy.md)")
+    p.add_argument("--trust-client-embeds", action="store_true",
+                   help="forward clients' metadata-only parts and embeddings uuids as they are (only for clients "
+                        "that are part of the serving stack; otherwise those parts are refused with 400)")
     keys = p.add_argument_group(
         "keys", "prefer the files or the environment: a key given as a flag shows in every process listing"
     )
@@ -139,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         dispatch=args.dispatch,
         forward_media=args.forward_media,
         forward_params=args.forward_params,
+        metadata_only=args.metadata_only,
+        trust_client_embeds=args.trust_client_embeds,
         pass_authorization=args.pass_authorization,
         upstream_api_key=_key(args.upstream_api_key, args.upstream_api_key_file, _UPSTREAM_API_KEY_ENV,
                               "upstream_api_key"),

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = [
-    "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
+    "EMBED_PART_TYPES", "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
     "dump_body", "encoder_body", "encoder_payload", "find_media_items", "media_key", "merge_params", "parse_body",
     "parts_of", "splice_params", "strip_media", "strip_published_media",
 ]
@@ -33,7 +33,7 @@ MEDIA_PART_KEYS: dict[str, str] = {
 }
 # Every content part that becomes one of vLLM's multimodal items (mm_features), in
 # message order; used to number items the way the consumer's request does.
-_EMBED_PART_TYPES = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
+EMBED_PART_TYPES = frozenset({"image_embeds", "audio_embeds", "video_embeds"})
 # Request fields that change an item's identifier (processor kwargs, decoded media) or
 # its blob key (cache_salt): the encoder must see them to publish what the consumer
 # will look for.
@@ -124,7 +124,7 @@ def find_media_items(body: dict[str, Any], limit: int | None = None) -> list[Med
             media_key = _media_key(part)
             if media_key is None:
                 part_type = part.get("type")  # any JSON value: a list is unhashable
-                if isinstance(part_type, str) and part_type in _EMBED_PART_TYPES:
+                if isinstance(part_type, str) and part_type in EMBED_PART_TYPES:
                     index += 1
                 continue
             if part.get(media_key) not in (None, "", {}):

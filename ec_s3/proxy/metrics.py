@@ -19,6 +19,8 @@ class ProxyMetrics:
     _HELP: ClassVar[dict[str, tuple[str, str]]] = {
         "ec_s3_proxy_requests_total": ("counter", "Chat requests received, by whether they held media."),
         "ec_s3_proxy_mm_items_total": ("counter", "Media items seen in chat requests."),
+        "ec_s3_proxy_metadata_only_items_total": (
+            "counter", "Media items sent to prefill/decode as metadata-only parts (their blob in the bucket)."),
         "ec_s3_proxy_items_without_params_total": ("counter", "Media items forwarded without encoder params."),
         "ec_s3_proxy_encoder_requests_total": ("counter", "Encoder requests by upstream and outcome."),
         "ec_s3_proxy_encoder_seconds_total": ("counter", "Time spent in encoder requests."),

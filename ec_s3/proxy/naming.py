@@ -14,8 +14,14 @@ keeps its old name, as with vLLM's own proxy, which names items ``sha256(url)``)
 
 A client's ``uuid`` is never passed on as is (a forged one would poison caches shared by
 every client, vLLM's GHSA-ph72-cqr5-qpp7): on a part that carries media it is *replaced*
-by the content identifier; on a media-less part (a reference into a server's cache) it
-is *namespaced* (``client-`` + its SHA-256), so it can never name what the proxy named.
+by the content identifier; on a media-less part (a reference into a server's cache) and
+on an embeddings part (``image_embeds``, ...) it is *namespaced* (``client-`` + its
+SHA-256), so it can never name what the proxy named. A client's *metadata-only* part (an
+embeddings part whose value holds no tensor, only placeholder metadata such as
+``image_grid_thw``: on an EC consumer it means "take the embedding from the cache under
+this uuid") is refused (:class:`ClientMetadataOnly`, a 400) unless the proxy trusts its
+clients (``trust_client_embeds``: a client that is part of the serving stack, naming
+items by vLLM's identifiers); a trusted client's embeddings parts keep their ``uuid``.
 
 Owns naming and the pending marks. Does not own finding items (:mod:`.media`) or sending.
 """
@@ -28,9 +34,20 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from ec_s3.blob.format import PENDING_MARK
-from ec_s3.proxy.media import MediaItem, TooDeeplyNested, TooManyItems, media_key, parts_of
+from ec_s3.proxy.media import (
+    EMBED_PART_TYPES,
+    BodyError,
+    MediaItem,
+    TooDeeplyNested,
+    TooManyItems,
+    media_key,
+    parts_of,
+)
 
-__all__ = ["CLIENT_PREFIX", "CONTENT_PREFIX", "content_uuid", "name_media", "pending_params"]
+__all__ = [
+    "CLIENT_PREFIX", "CONTENT_PREFIX", "ClientMetadataOnly", "content_uuid", "is_metadata_only", "name_media",
+    "pending_params",
+]
 
 CONTENT_PREFIX = "ecs3-"
 CLIENT_PREFIX = "client-"
@@ -56,16 +73,42 @@ def content_uuid(key: str, value: Any) -> str:
     return CONTENT_PREFIX + digest.hexdigest()
 
 
+class ClientMetadataOnly(BodyError):
+    """A client sent a metadata-only part and the proxy does not trust its clients."""
+
+    def __init__(self, part_type: str) -> None:
+        super().__init__(
+            f"a {part_type} part without embeddings (placeholder metadata only) refers to an item in the servers' "
+            "cache, which clients of this server may not do: send the media itself, or the embeddings"
+        )
+
+
+def is_metadata_only(part: dict[str, Any]) -> bool:
+    """Whether ``part`` is an embeddings part that carries no tensor: its value is a
+    non-empty object of plain JSON values only (vLLM sends tensors as base64 strings;
+    placeholder metadata such as ``image_grid_thw`` as arrays of numbers). A part with no
+    value at all is the servers' to refuse (vLLM answers 400: nothing sizes it)."""
+    part_type = part.get("type")
+    if not isinstance(part_type, str) or part_type not in EMBED_PART_TYPES:
+        return False
+    value = part.get(part_type)
+    return isinstance(value, dict) and bool(value) and not any(isinstance(v, str) for v in value.values())
+
+
 def _client_uuid(value: Any) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     return CLIENT_PREFIX + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def name_media(body: dict[str, Any], *, give_uuids: bool, limit: int | None = None) -> dict[str, Any]:
+def name_media(
+    body: dict[str, Any], *, give_uuids: bool, limit: int | None = None, trust_embeds: bool = False
+) -> dict[str, Any]:
     """``body`` with every media part named: parts carrying media get their content
     identifier as ``uuid`` (all of them with ``give_uuids``, else only those that came
-    with a client's ``uuid``, which is replaced); media-less parts with a client
-    ``uuid`` get it namespaced. The input is not modified; untouched messages are shared.
+    with a client's ``uuid``, which is replaced); media-less parts and embeddings parts
+    with a client ``uuid`` get it namespaced, unless ``trust_embeds`` (embeddings parts
+    keep theirs). A metadata-only part raises :class:`ClientMetadataOnly` unless
+    ``trust_embeds``. The input is not modified; untouched messages are shared.
 
     More than ``limit`` parts with media raises :class:`TooManyItems` before anything is
     hashed, so a hostile list costs a scan.
@@ -80,6 +123,12 @@ def name_media(body: dict[str, Any], *, give_uuids: bool, limit: int | None = No
     renamed: dict[int, dict[str, Any]] = {}  # id(part) -> its named copy
     for _, part, key in parts_of(body):
         if key is None:
+            part_type = part.get("type")
+            if isinstance(part_type, str) and part_type in EMBED_PART_TYPES and not trust_embeds:
+                if is_metadata_only(part):
+                    raise ClientMetadataOnly(part_type)
+                if part.get("uuid") is not None:
+                    renamed[id(part)] = {**part, "uuid": _client_uuid(part["uuid"])}
             continue
         has_media = part.get(key) not in (None, "", {})
         if has_media and (give_uuids or part.get("uuid") is not None):

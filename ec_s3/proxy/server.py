@@ -259,7 +259,8 @@ class EPDProxy:
                 self.metrics.inc("ec_s3_proxy_requests_total", kind="unparsed")
                 return await self.forward_to_pd(request, raw, headers, stream=False)
             parallel = cfg.dispatch == "parallel" and cfg.forward_params
-            named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request)
+            named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request,
+                               trust_embeds=cfg.trust_client_embeds)
             items = find_media_items(named, cfg.max_items_per_request)
             stream = body.get("stream") is True
             kind = "multimodal" if items else "text"
@@ -337,15 +338,18 @@ class EPDProxy:
         self.skips.remember(body, item, params)
 
     async def forward_to_pd(
-        self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool
+        self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
+        retry_data: bytes | None = None,
     ) -> web.StreamResponse:
         """Send to the least busy PD and relay its answer."""
-        answer = await self.pd_begin(data, headers, stream=stream)
+        answer = await self.pd_begin(data, headers, stream=stream, retry_data=retry_data)
         if isinstance(answer, web.Response):
             return answer
         return await self.pd_finish(request, answer, headers["X-Request-Id"])
 
-    async def pd_begin(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:
+    async def pd_begin(
+        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None
+    ) -> PdAnswer | web.Response:
         """Send to the least busy PD (one that refuses the connection, so nothing was
         sent, is skipped for the next) and read the start of its answer: the whole body,
         or for a 200 stream its first events (:meth:`PdAnswer.read_start`), so nothing has
@@ -353,17 +357,21 @@ class EPDProxy:
         answer and send again). The :class:`PdAnswer` holds the upstream until
         :meth:`pd_finish` or its ``close``; errors come back as the client's error answer.
         HTTP errors are relayed as they are, except that a generation vLLM's engine
-        refused before any token is sent once more (:mod:`.answer` says why)."""
+        refused before any token is sent once more (:mod:`.answer` says why), as
+        ``retry_data`` when given (the request with its media instead of metadata-only
+        parts, whose blobs p/d could not get: :mod:`.embeds`)."""
         answer = await self._pd_send(data, headers, stream=stream)
         if isinstance(answer, PdAnswer) and answer.failed_generation():
             answer.close()
-            self.metrics.inc("ec_s3_proxy_pd_retries_total", upstream=answer.upstream.url, reason="failed_generation")
+            reason = "failed_generation" if retry_data is None else "metadata_only_failed"
+            self.metrics.inc("ec_s3_proxy_pd_retries_total", upstream=answer.upstream.url, reason=reason)
             logger.info(
                 "ec-s3 proxy: request %s: prefill/decode %s refused it before any token (vLLM's retryable "
-                "finish_reason 'error', e.g. after its multimodal cache drifted); sending it once more",
-                headers["X-Request-Id"], answer.upstream.url,
+                "finish_reason 'error': its multimodal cache drifted, or it could not get an item's encoder "
+                "output); sending it once more%s", headers["X-Request-Id"], answer.upstream.url,
+                "" if retry_data is None else " with the media of its metadata-only items",
             )
-            answer = await self._pd_send(data, headers, stream=stream)
+            answer = await self._pd_send(data if retry_data is None else retry_data, headers, stream=stream)
         return answer
 
     async def _pd_send(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:

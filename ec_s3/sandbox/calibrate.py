@@ -5,7 +5,7 @@ Encode time is the engine time of a request with a fresh image minus that of a
 text-only request of the same prompt length (prefix caching off, so both prefill every
 token); the image's preprocessing (the HF processor, done by the front end before the
 engine) is timed apart and left out. Used to size :data:`ec_s3.sandbox.tiny_qwen.QWEN_SHAPE`
-(``python -m ec_s3.sandbox.tiny_qwen --time``).
+(``python -m ec_s3.sandbox.calibrate [--shape JSON] [--out FILE]``).
 
 Owns the measurement. Does not own the model (:mod:`.tiny_qwen`) nor serving it.
 """
@@ -69,3 +69,38 @@ def time_encode_prefill(model: str, *, size: int = 1024, repeats: int = 6) -> di
         "preprocess_ms": round(pre, 1), "encode_ms": round(encode, 1), "prefill_ms": round(txt, 1),
         "encode_to_prefill": round(encode / txt, 2), "threads": 1,
     }
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+    import dataclasses
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from ec_s3.sandbox.tiny_qwen import QWEN_SHAPE, build_tiny_qwen
+
+    parser = argparse.ArgumentParser(prog="python -m ec_s3.sandbox.calibrate",
+                                     description="time encode : prefill of a photo on the tiny Qwen2.5-VL in vLLM")
+    parser.add_argument("--shape", type=json.loads, default={},
+                        help='QwenShape fields to override, as JSON, e.g. \'{"vision_layers": 2}\'')
+    parser.add_argument("--size", type=int, default=1024, help="photo width and height in pixels (default 1024)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--out", type=Path, help="also write the result (JSON) here")
+    args = parser.parse_args(argv)
+    shape = dataclasses.replace(QWEN_SHAPE, **args.shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_qwen(Path(tmp) / "model", shape=shape)
+        result = {"shape": dataclasses.asdict(shape),
+                  **time_encode_prefill(str(model), size=args.size, repeats=args.repeats)}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

@@ -12,7 +12,7 @@ What makes it the right stand-in (unlike the tiny LLaVA of :mod:`.tiny_model`):
 * an encoder that costs about what prefilling its tokens costs, as in Qwen2.5-VL-3B
   (vLLM's EPD examples; by FLOPs a 0.67B ViT over ~5k patches vs a 3B LM over ~1.3k
   tokens, about 0.85 : 1). :data:`QWEN_SHAPE` is sized for that on one CPU core;
-  ``python -m ec_s3.sandbox.tiny_qwen --time`` measures the ratio in vLLM.
+  ``python -m ec_s3.sandbox.calibrate`` measures the ratio in vLLM.
 
 Built from transformers configs with random weights (std 0.02, fixed seed) in the
 Qwen2.5-VL checkpoint key layout, the byte-level tokenizer of :mod:`.tiny_model` with
@@ -107,7 +107,8 @@ class QwenShape:
         return [t, h, half - t - h]
 
 
-#: The tests', demo's and benches' model (measured ratio: ``--time``, in bench/README.md).
+#: The tests', demo's and benches' model: encode : prefill 0.94 on one core here
+#: (``python -m ec_s3.sandbox.calibrate``; bench/results/qwen_calibration.json).
 QWEN_SHAPE = QwenShape()
 
 
@@ -284,32 +285,9 @@ def photo_jpeg(seed: int, width: int = 1024, height: int | None = None, quality:
     return out.getvalue()
 
 
-def _main(argv: list[str]) -> int:
-    import argparse
-    import tempfile
-
-    parser = argparse.ArgumentParser(prog="python -m ec_s3.sandbox.tiny_qwen",
-                                     description="build the tiny Qwen2.5-VL, or time encode vs prefill in vLLM")
-    parser.add_argument("--out", type=Path, help="build the model here and print its path")
-    parser.add_argument("--time", action="store_true", help="time encode : prefill of a 1024x1024 photo in vLLM")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--shape", type=json.loads, default={},
-                        help='QwenShape fields to override, as JSON (calibration), e.g. \'{"vision_layers": 2}\'')
-    args = parser.parse_args(argv)
-    shape = dataclasses.replace(QWEN_SHAPE, **args.shape)
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_tiny_qwen(args.out or Path(tmp) / "m", shape=shape)
-        if args.out:
-            print(model)
-        if args.time:
-            from ec_s3.sandbox.calibrate import time_encode_prefill
-
-            result = time_encode_prefill(str(model), repeats=args.repeats)
-            print(json.dumps({"shape": dataclasses.asdict(shape), **result}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m ec_s3.sandbox.tiny_qwen DIR
     import sys
 
-    raise SystemExit(_main(sys.argv[1:]))
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m ec_s3.sandbox.tiny_qwen DIR  (timing: python -m ec_s3.sandbox.calibrate)")
+    print(build_tiny_qwen(Path(sys.argv[1])))

@@ -1,0 +1,105 @@
+"""Metadata-only parts: prefill/decode never touches an image whose encoder output is in
+the bucket and whose placeholder metadata the proxy knows. Pure functions, no I/O.
+
+For models whose processor declares vLLM's ``embedding_fields`` (the Qwen-VL family), an
+EC consumer accepts an item that carries only its placeholder metadata, e.g.
+``{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 70, 70]}, "uuid": U}``,
+and takes the embedding from the connector: no image decode, no HF image processor (21 ms
+and a 22 MiB ``pixel_values`` per 1024² photo), a 340 B part instead of a data URL.
+
+The proxy knows that metadata from an encoder's ``ec_transfer_params`` entry (vLLM puts the
+model's placeholder metadata fields there: ``metadata``, ``modality``); an entry with no
+metadata (LLaVA-like models declare none) keeps the media. The part keeps the ``uuid``
+the proxy gave it (its content identifier): the encoder derived its identifier from that
+uuid and the request's processor kwargs, and prefill/decode derives the same from the same
+uuid and kwargs (vLLM hashes a uuid with ``mm_processor_kwargs`` and ``media_io_kwargs``
+on both sides alike). A part without the proxy's uuid keeps its media.
+
+Parallel dispatch sends a pending item (its encoder has not answered yet) with its media:
+its metadata is known only when the encoder answers, and the consumer must be able to
+encode it itself if the encoder fails. Items the proxy already knows (an encoder answered
+for them before) go metadata-only under either dispatch.
+
+A consumer that cannot get the blob of a metadata-only item (deleted, corrupt) fails that
+request alone; the proxy then sends it once more with the media (:mod:`.dispatch`).
+
+Owns building metadata-only parts and rewriting a body with them. Does not own which
+items are known (:mod:`.skips`), naming (:mod:`.naming`) or sending (:mod:`.dispatch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ec_s3.proxy.media import MediaItem, media_key
+from ec_s3.proxy.naming import CONTENT_PREFIX
+
+__all__ = ["metadata_only_body", "metadata_only_part"]
+
+# The embeddings part type of each modality vLLM's chat API parses.
+_EMBED_PART_OF = {"image": "image_embeds", "video": "video_embeds", "audio": "audio_embeds"}
+
+
+def _plain(value: Any) -> bool:
+    """A number, or a (nested) array of numbers: what vLLM accepts as metadata in JSON."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    return isinstance(value, list) and bool(value) and all(_plain(v) for v in value)
+
+
+def metadata_only_part(part: Mapping[str, Any], entry: Any) -> dict[str, Any] | None:
+    """The metadata-only part that replaces media ``part``, from an encoder's entry for
+    it; None when it cannot (no proxy uuid, no metadata, an unknown modality)."""
+    uuid = part.get("uuid")
+    if not isinstance(uuid, str) or not uuid.startswith(CONTENT_PREFIX) or not isinstance(entry, Mapping):
+        return None
+    kind = _EMBED_PART_OF.get(entry.get("modality"))  # type: ignore[arg-type]
+    metadata = entry.get("metadata")
+    if kind is None or not isinstance(metadata, Mapping) or not metadata:
+        return None
+    if not all(isinstance(k, str) and _plain(v) for k, v in metadata.items()):
+        return None
+    return {"type": kind, kind: dict(metadata), "uuid": uuid}
+
+
+def _entry_of(item: MediaItem, params: Mapping[str, Any]) -> Any:
+    """The entry of ``params`` for ``item``: the one at the item's indices."""
+    for entry in params.values():
+        if isinstance(entry, Mapping) and entry.get("item_indices") == item.indices:
+            return entry
+    return None
+
+
+def metadata_only_body(
+    body: dict[str, Any], items: Sequence[MediaItem], params: Mapping[str, Any]
+) -> tuple[dict[str, Any], int]:
+    """``body`` with each of ``items`` whose entry in ``params`` gives its metadata sent
+    metadata-only, and how many were; the input is not modified (untouched messages are
+    shared)."""
+    swaps: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    for item in items:
+        new = metadata_only_part(item.part, _entry_of(item, params))
+        if new is not None:
+            swaps.append((item.part, new))
+    if not swaps or not isinstance(body.get("messages"), list):
+        return body, 0
+    messages = []
+    for message in body["messages"]:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            messages.append(message)
+            continue
+        new_content, changed = [], False
+        for part in content:
+            if isinstance(part, dict) and media_key(part) is not None:
+                # Identical parts were merged into one item: match parts by value.
+                for old, new in swaps:
+                    if part == old:
+                        part, changed = new, True
+                        break
+            new_content.append(part)
+        messages.append({**message, "content": new_content} if changed else message)
+    return {**body, "messages": messages}, len(swaps)
