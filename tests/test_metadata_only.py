@@ -135,3 +135,23 @@ def test_promise_not_kept_for_metadata_only_item_fails_its_request_alone(
         _served_next(node)
     finally:
         node.close()
+
+
+def test_a_wrong_grid_does_not_spoil_the_blob_for_the_right_one(
+    tiny_qwen_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """A client's grid sizes the placeholders: a request with the wrong one fails alone,
+    and the blob still serves a request with the right one. Before, the blob was checked
+    against the rows of the request that started its lookup and cached as invalid, so
+    the right request failed too (seen through a real server in tests/test_e2e_qwen.py)."""
+    node = make_node(tiny_qwen_dir, "ec_consumer", extra_config(lookup_wait_s=1.0))
+    try:
+        put_blob(make_store(), _keyspace(node), "img-25", fake_encoder_output("img-25", 25, WIDTH))
+        node.driver.add("wrong", ["img-25"], with_media="metadata", num_image_tokens=ROWS)
+        assert drive(node.driver)["wrong"].finish_reason == FinishReason.ERROR
+        node.driver.add("right", ["img-25"], with_media="metadata", num_image_tokens=25)
+        assert drive(node.driver)["right"].finish_reason == FinishReason.LENGTH
+        assert node.sim.encoded == []
+        assert torch.equal(node.sim.encoder_cache["img-25"], fake_encoder_output("img-25", 25, WIDTH))
+    finally:
+        node.close()

@@ -92,7 +92,9 @@ def test_metadata_only_part_needs_the_proxys_uuid_and_metadata() -> None:
     named = {**image(1), "uuid": CONTENT_PREFIX + "ab"}
     assert metadata_only_part(named, entry) == {"type": "image_embeds", "image_embeds": GRID,
                                                 "uuid": CONTENT_PREFIX + "ab"}
-    assert metadata_only_part(image(1), entry) is None  # no uuid: its identifier is vLLM's hash
+    assert metadata_only_part(image(1), entry) is None  # no uuid, no identifier: vLLM's hash of the media
+    assert metadata_only_part(image(1), entry, "mm-abc") == {"type": "image_embeds", "image_embeds": GRID,
+                                                             "uuid": "mm-abc"}
     assert metadata_only_part({**image(1), "uuid": "client-x"}, entry) is None
     assert metadata_only_part(named, {**entry, "metadata": {}}) is None  # LLaVA: nothing to size it
     assert metadata_only_part(named, {**entry, "modality": "point_cloud"}) is None
@@ -106,11 +108,18 @@ def test_serial_sends_published_items_metadata_only() -> None:
             status, _, _ = await r.post(chat(named, image(2)))
             assert status == 200
             first, second = user_parts(r.pds[0].bodies[0])
+            params = params_of(r.pds[0].bodies[0])
             assert first["type"] == "image_embeds" and first["image_embeds"] == GRID
             assert first["uuid"].startswith(CONTENT_PREFIX)
-            assert second["type"] == "image_url"  # no proxy uuid under serial dispatch: media
-            assert len(params_of(r.pds[0].bodies[0])) == 2
-            assert r.metric("ec_s3_proxy_metadata_only_items_total") == 1
+            # Not named by the proxy: the encoder's identifier is its uuid (no processor kwargs).
+            assert second["type"] == "image_embeds" and second["uuid"] in params
+            assert len(params) == 2
+            assert r.metric("ec_s3_proxy_metadata_only_items_total") == 2
+            # With processor kwargs vLLM would hash that uuid again: the media go.
+            status, _, _ = await r.post(chat(image(2), mm_processor_kwargs={"max_pixels": 100_000}))
+            assert status == 200
+            (kept,) = user_parts(r.pds[0].bodies[1])
+            assert kept["type"] == "image_url"
     run(scenario())
 
 

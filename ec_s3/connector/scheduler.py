@@ -311,11 +311,13 @@ class ECS3Scheduler:
         item.start_lookup(now)
         expect = None
         if self._staging is not None:  # what is staged is validated first
+            # Not its rows: those are the asking request's (a client sets them, e.g. with
+            # a metadata-only item's grid), and one request's wrong count must not make
+            # the blob invalid for every other; _misfit checks them per request.
             expect = BlobExpectation(
                 identifier=feature.identifier,
                 namespace=self._model.keyspace.namespace,
                 dtype=self._model.dtype,
-                rows=feature.mm_position.get_num_embeds(),
                 width=self._model.width_for(feature.modality),
                 max_bytes=self._config.max_blob_bytes,
             )

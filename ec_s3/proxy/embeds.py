@@ -13,7 +13,9 @@ metadata (LLaVA-like models declare none) keeps the media. The part keeps the ``
 the proxy gave it (its content identifier): the encoder derived its identifier from that
 uuid and the request's processor kwargs, and prefill/decode derives the same from the same
 uuid and kwargs (vLLM hashes a uuid with ``mm_processor_kwargs`` and ``media_io_kwargs``
-on both sides alike). A part without the proxy's uuid keeps its media.
+on both sides alike). A part the proxy did not name (serial dispatch) gets the encoder's
+identifier as its uuid, which vLLM then uses as is, but only in a request without those
+kwargs (with them vLLM would hash it again); otherwise it keeps its media.
 
 Parallel dispatch sends a pending item (its encoder has not answered yet) with its media:
 its metadata is known only when the encoder answers, and the consumer must be able to
@@ -50,11 +52,19 @@ def _plain(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(_plain(v) for v in value)
 
 
-def metadata_only_part(part: Mapping[str, Any], entry: Any) -> dict[str, Any] | None:
+def metadata_only_part(
+    part: Mapping[str, Any], entry: Any, identifier: str | None = None
+) -> dict[str, Any] | None:
     """The metadata-only part that replaces media ``part``, from an encoder's entry for
-    it; None when it cannot (no proxy uuid, no metadata, an unknown modality)."""
+    it; None when it cannot (no metadata, an unknown modality, no uuid that gives the
+    encoder's identifier). ``identifier`` (the entry's key) serves as the uuid of a part
+    without the proxy's, when the request has no processor kwargs (the caller knows)."""
     uuid = part.get("uuid")
-    if not isinstance(uuid, str) or not uuid.startswith(CONTENT_PREFIX) or not isinstance(entry, Mapping):
+    if not isinstance(uuid, str) or not uuid.startswith(CONTENT_PREFIX):
+        if uuid is not None or not identifier:
+            return None  # a client's (namespaced) uuid: the encoder's identifier is a hash of it
+        uuid = identifier
+    if not isinstance(entry, Mapping):
         return None
     kind = _EMBED_PART_OF.get(entry.get("modality"))  # type: ignore[arg-type]
     metadata = entry.get("metadata")
@@ -65,12 +75,12 @@ def metadata_only_part(part: Mapping[str, Any], entry: Any) -> dict[str, Any] | 
     return {"type": kind, kind: dict(metadata), "uuid": uuid}
 
 
-def _entry_of(item: MediaItem, params: Mapping[str, Any]) -> Any:
-    """The entry of ``params`` for ``item``: the one at the item's indices."""
-    for entry in params.values():
+def _entry_of(item: MediaItem, params: Mapping[str, Any]) -> tuple[str | None, Any]:
+    """(identifier, entry) of ``params`` for ``item``: the one at the item's indices."""
+    for identifier, entry in params.items():
         if isinstance(entry, Mapping) and entry.get("item_indices") == item.indices:
-            return entry
-    return None
+            return identifier, entry
+    return None, None
 
 
 def metadata_only_body(
@@ -80,8 +90,11 @@ def metadata_only_body(
     metadata-only, and how many were; the input is not modified (untouched messages are
     shared)."""
     swaps: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    # vLLM takes a uuid as the identifier only without these (else it hashes it with them).
+    verbatim = not body.get("mm_processor_kwargs") and not body.get("media_io_kwargs")
     for item in items:
-        new = metadata_only_part(item.part, _entry_of(item, params))
+        identifier, entry = _entry_of(item, params)
+        new = metadata_only_part(item.part, entry, identifier if verbatim else None)
         if new is not None:
             swaps.append((item.part, new))
     if not swaps or not isinstance(body.get("messages"), list):

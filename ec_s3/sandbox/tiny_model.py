@@ -397,7 +397,10 @@ def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = 
     return sorted(p.name for p in tmp.iterdir() if p.is_file())
 
 
-def reseed_vision_weights(model_dir: Path, seed: int) -> None:
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")  # LLaVA's; Qwen-VL's is "visual."
+
+
+def reseed_vision_weights(model_dir: Path, seed: int, prefixes: tuple[str, ...] = VISION_PREFIXES) -> None:
     """Re-randomise the vision tower and projector of a built model in place. Tests use
     it to prove a consumer used a producer's encoder output: at the same model path (so
     the same mm identifiers and blob keys), an engine that encodes locally now gives
@@ -409,7 +412,7 @@ def reseed_vision_weights(model_dir: Path, seed: int) -> None:
     weights = safetensors.torch.load_file(str(path))
     gen = torch.Generator().manual_seed(seed)
     for name, tensor in weights.items():
-        if name.startswith(("vision_tower.", "multi_modal_projector.")) and tensor.dim() >= 2:
+        if name.startswith(prefixes) and tensor.dim() >= 2:
             weights[name] = (torch.randn(tensor.shape, generator=gen) * INIT_STD).to(tensor.dtype)
     safetensors.torch.save_file(weights, str(path))
 

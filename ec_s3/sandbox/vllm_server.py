@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_HOST",
     "LoadProgress",
     "ServerError",
+    "QWEN_MODEL_ARGS",
     "TINY_MODEL_ARGS",
     "VllmServer",
     "ec_transfer_config",
@@ -65,6 +66,15 @@ TINY_MODEL_ARGS: tuple[str, ...] = (
     "--max-model-len", "512",
     "--enforce-eager",
     "--limit-mm-per-prompt", '{"image": 1}',
+)
+
+# Server arguments for the tiny Qwen2.5-VL of ec_s3.sandbox.tiny_qwen: a 1024² photo is
+# 1,225 tokens (up to 1,280 at Qwen's default pixel limit), so a prompt with two fits.
+QWEN_MODEL_ARGS: tuple[str, ...] = (
+    "--max-model-len", "4096",
+    "--max-num-batched-tokens", "4096",
+    "--enforce-eager",
+    "--limit-mm-per-prompt", '{"image": 2}',
 )
 
 _SECRET_KEYS = ("secret_access_key", "session_token")
