@@ -81,8 +81,8 @@ async def trickle(writer: asyncio.StreamWriter, every: float) -> None:
             await asyncio.sleep(every)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -190,7 +190,8 @@ def test_compressed_bodies_are_refused_without_being_inflated(encoding: str) -> 
                     assert resp.status == 415, (resp.status, body[:200])
                     assert encoding in error_of(415, body)["message"]
                 await asyncio.sleep(0.5)  # what aiohttp would have inflated after the answer
-            print(f"\n{encoding} bomb of {len(bomb) >> 10} KiB: RSS {rss['before'] >> 20} -> peak {rss['peak'] >> 20} MiB")
+            print(f"\n{encoding} bomb of {len(bomb) >> 10} KiB: RSS {rss['before'] >> 20} -> "
+                  f"peak {rss['peak'] >> 20} MiB")
             assert rss["peak"] - rss["before"] < 64 * MiB, rss
             assert r.pds[0].bodies == []
             # An identity encoding is no encoding.
@@ -424,9 +425,7 @@ print(f"{len(out)} {out[len(out) // 2] * 1000:.1f} {out[-1] * 1000:.1f}")
 
 
 def _proc_rss_fds(pid: int) -> tuple[int, int]:
-    with open(f"/proc/{pid}/statm") as f:
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return rss, len(os.listdir(f"/proc/{pid}/fd"))
+    return rss_bytes(pid), len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @pytest.mark.slow
@@ -536,3 +535,18 @@ def test_big_bodies_at_once_stay_within_the_byte_budget() -> None:
         assert peak < 512 * MiB + 200 * MiB
 
     run(scenario(), timeout=110)
+
+
+def test_heads_aiohttp_refuses_are_answered_in_json() -> None:
+    async def scenario() -> None:
+        async with rig() as r:
+            for raw in (b"NOT-HTTP\r\n\r\n",
+                        b"GET /health HTTP/1.1\r\nHost: proxy\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n"):
+                reader, writer = await open_raw(r)
+                writer.write(raw)
+                status, body = await answer_of(reader, 5)
+                writer.close()
+                assert 400 <= status < 500 and error_of(status, body)["message"], (status, body)
+            assert r.metric("ec_s3_proxy_internal_errors_total") == 0
+
+    run(scenario())

@@ -4,7 +4,8 @@ within its size, its deadline and the byte budget.
 What a client can hold, and for how long:
 
 * a connection: at most ``max_connections`` at once (:class:`EdgeSite`); one more is
-  answered 503 (OpenAI-style JSON) and closed at once, before anything is read;
+  answered 503 (OpenAI-style JSON) and closed at once, before anything is read; a
+  request head aiohttp's parser refuses is answered in JSON too;
 * a connection that has not sent a complete request head: ``header_timeout_s`` after it
   opened or after its previous answer (aiohttp's ``keepalive_timeout``, which runs from
   both points until a head is complete: a half-sent head does not extend it);
@@ -24,10 +25,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
 
 from aiohttp import web
 
 from ec_s3.proxy.limits import BODY_COST_FACTOR, ByteBudget, NoRoom
+from ec_s3.proxy.upstreams import Warner
 
 __all__ = ["BodyRefused", "EdgeSite", "body_deadline", "check_head", "read_body"]
 
@@ -116,10 +120,13 @@ class EdgeSite(web.BaseSite):
     more is answered 503 and closed before anything of it is read."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int,
-                 backlog: int = 128) -> None:
+                 handler_args: dict[str, Any], warner: Warner, backlog: int = 128) -> None:
         super().__init__(runner, backlog=backlog)
         self._host = host
         self._port = port
+        # What the runner was given for its protocols: each connection's is built here.
+        self._handler_args = handler_args
+        self._warner = warner
         self.max_connections = max_connections
         self.open = 0
         self.refused = 0
@@ -133,15 +140,16 @@ class EdgeSite(web.BaseSite):
         await super().start()
         server = self._runner.server
         assert server is not None
+        loop = asyncio.get_running_loop()
 
         def protocol() -> asyncio.Protocol:
             if self.open >= self.max_connections:
                 self.refused += 1
                 return _Refuse()
             self.open += 1
-            return _Counted(server(), self)
+            return _Counted(_JsonErrors(server, self._warner, loop=loop, **self._handler_args), self)
 
-        self._server = await asyncio.get_running_loop().create_server(
+        self._server = await loop.create_server(
             protocol, self._host, self._port, backlog=self._backlog
         )
 
@@ -173,6 +181,37 @@ class _Counted(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._inner.resume_writing()
+
+
+class _JsonErrors(web.RequestHandler):
+    """aiohttp's protocol for one connection, except that a request its parser refuses (a
+    bad request line, a header too long) is answered in OpenAI's JSON shape and logged in
+    one rate-limited line, not in plain text with a traceback each."""
+
+    def __init__(self, manager: web.Server, warner: Warner, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._ec_s3_warner = warner
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: too late for an answer
+            raise ConnectionError("response is sent already, cannot send another one with the error")
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Error"
+        if status >= 500:  # a bug, not a client's input: aiohttp's log line, traceback included
+            self.log_exception("Error handling request", exc_info=exc)
+            text = "internal proxy error"
+        else:
+            text = (message or phrase).splitlines()[0][:200] if (message or phrase).strip() else phrase
+            self._ec_s3_warner.warn(("client", f"refused_head_{status}"),
+                                    "ec-s3 proxy: refused a request from %s: HTTP %d: %s", request.remote, status, text)
+        kind = phrase.title().replace(" ", "")
+        resp = web.json_response({"error": {"message": text, "type": kind, "param": None, "code": status}},
+                                 status=status)
+        resp.force_close()
+        return resp
 
 
 class _Refuse(asyncio.Protocol):

@@ -61,7 +61,8 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
     p.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="S",
                    help="longest silence from an upstream: before its answer starts and between the chunks of a "
                         "stream (then 504, or the stream ends with an error event); a non-streamed answer comes "
-                        f"when generation ends, so keep it above the longest; 0 = no limit (default {d.read_timeout_s:g})")
+                        "when generation ends, so keep it above the longest; 0 = no limit "
+                        f"(default {d.read_timeout_s:g})")
     p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S",
                    help=f"per-upstream /health probe (default {d.health_timeout_s:g})")
     p.add_argument("--health-cache", type=float, default=d.health_cache_s, metavar="S",
@@ -118,7 +119,8 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help=f"chat requests handled at once; more get 503 + Retry-After (default {d.max_in_flight})")
     edge = p.add_argument_group("client side", "what one client can hold, and for how long (docs/proxy.md)")
     edge.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
-                      help=f"client connections held at once; one more gets 503 and is closed (default {d.max_connections})")
+                      help="client connections held at once; one more gets 503 and is closed "
+                           f"(default {d.max_connections})")
     edge.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
                       help="a connection must send a complete request head within this after it opened or after its "
                            f"previous answer (idle keep-alive connections close then) (default {d.header_timeout_s:g})")

@@ -177,13 +177,14 @@ class EPDProxy:
         # here, and a failure must leave no port bound (no stop() follows a failed start).
         self.skips.open()
         cfg = self.config
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=float(cfg.shutdown_timeout_s),
-                               keepalive_timeout=float(cfg.header_timeout_s), auto_decompress=False,
-                               lingering_time=_LINGER_S)
+        handler_args: dict[str, Any] = {"access_log": None, "keepalive_timeout": float(cfg.header_timeout_s),
+                                        "auto_decompress": False, "lingering_time": _LINGER_S}
+        runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=float(cfg.shutdown_timeout_s),
+                               **handler_args)
         try:
             await runner.setup()
-            site = EdgeSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections)
+            site = EdgeSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections,
+                            handler_args=handler_args, warner=self._warner)
             try:
                 await site.start()
             except BaseException:
@@ -691,7 +692,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     its upstream sessions open on the app's startup and close on its cleanup, and
     ``app[PROXY_KEY]`` is its :class:`EPDProxy` (metrics, pools). Serve it with
     ``handler_cancellation=True`` (as :meth:`EPDProxy.start` does) so that a client that
-    hangs up also hangs up on the PD."""
+    hangs up also hangs up on the PD. The listening side's bounds (``max_connections``,
+    ``header_timeout_s``, no inflated bodies: :mod:`.edge`) come with :meth:`EPDProxy.start`
+    only; an app served otherwise has the body deadline and byte budget alone."""
     return EPDProxy(config).app
 
 
