@@ -169,6 +169,7 @@ class FakePD:
     hold: Gauge | None = None  # wait until hold.reached before answering
     break_after_first: bool = False
     chunk_interval: float = 0.0
+    pad_bytes: int = 0  # streaming: an SSE comment of this many bytes after each chunk
     health_status: int = 200
     health_delay: float = 0.0
     health_calls: int = 0
@@ -232,6 +233,8 @@ class FakePD:
         try:
             for i in range(self.chunks):
                 await out.write(sse_chunk(self.name, i))
+                if self.pad_bytes:
+                    await out.write(b": " + b"x" * self.pad_bytes + b"\n\n")
                 if i == 0 and self.break_after_first:
                     assert request.transport is not None
                     request.transport.abort()

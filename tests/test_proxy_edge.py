@@ -278,6 +278,25 @@ def test_a_silent_prefill_decode_is_cut_at_the_read_timeout() -> None:
     run(scenario())
 
 
+def test_a_client_that_reads_nothing_of_its_stream_is_cut_off() -> None:
+    """A client that asks for a stream of 64 MB and reads none of it: cut off once it has
+    accepted nothing for send_timeout_s; its slot and bytes are freed and the prefill/decode
+    request aborted."""
+    async def scenario() -> None:
+        pd = FakePD("pd0", chunks=64, pad_bytes=MiB)
+        async with rig(pds=[pd], send_timeout_s=0.5) as r:
+            reader, writer = await open_raw(r)
+            raw = json.dumps(chat(stream=True)).encode()
+            writer.write(head(length=len(raw)) + raw)
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # then reads nothing more
+            await asyncio.wait_for(pd.aborted.wait(), 10)
+            assert r.metric("ec_s3_proxy_client_disconnects_total") == 1
+            assert r.metric("ec_s3_proxy_requests_in_flight") == 0 and r.proxy.budget.used == 0
+            writer.close()
+
+    run(scenario())
+
+
 # --------------------------------------------------------------------------- 6. no 500 for a client's input
 def test_a_key_that_is_not_utf8_is_a_401() -> None:
     async def scenario() -> None:
@@ -402,7 +421,7 @@ def test_edge_flags_and_their_validation() -> None:
         build_parser().parse_args(["--pd-url", "http://pd:1", "--body-budget", "lots"])
     base = {"encoder_urls": [], "pd_urls": ["http://pd:1"]}
     for key, value in [("max_connections", 0), ("header_timeout_s", 0), ("body_timeout_s", -1),
-                       ("read_timeout_s", 0), ("health_cache_s", -1), ("protect_status", True),
+                       ("read_timeout_s", 0), ("health_cache_s", -1), ("send_timeout_s", 0), ("protect_status", True),
                        ("body_budget_bytes", 64 * MiB)]:
         with pytest.raises(ValueError, match=key):
             ProxyConfig(**base, **{key: value})

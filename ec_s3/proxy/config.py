@@ -112,6 +112,9 @@ class ProxyConfig:
     header_timeout_s: float = 15.0
     # A request body must arrive whole within this after its head (else 408).
     body_timeout_s: float = 60.0
+    # A client that accepts nothing of its streamed answer for this long is cut off: its
+    # slot, its bytes and its prefill/decode request are freed.
+    send_timeout_s: float = 60.0
     # Memory the request bodies in flight may take together: each request is charged
     # BODY_COST_FACTOR (8) times its body's size, from before its body is read to the end
     # of its answer; one that does not fit waits (up to body_timeout_s), then gets 503.
@@ -149,7 +152,7 @@ class ProxyConfig:
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"port: {self.port!r} is not a TCP port")
         for name in ("connect_timeout_s", "encode_timeout_s", "health_timeout_s", "keepalive_timeout_s",
-                     "header_timeout_s", "body_timeout_s"):
+                     "header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"{name}: must be > 0")
         for name in ("total_timeout_s", "read_timeout_s"):

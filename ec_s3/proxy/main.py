@@ -127,6 +127,9 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
     edge.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
                       help=f"a request body must arrive whole within this after its head, else 408 "
                            f"(default {d.body_timeout_s:g})")
+    edge.add_argument("--send-timeout", type=float, default=d.send_timeout_s, metavar="S",
+                      help="a client that accepts nothing of its streamed answer for this long is cut off "
+                           f"(default {d.send_timeout_s:g})")
     edge.add_argument("--body-budget", type=_size, default=d.body_budget_bytes, metavar="SIZE",
                       help="memory all request bodies in flight may take, each charged 8x its size; a request that "
                            "does not fit waits up to --body-timeout, then 503; at least 8x --max-body-bytes "
@@ -185,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_connections=args.max_connections,
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
+        send_timeout_s=args.send_timeout,
         body_budget_bytes=args.body_budget,
         known_max_entries=args.known_max_entries,
         known_max_bytes=args.known_max_bytes,

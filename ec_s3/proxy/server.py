@@ -536,9 +536,9 @@ class EPDProxy:
             await out.prepare(request)
             try:
                 if answer.first:
-                    await out.write(answer.first)
+                    await self._send(request, out, answer.first)
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    await self._send(request, out, chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 # Status and headers are gone already: end the stream with an error event,
                 # in the shape vLLM uses for errors inside a stream.
@@ -549,8 +549,8 @@ class EPDProxy:
                 )
                 resp.close()
                 event = {"error": {"message": f"upstream stream broke ({reason})", "type": "BadGateway", "code": 502}}
-                await out.write(f"data: {json.dumps(event)}\n\n".encode())
-            await out.write_eof()
+                await self._send(request, out, f"data: {json.dumps(event)}\n\n".encode())
+            await self._send(request, out, None)
         except ConnectionResetError:
             self.metrics.inc("ec_s3_proxy_client_disconnects_total")
             logger.info("ec-s3 proxy: request %s: client went away mid-stream", request_id)
@@ -561,6 +561,17 @@ class EPDProxy:
             raise
         resp.release()
         return out
+
+    async def _send(self, request: web.Request, out: web.StreamResponse, data: bytes | None) -> None:
+        """Write ``data`` to the client (None: the end); a client that accepts nothing for
+        ``send_timeout_s`` is cut off, as if it had left (ConnectionResetError)."""
+        try:
+            async with asyncio.timeout(self.config.send_timeout_s):
+                await (out.write(data) if data is not None else out.write_eof())
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client accepted nothing within send_timeout_s") from None
 
     # ---------------------------------------------------------------- other routes
     async def _models(self, request: web.Request) -> web.StreamResponse:
