@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ec_s3.config import ConfigError, ECS3Config
+from ec_s3.proxy.limits import BODY_COST_FACTOR
 
 __all__ = ["ProxyConfig"]
 
@@ -41,8 +42,16 @@ class ProxyConfig:
     encode_timeout_s: float = 4.0
     # Whole PD exchange including the streamed body; None: no limit.
     total_timeout_s: float | None = None
+    # Longest silence from a prefill/decode or encoder: before its answer starts, and
+    # between the chunks of a stream (past it: 504, or the stream ends with an error event).
+    # A non-streamed answer comes only when its generation ends: keep this above the
+    # longest one. None: no limit.
+    read_timeout_s: float | None = 300.0
     # Each upstream's /health probe of GET /health.
     health_timeout_s: float = 2.0
+    # /health's answer is reused this long (0: probe on every call); calls that arrive
+    # while a probe runs share it either way.
+    health_cache_s: float = 1.0
     # Idle upstream connections are dropped after this; keep it below the upstream's own
     # keep-alive (uvicorn's default is 5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) so a
     # request is never written onto a connection the server is closing.
@@ -84,6 +93,9 @@ class ProxyConfig:
     upstream_api_key: str | None = dataclasses.field(default=None, repr=False)
     # Bearer token clients must present on /v1/* (None: no check).
     api_key: str | None = dataclasses.field(default=None, repr=False)
+    # With api_key: /metrics needs the key too, and /health without it answers its status
+    # alone (no upstream URLs or states); probes still read its status code.
+    protect_status: bool = False
     # Largest request body accepted (base64 media is big); larger ones get 413.
     max_body_bytes: int = 64 * 1024 * 1024
     # Media parts one chat request may hold: each distinct one costs an encoder request,
@@ -92,6 +104,22 @@ class ProxyConfig:
     # Chat requests handled at once (from arrival to the end of the relayed answer);
     # beyond it a request is answered 503 with Retry-After before its body is read.
     max_in_flight: int = 1024
+    # The client side (docs/proxy.md, "At the edge"). Client connections held at once;
+    # one more is answered 503 and closed before anything of it is read.
+    max_connections: int = 2048
+    # A client connection must send a complete request head within this after it opened
+    # or after its previous answer (an idle keep-alive connection is closed then too).
+    header_timeout_s: float = 15.0
+    # A request body must arrive whole within this after its head (else 408).
+    body_timeout_s: float = 60.0
+    # A client that accepts nothing of its streamed answer for this long is cut off: its
+    # slot, its bytes and its prefill/decode request are freed.
+    send_timeout_s: float = 60.0
+    # Memory the request bodies in flight may take together: each request is charged
+    # BODY_COST_FACTOR (8) times its body's size, from before its body is read to the end
+    # of its answer; one that does not fit waits (up to body_timeout_s), then gets 503.
+    # At least 8 * max_body_bytes.
+    body_budget_bytes: int = 1024 * 1024 * 1024
     # Items known to be in the bucket (an encoder answered for them, or a HEAD found
     # them) go to prefill/decode marked present, with no encoder request (ec_s3.proxy.known).
     # At most this many entries (0: every item goes to an encoder) ...
@@ -123,11 +151,23 @@ class ProxyConfig:
             raise ValueError("pd_urls: at least one prefill/decode URL is required")
         if not 0 <= int(self.port) <= 65535:
             raise ValueError(f"port: {self.port!r} is not a TCP port")
-        for name in ("connect_timeout_s", "encode_timeout_s", "health_timeout_s", "keepalive_timeout_s"):
+        for name in ("connect_timeout_s", "encode_timeout_s", "health_timeout_s", "keepalive_timeout_s",
+                     "header_timeout_s", "body_timeout_s", "send_timeout_s"):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"{name}: must be > 0")
-        if self.total_timeout_s is not None and not self.total_timeout_s > 0:
-            raise ValueError("total_timeout_s: must be > 0 or None")
+        for name in ("total_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not float(value) > 0:
+                raise ValueError(f"{name}: must be > 0 or None (no limit)")
+        if not float(self.health_cache_s) >= 0:
+            raise ValueError("health_cache_s: must be >= 0 (0: probe on every call)")
+        if self.max_connections < 1:
+            raise ValueError("max_connections: must be >= 1")
+        if self.body_budget_bytes < BODY_COST_FACTOR * self.max_body_bytes:
+            raise ValueError(
+                f"body_budget_bytes: must be at least {BODY_COST_FACTOR} * max_body_bytes "
+                f"({BODY_COST_FACTOR * self.max_body_bytes}), else the largest body could never be read"
+            )
         if self.dispatch not in ("parallel", "serial"):
             raise ValueError(f"dispatch: {self.dispatch!r} is not 'parallel' or 'serial'")
         if self.down_cooldown_s < 0:
@@ -159,6 +199,8 @@ class ProxyConfig:
                 ECS3Config.from_extra_config(dict(self.bucket_lookup))
             except ConfigError as exc:
                 raise ValueError(f"bucket_lookup: {exc}") from None
+        if self.protect_status and self.api_key is None:
+            raise ValueError("protect_status: needs api_key (the key /metrics and /health's details then ask for)")
         for name in ("api_key", "upstream_api_key"):
             key = getattr(self, name)
             # An empty key would silently mean "no check"; a newline would split headers.

@@ -58,8 +58,16 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help=f"whole encoder request; past it the item is encoded by PD (default {d.encode_timeout_s:g})")
     p.add_argument("--total-timeout", type=float, default=0.0, metavar="S",
                    help="whole PD exchange including a stream; 0 = no limit (default 0)")
+    p.add_argument("--read-timeout", type=float, default=d.read_timeout_s, metavar="S",
+                   help="longest silence from an upstream: before its answer starts and between the chunks of a "
+                        "stream (then 504, or the stream ends with an error event); a non-streamed answer comes "
+                        "when generation ends, so keep it above the longest; 0 = no limit "
+                        f"(default {d.read_timeout_s:g})")
     p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S",
                    help=f"per-upstream /health probe (default {d.health_timeout_s:g})")
+    p.add_argument("--health-cache", type=float, default=d.health_cache_s, metavar="S",
+                   help="reuse /health's answer this long; concurrent calls share one probe either way; 0 = probe "
+                        f"on every call (default {d.health_cache_s:g})")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, metavar="S",
                    help="drop idle upstream connections after this; keep below the upstreams' keep-alive "
                         f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5) (default {d.keepalive_timeout_s:g})")
@@ -96,16 +104,36 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                            "the proxy checks its own")
     keys.add_argument("--api-key", help=argparse.SUPPRESS)  # kept working; main() warns
     keys.add_argument("--upstream-api-key", help=argparse.SUPPRESS)
+    keys.add_argument("--protect-status", action="store_true",
+                      help="with a client key: /metrics needs it too, and /health without it answers its status "
+                           "alone, no upstream URLs (probes read the status code)")
     p.add_argument("--no-pass-authorization", dest="pass_authorization", action="store_false",
                    help="do not forward the client's Authorization header upstream (never forwarded when the "
                         "proxy checks a key of its own)")
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, metavar="N",
-                   help=f"largest request body accepted (default {d.max_body_bytes})")
+    p.add_argument("--max-body-bytes", type=_size, default=d.max_body_bytes, metavar="SIZE",
+                   help=f"largest request body accepted, e.g. 64MiB (default {d.max_body_bytes})")
     p.add_argument("--max-items-per-request", type=int, default=d.max_items_per_request, metavar="N",
                    help="media parts one request may hold, each an encoder request; more is a 400 "
                         f"(default {d.max_items_per_request})")
     p.add_argument("--max-in-flight", type=int, default=d.max_in_flight, metavar="N",
                    help=f"chat requests handled at once; more get 503 + Retry-After (default {d.max_in_flight})")
+    edge = p.add_argument_group("client side", "what one client can hold, and for how long (docs/proxy.md)")
+    edge.add_argument("--max-connections", type=int, default=d.max_connections, metavar="N",
+                      help="client connections held at once; one more gets 503 and is closed "
+                           f"(default {d.max_connections})")
+    edge.add_argument("--header-timeout", type=float, default=d.header_timeout_s, metavar="S",
+                      help="a connection must send a complete request head within this after it opened or after its "
+                           f"previous answer (idle keep-alive connections close then) (default {d.header_timeout_s:g})")
+    edge.add_argument("--body-timeout", type=float, default=d.body_timeout_s, metavar="S",
+                      help=f"a request body must arrive whole within this after its head, else 408 "
+                           f"(default {d.body_timeout_s:g})")
+    edge.add_argument("--send-timeout", type=float, default=d.send_timeout_s, metavar="S",
+                      help="a client that accepts nothing of its streamed answer for this long is cut off "
+                           f"(default {d.send_timeout_s:g})")
+    edge.add_argument("--body-budget", type=_size, default=d.body_budget_bytes, metavar="SIZE",
+                      help="memory all request bodies in flight may take, each charged 8x its size; a request that "
+                           "does not fit waits up to --body-timeout, then 503; at least 8x --max-body-bytes "
+                           f"(default {d.body_budget_bytes // (1 << 20)}MiB)")
     known = p.add_argument_group(
         "known items", "items known to be in the bucket go to prefill/decode marked present, with no encoder request")
     known.add_argument("--known-max-entries", type=int, default=d.known_max_entries, metavar="N",
@@ -137,7 +165,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         connect_timeout_s=args.connect_timeout,
         encode_timeout_s=args.encode_timeout,
         total_timeout_s=args.total_timeout or None,
+        read_timeout_s=args.read_timeout or None,
         health_timeout_s=args.health_timeout,
+        health_cache_s=args.health_cache,
         keepalive_timeout_s=args.keepalive_timeout,
         max_connections_per_upstream=args.max_connections_per_upstream,
         down_cooldown_s=args.down_cooldown,
@@ -151,9 +181,15 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         upstream_api_key=_key(args.upstream_api_key, args.upstream_api_key_file, _UPSTREAM_API_KEY_ENV,
                               "upstream_api_key"),
         api_key=_key(args.api_key, args.api_key_file, _API_KEY_ENV, "api_key"),
+        protect_status=args.protect_status,
         max_body_bytes=args.max_body_bytes,
         max_items_per_request=args.max_items_per_request,
         max_in_flight=args.max_in_flight,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        send_timeout_s=args.send_timeout,
+        body_budget_bytes=args.body_budget,
         known_max_entries=args.known_max_entries,
         known_max_bytes=args.known_max_bytes,
         known_ttl_s=args.known_ttl,
@@ -161,6 +197,16 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         bucket_lookup=_without_literal_secrets(_json_object(args.bucket_lookup, "bucket_lookup"), "bucket_lookup"),
         bucket_lookup_timeout_s=args.bucket_lookup_timeout,
     )
+
+
+def _size(text: str) -> int:
+    """A byte count as users write one: 1073741824, 1GiB, 512MB, 2G."""
+    from ec_s3.cli.common import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_object(text: str | None, name: str) -> dict[str, Any] | None:

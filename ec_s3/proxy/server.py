@@ -17,15 +17,18 @@ disagg_epd_proxy.py``) with these deliberate differences:
   ``uuid`` is never passed on as is (:mod:`.naming`);
 * upstream pools are bounded and every timeout is configurable;
 * what one client can cost is bounded (media items per request, requests in flight,
-  body size), and every error the proxy answers itself is an OpenAI-style JSON body
-  that names no upstream (the log does).
+  body size, connections, the time to send a head and a body, the bytes of all bodies
+  in flight: :mod:`.edge`), every upstream read has a deadline, and every error the
+  proxy answers itself is an OpenAI-style JSON body that names no upstream (the log
+  does).
 
 Owns the HTTP side: handlers, sessions, sending to one encoder or one p/d, relaying,
 error answers, and :class:`ProxyThread`. It does not own the order of sends
 (:mod:`.dispatch`), reading or rewriting bodies (:mod:`.media`, :mod:`.naming`),
 which items skip the encoder (:mod:`.skips`), reading the start of an answer
-(:mod:`.answer`), choosing an upstream (:mod:`.upstreams`), settings (:mod:`.config`)
-or the command line (:mod:`.main`).
+(:mod:`.answer`), choosing an upstream (:mod:`.upstreams`), the listening socket and
+reading bodies (:mod:`.edge`), the byte budget (:mod:`.limits`), settings
+(:mod:`.config`) or the command line (:mod:`.main`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import threading
 import time
 import uuid
@@ -45,6 +49,8 @@ from ec_s3.log import logger
 from ec_s3.proxy.answer import PdAnswer
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
+from ec_s3.proxy.edge import BodyRefused, EdgeSite, body_deadline, read_body
+from ec_s3.proxy.limits import ByteBudget
 from ec_s3.proxy.media import BodyError, MediaItem, TooManyItems, find_media_items, parse_body
 from ec_s3.proxy.naming import name_media
 from ec_s3.proxy.skips import EncoderSkips
@@ -57,6 +63,17 @@ __all__ = ["PROXY_KEY", "EPDProxy", "PdAnswer", "ProxyConfig", "ProxyThread", "c
 # What a client is told when PD fails: the upstream's URL goes to the log only.
 _PD_UNAVAILABLE = "prefill/decode server unavailable"
 _PD_TIMEOUT = "prefill/decode server did not answer in time"
+# A request body at least this large is parsed and named off the event loop: its JSON
+# work would stall every other request (~2 ms per MB here).
+_OFFLOAD_BYTES = 1024 * 1024
+# What a client's X-Request-Id may be to be passed on (it becomes vLLM's request id and is
+# logged); any other is replaced by one of the proxy's.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@+=/-]{1,128}")
+# After an answer to a body it did not read whole (408, 413, 415, 503), aiohttp reads on and
+# drops what still comes this long, so that the client can read the answer, then closes.
+_LINGER_S = 2.0
+_BODY_ERROR_TYPES = {408: "RequestTimeout", 413: "RequestEntityTooLarge", 415: "UnsupportedMediaType",
+                     503: "ServiceUnavailable"}
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -89,6 +106,13 @@ class EPDProxy:
         self._warner = Warner()
         # Chat requests between arrival and the end of their answer (max_in_flight).
         self._chat_in_flight = 0
+        # Memory of the request bodies in flight (edge.read_body charges each request).
+        self.budget = ByteBudget(config.body_budget_bytes)
+        # /health: the last answer (loop time, status, body) and the probe running now.
+        self._health_answer: tuple[float, int, dict[str, Any]] | None = None
+        self._health_probe: asyncio.Task[tuple[int, dict[str, Any]]] | None = None
+        self._health_session: aiohttp.ClientSession | None = None
+        self._site: EdgeSite | None = None
         self.metrics.set("ec_s3_proxy_requests_in_flight", 0)
         self._encoder_session: aiohttp.ClientSession | None = None
         self._pd_session: aiohttp.ClientSession | None = None
@@ -112,7 +136,8 @@ class EPDProxy:
         return app
 
     async def _sessions_ctx(self, app: web.Application) -> Any:
-        """Two sessions, so that encoder traffic can never take the PD's connections."""
+        """Two sessions, so that encoder traffic can never take the PD's connections, and a
+        small third one for /health's probes, so that they never queue behind either."""
         cfg = self.config
 
         def connector(n_upstreams: int) -> aiohttp.TCPConnector:
@@ -125,11 +150,17 @@ class EPDProxy:
         # auto_decompress=False: bodies are relayed byte for byte with their encoding.
         self._encoder_session = aiohttp.ClientSession(connector=connector(len(cfg.encoder_urls)))
         self._pd_session = aiohttp.ClientSession(connector=connector(len(cfg.pd_urls)), auto_decompress=False)
+        n_upstreams = len(cfg.pd_urls) + len(cfg.encoder_urls)
+        self._health_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            limit=2 * n_upstreams, limit_per_host=2, keepalive_timeout=cfg.keepalive_timeout_s))
         try:
             yield
         finally:
+            if self._health_probe is not None:
+                self._health_probe.cancel()
             await self._encoder_session.close()
             await self._pd_session.close()
+            await self._health_session.close()
 
     async def start(self) -> EPDProxy:
         """Bind ``config.host:config.port`` (port 0: any free port) and serve."""
@@ -137,14 +168,23 @@ class EPDProxy:
             raise RuntimeError("proxy already started")
         # handler_cancellation: a client that hangs up cancels its handler, which closes
         # the upstream connection, so the PD aborts generating for nobody.
+        # keepalive_timeout: aiohttp runs it from a connection's start and from each
+        # answer until the next head is complete: the head deadline (:mod:`.edge`).
+        # auto_decompress=False: no body is inflated (encoded ones are refused).
+        # lingering_time: what aiohttp waits, reading and dropping, for the rest of a body
+        # that was refused (aiohttp's 10 s would let a slow client hold its socket longer).
         # The lookup client first: its config (env:/file: secrets) is resolved again
         # here, and a failure must leave no port bound (no stop() follows a failed start).
         self.skips.open()
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=float(self.config.shutdown_timeout_s))
+        cfg = self.config
+        handler_args: dict[str, Any] = {"access_log": None, "keepalive_timeout": float(cfg.header_timeout_s),
+                                        "auto_decompress": False, "lingering_time": _LINGER_S}
+        runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=float(cfg.shutdown_timeout_s),
+                               **handler_args)
         try:
             await runner.setup()
-            site = web.TCPSite(runner, self.config.host, self.config.port)
+            site = EdgeSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections,
+                            handler_args=handler_args, warner=self._warner)
             try:
                 await site.start()
             except BaseException:
@@ -154,6 +194,7 @@ class EPDProxy:
             await self.skips.close()
             raise
         self._runner = runner
+        self._site = site
         self._port = int(runner.addresses[0][1])
         logger.info(
             "ec-s3 proxy: listening on %s (encoders: %s; prefill/decode: %s)",
@@ -205,7 +246,8 @@ class EPDProxy:
         if self.config.api_key is None:
             return True
         got = request.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.config.api_key}".encode())
+        # A header's bytes that are not UTF-8 arrive as surrogates: compare them, never fail.
+        return hmac.compare_digest(got.encode("utf-8", "surrogateescape"), f"Bearer {self.config.api_key}".encode())
 
     def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
         """What upstreams are told: the request id and the upstreams' key. A client's
@@ -227,41 +269,49 @@ class EPDProxy:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         if not self._authorized(request):
             return _error(401, "invalid or missing API key", "AuthenticationError")
-        limit = self.config.max_in_flight
-        if self._chat_in_flight >= limit:
-            # Refused before the body is read: an overloaded proxy spends nothing on it.
-            return self._reject(
-                503, "overloaded", f"the server is handling its limit of {limit} requests; retry shortly",
-                "ServiceUnavailable", **{"Retry-After": "1"},
-            )
-        self._chat_in_flight += 1
-        self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
-        try:
-            return await self._chat(request)
-        finally:
-            self._chat_in_flight -= 1
-            self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
-
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
         cfg = self.config
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._reject(
-                413, "too_large", f"request body is larger than {cfg.max_body_bytes} bytes", "RequestEntityTooLarge"
-            )
-        request_id = request.headers.get("X-Request-Id") or f"ecs3-{uuid.uuid4().hex}"
+            # The body first, within its deadline and its share of the byte budget (held
+            # until the answer ends); a request takes a slot only once its body is in, so
+            # a slow client holds a connection and bytes, never a slot.
+            async with read_body(request, self.budget, max_bytes=cfg.max_body_bytes,
+                                 deadline=body_deadline(cfg.body_timeout_s)) as raw:
+                limit = cfg.max_in_flight
+                if self._chat_in_flight >= limit:
+                    return self._reject(
+                        503, "overloaded", f"the server is handling its limit of {limit} requests; retry shortly",
+                        "ServiceUnavailable", **{"Retry-After": "1"},
+                    )
+                self._chat_in_flight += 1
+                self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
+                try:
+                    return await self._chat(request, raw)
+                finally:
+                    self._chat_in_flight -= 1
+                    self.metrics.set("ec_s3_proxy_requests_in_flight", self._chat_in_flight)
+        except BodyRefused as exc:
+            self._warner.warn(("client", exc.reason), "ec-s3 proxy: %s %s: answered %d: %s",
+                              request.method, request.path, exc.status, exc)
+            extra = {"Retry-After": "1"} if exc.status == 503 else {}
+            resp = self._reject(exc.status, exc.reason, str(exc), _BODY_ERROR_TYPES[exc.status], **extra)
+            resp.force_close()  # what is left of the body is not read
+            return resp
+
+    async def _chat(self, request: web.Request, raw: bytes) -> web.StreamResponse:
+        cfg = self.config
+        request_id = _request_id(request)
         headers = self._upstream_headers(request, request_id)
         try:
-            body = parse_body(raw)
-            if body is None:
+            if len(raw) >= _OFFLOAD_BYTES:
+                parsed = await asyncio.to_thread(self._read_request, raw)
+            else:
+                parsed = self._read_request(raw)
+            if parsed is None:
                 # Not ours to judge: the PD answers a malformed request with its own error.
                 self.metrics.inc("ec_s3_proxy_requests_total", kind="unparsed")
                 return await self.forward_to_pd(request, raw, headers, stream=False)
+            body, named, items = parsed
             parallel = cfg.dispatch == "parallel" and cfg.forward_params
-            named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request,
-                               trust_embeds=cfg.trust_client_embeds)
-            items = find_media_items(named, cfg.max_items_per_request)
             stream = body.get("stream") is True
             kind = "multimodal" if items else "text"
             self.metrics.inc("ec_s3_proxy_requests_total", kind=kind)
@@ -274,6 +324,22 @@ class EPDProxy:
             return self._reject(400, "too_many_items", str(exc), "BadRequestError")
         except BodyError as exc:
             return self._reject(400, "bad_body", str(exc), "BadRequestError")
+        except RecursionError:
+            # Nesting the parser accepted, too deep for a later step (a key's JSON, say).
+            self._warner.warn(("client", "nested"), "ec-s3 proxy: request %s: body nested too deeply", request_id)
+            return self._reject(400, "bad_body", "request body is nested too deeply", "BadRequestError")
+
+    def _read_request(self, raw: bytes) -> tuple[dict[str, Any], dict[str, Any], list[MediaItem]] | None:
+        """The body parsed, its media named and found (None: not a JSON object); pure, so
+        it may run in a thread."""
+        cfg = self.config
+        body = parse_body(raw)
+        if body is None:
+            return None
+        parallel = cfg.dispatch == "parallel" and cfg.forward_params
+        named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request,
+                           trust_embeds=cfg.trust_client_embeds)
+        return body, named, find_media_items(named, cfg.max_items_per_request)
 
     async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None:
         """Send one item to the least busy encoder; its ``ec_transfer_params``, or None
@@ -284,7 +350,8 @@ class EPDProxy:
         if upstream is None:
             self.metrics.inc("ec_s3_proxy_encoder_requests_total", upstream="none", outcome="skipped")
             return None
-        timeout = aiohttp.ClientTimeout(total=cfg.encode_timeout_s, sock_connect=cfg.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=cfg.encode_timeout_s, sock_connect=cfg.connect_timeout_s,
+                                        sock_read=cfg.read_timeout_s)
         started = time.monotonic()
         outcome, detail = "error", ""
         try:
@@ -378,7 +445,8 @@ class EPDProxy:
         """One try of :meth:`pd_begin`."""
         assert self._pd_session is not None
         cfg = self.config
-        timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s, sock_connect=cfg.connect_timeout_s,
+                                        sock_read=cfg.read_timeout_s)
         send_headers = {**headers, "Content-Type": "application/json"}
         tried: list[Upstream] = []
         while True:
@@ -412,8 +480,9 @@ class EPDProxy:
                 self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="timeout")
                 self._warner.warn(
                     (upstream.url, "timeout"),
-                    "ec-s3 proxy: request %s: prefill/decode %s did not answer within total_timeout_s=%s",
-                    headers["X-Request-Id"], upstream.url, cfg.total_timeout_s,
+                    "ec-s3 proxy: request %s: prefill/decode %s did not answer within total_timeout_s=%s "
+                    "(or was silent for read_timeout_s=%s)",
+                    headers["X-Request-Id"], upstream.url, cfg.total_timeout_s, cfg.read_timeout_s,
                 )
                 return _error(504, _PD_TIMEOUT, "GatewayTimeout")
             except aiohttp.ClientError as exc:
@@ -449,6 +518,17 @@ class EPDProxy:
         out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
         out_headers.setdefault("X-Request-Id", request_id)
         if not answer.stream:
+            if resp.status >= 500 and not _is_error_json(answer.first):
+                # A server error that is not vLLM's JSON (a gateway's page, a crash): the
+                # client gets OpenAI's shape all the same, the log gets what was said.
+                self._warner.warn(
+                    (answer.upstream.url, "not_json"),
+                    "ec-s3 proxy: request %s: prefill/decode %s answered HTTP %d with a body that is not an "
+                    "OpenAI error: %r", request_id, answer.upstream.url, resp.status, answer.first[:200],
+                )
+                kept = {k: v for k, v in out_headers.items() if k.lower() in ("retry-after", "x-request-id")}
+                return _error(resp.status, f"prefill/decode server error (HTTP {resp.status})",
+                              "ServiceUnavailable" if resp.status == 503 else "InternalServerError", kept)
             return web.Response(status=resp.status, body=answer.first, headers=out_headers)
         out = web.StreamResponse(status=resp.status, headers=out_headers)
         out.headers["Cache-Control"] = "no-cache"
@@ -456,9 +536,9 @@ class EPDProxy:
             await out.prepare(request)
             try:
                 if answer.first:
-                    await out.write(answer.first)
+                    await self._send(request, out, answer.first)
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    await self._send(request, out, chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                 # Status and headers are gone already: end the stream with an error event,
                 # in the shape vLLM uses for errors inside a stream.
@@ -469,8 +549,8 @@ class EPDProxy:
                 )
                 resp.close()
                 event = {"error": {"message": f"upstream stream broke ({reason})", "type": "BadGateway", "code": 502}}
-                await out.write(f"data: {json.dumps(event)}\n\n".encode())
-            await out.write_eof()
+                await self._send(request, out, f"data: {json.dumps(event)}\n\n".encode())
+            await self._send(request, out, None)
         except ConnectionResetError:
             self.metrics.inc("ec_s3_proxy_client_disconnects_total")
             logger.info("ec-s3 proxy: request %s: client went away mid-stream", request_id)
@@ -482,13 +562,24 @@ class EPDProxy:
         resp.release()
         return out
 
+    async def _send(self, request: web.Request, out: web.StreamResponse, data: bytes | None) -> None:
+        """Write ``data`` to the client (None: the end); a client that accepts nothing for
+        ``send_timeout_s`` is cut off, as if it had left (ConnectionResetError)."""
+        try:
+            async with asyncio.timeout(self.config.send_timeout_s):
+                await (out.write(data) if data is not None else out.write_eof())
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError("the client accepted nothing within send_timeout_s") from None
+
     # ---------------------------------------------------------------- other routes
     async def _models(self, request: web.Request) -> web.StreamResponse:
         """From the first PD (in configured order) that answers 200."""
         if not self._authorized(request):
             return _error(401, "invalid or missing API key", "AuthenticationError")
         assert self._pd_session is not None
-        headers = self._upstream_headers(request, request.headers.get("X-Request-Id") or f"ecs3-{uuid.uuid4().hex}")
+        headers = self._upstream_headers(request, _request_id(request))
         timeout = aiohttp.ClientTimeout(
             total=self.config.health_timeout_s * 5, sock_connect=self.config.connect_timeout_s
         )
@@ -510,30 +601,70 @@ class EPDProxy:
 
     async def _health(self, request: web.Request) -> web.Response:
         """200 while at least one PD answers its /health; encoders are reported, not
-        required (without them requests are still served, encoded by the consumer)."""
-        assert self._pd_session is not None and self._encoder_session is not None
+        required (without them requests are still served, encoded by the consumer). The
+        answer is reused for ``health_cache_s``, and calls that arrive while a probe runs
+        share it: a flood of /health calls costs the upstreams one probe each per period."""
+        loop = asyncio.get_running_loop()
+        cached = self._health_answer
+        if cached is not None and loop.time() - cached[0] < self.config.health_cache_s:
+            return self._health_response(request, cached[1], cached[2])
+        if self._health_probe is None or self._health_probe.done():
+            self._health_probe = asyncio.ensure_future(self._probe_upstreams())
+        # Shielded: a caller that leaves does not cancel the probe the others wait for.
+        status, body = await asyncio.shield(self._health_probe)
+        return self._health_response(request, status, body)
+
+    def _health_response(self, request: web.Request, status: int, body: dict[str, Any]) -> web.Response:
+        """The upstreams' URLs and states only to who holds the key, with protect_status."""
+        if self.config.protect_status and not self._authorized(request):
+            body = {"status": body["status"]}
+        return web.json_response(body, status=status)
+
+    async def _probe_upstreams(self) -> tuple[int, dict[str, Any]]:
+        """One /health probe of every upstream, on the probes' own pool; never raises."""
+        assert self._health_session is not None
+        session = self._health_session
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
 
-        async def probe(session: aiohttp.ClientSession, url: str) -> bool:
+        async def probe(url: str) -> bool:
             try:
                 async with session.get(f"{url}/health", timeout=timeout) as resp:
                     return resp.status == 200
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 return False
+            except Exception:  # a bug must not fail every waiter's /health
+                logger.exception("ec-s3 proxy: /health probe of %s failed inside the proxy", url)
+                return False
 
         pd_urls, enc_urls = self.config.pd_urls, self.config.encoder_urls
-        results = await asyncio.gather(
-            *(probe(self._pd_session, u) for u in pd_urls), *(probe(self._encoder_session, u) for u in enc_urls)
-        )
+        results = await asyncio.gather(*(probe(u) for u in pd_urls), *(probe(u) for u in enc_urls))
         pd = dict(zip(pd_urls, results[: len(pd_urls)], strict=True))
         enc = dict(zip(enc_urls, results[len(pd_urls):], strict=True))
         ok = any(pd.values())
-        return web.json_response(
-            {"status": "ok" if ok else "unavailable", "prefill_decode": pd, "encoders": enc}, status=200 if ok else 503
-        )
+        answer = (200 if ok else 503, {"status": "ok" if ok else "unavailable", "prefill_decode": pd, "encoders": enc})
+        self._health_answer = (asyncio.get_running_loop().time(), *answer)
+        return answer
 
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
+        if self.config.protect_status and not self._authorized(request):
+            return _error(401, "invalid or missing API key", "AuthenticationError")
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def _is_error_json(data: bytes) -> bool:
+    """Whether ``data`` is an OpenAI-style error body (``{"error": {...}}``)."""
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is short and plain (it becomes vLLM's request id
+    and is logged), else one of the proxy's."""
+    given = request.headers.get("X-Request-Id", "")
+    return given if _REQUEST_ID.fullmatch(given) else f"ecs3-{uuid.uuid4().hex}"
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -572,7 +703,9 @@ def create_app(config: ProxyConfig) -> web.Application:
     its upstream sessions open on the app's startup and close on its cleanup, and
     ``app[PROXY_KEY]`` is its :class:`EPDProxy` (metrics, pools). Serve it with
     ``handler_cancellation=True`` (as :meth:`EPDProxy.start` does) so that a client that
-    hangs up also hangs up on the PD."""
+    hangs up also hangs up on the PD. The listening side's bounds (``max_connections``,
+    ``header_timeout_s``, no inflated bodies: :mod:`.edge`) come with :meth:`EPDProxy.start`
+    only; an app served otherwise has the body deadline and byte budget alone."""
     return EPDProxy(config).app
 
 

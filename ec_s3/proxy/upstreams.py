@@ -3,7 +3,7 @@
 Owns each instance's load (requests outstanding), its refuse-to-connect cooldown, the
 least-loaded choice, and rate-limited warnings about an instance. It does not own HTTP
 (:mod:`ec_s3.proxy.server` sends and decides what a failure means) nor health probes
-(``/health`` asks the instances each time).
+(``/health`` probes the instances, its answer cached briefly, in the server).
 """
 
 from __future__ import annotations
