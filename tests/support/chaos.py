@@ -35,7 +35,7 @@ from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 from .faultproxy import FaultProxy
 from .rgw import RgwServer
-from .vllm_rig import ECWorkerSim, SchedulerDriver, make_scheduler, make_vllm_config
+from .vllm_rig import SYNC, ECWorkerSim, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
 
 __all__ = [
     "CallRecord",
@@ -486,6 +486,7 @@ class WatchedNode:
         call_bounds_s: dict[str, float],
         engine_kwargs: dict[str, Any],
         num_blocks: int,
+        mode: RigMode = SYNC,
     ) -> None:
         self.name = name
         self.role = role
@@ -500,13 +501,13 @@ class WatchedNode:
             "ec_connector_extra_config": extra,
         }
         vllm_config = make_vllm_config(model_dir, ec, **engine_kwargs)
-        self.scheduler = make_scheduler(vllm_config, num_blocks=num_blocks, log_stats=True)
+        self.scheduler = make_scheduler(vllm_config, num_blocks=num_blocks, log_stats=True, mode=mode)
         conn = self.scheduler.ec_connector
         assert isinstance(conn, ECS3Connector)
         self.scheduler_connector: ECS3Connector = conn
         self.worker = ECS3Connector(vllm_config, ECConnectorRole.WORKER)
-        self.sim = ECWorkerSim(self.worker, encode_fn=self._encode)
-        self.driver = SchedulerDriver(self.scheduler, self._worker_step)
+        self.sim = ECWorkerSim(self.worker, encode_fn=self._encode, runner=mode.runner)
+        self.driver = SchedulerDriver(self.scheduler, self._worker_step, mode=mode)
         self.steps = 0
         self.requests: dict[str, list[str]] = {}  # live request id -> identifiers
         self.encoded_by_req: collections.Counter[str] = collections.Counter()
@@ -700,7 +701,8 @@ class WatchedNode:
         return bool(aborted)
 
     def has_requests(self) -> bool:
-        return self.scheduler.has_requests()
+        """Work left: requests in the scheduler, or steps in the batch queue."""
+        return self.scheduler.has_requests() or self.driver.in_flight > 0
 
     def step_context(self) -> str:
         reqs = ",".join(self._step_requests[:8]) + ("..." if len(self._step_requests) > 8 else "")

