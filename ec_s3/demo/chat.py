@@ -95,9 +95,15 @@ def default_schedule(seeds: Sequence[int] = (1, 2, 3, 4),
 
 
 @functools.lru_cache(maxsize=64)
-def image_data_url(seed: int, size: int | None = None) -> str:
+def image_data_url(seed: int, size: int | None = None, *, photo: bool = False) -> str:
     """A ``data:`` URL of the PNG of :func:`ec_s3.tiny_model.make_test_image` (seed; at
-    ``size`` pixels, the default model's when None)."""
+    ``size`` pixels, the default model's when None), or with ``photo`` of a JPEG photo
+    of a real photo's size (:func:`ec_s3.sandbox.tiny_qwen.photo_jpeg`, 1024² by default)."""
+    if photo:
+        from ec_s3.sandbox.tiny_qwen import photo_jpeg
+
+        jpeg = photo_jpeg(seed, size or 1024)
+        return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
     from ec_s3.sandbox.tiny_model import make_test_image
 
     buf = io.BytesIO()
@@ -105,13 +111,15 @@ def image_data_url(seed: int, size: int | None = None) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def chat_body(model: str, image_seed: int, question: str, *, max_tokens: int = DEFAULT_MAX_TOKENS) -> dict[str, Any]:
-    """A greedy OpenAI chat request with one image whose answer carries token ids and
-    their logprobs (vLLM's ``return_tokens_as_token_ids``)."""
+def chat_body(model: str, image_seed: int, question: str, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+              photo: bool = False) -> dict[str, Any]:
+    """A greedy OpenAI chat request with one image (``photo``: a 1024² JPEG photo, see
+    :func:`image_data_url`) whose answer carries token ids and their logprobs (vLLM's
+    ``return_tokens_as_token_ids``)."""
     return {
         "model": model,
         "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": image_data_url(image_seed)}},
+            {"type": "image_url", "image_url": {"url": image_data_url(image_seed, photo=photo)}},
             {"type": "text", "text": question},
         ]}],
         "temperature": 0.0,
@@ -201,6 +209,7 @@ def run_schedule(
     timeout: float = 180.0,
     id_prefix: str = "ec-s3-demo",
     after_step: Callable[[int, list[DemoRequest]], None] | None = None,
+    photo: bool = False,
 ) -> dict[int, ChatResult]:
     """Send the schedule to ``base_url`` (steps in order, a step's requests at once);
     ``after_step(step, requests)`` runs when a step's answers are all in."""
@@ -210,7 +219,7 @@ def run_schedule(
         for reqs in schedule:
             futures = {
                 r.index: pool.submit(post_chat, base_url, chat_body(model, r.image_seed, r.question,
-                                                                    max_tokens=max_tokens),
+                                                                    max_tokens=max_tokens, photo=photo),
                                      timeout=timeout, request_id=f"{id_prefix}-{run_id}-{r.index}")
                 for r in reqs
             }

@@ -4,8 +4,10 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
 
 1. S3: starts an embedded SeaweedFS on loopback (or uses ``--endpoint-url``), makes the
    bucket, and uses a fresh key prefix for this run.
-2. Model: builds the tiny offline LLaVA of :mod:`ec_s3.sandbox.tiny_model` (random weights) in a
-   cache dir, or uses ``--model``.
+2. Model: builds the tiny offline Qwen2.5-VL of :mod:`ec_s3.sandbox.tiny_qwen` (random
+   weights; ``--tiny-model llava``: the tiny LLaVA of :mod:`ec_s3.sandbox.tiny_model`) in a
+   cache dir, or uses ``--model``. Qwen-VL requests carry 1024² JPEG photos (1,225 image
+   tokens each); the proxy sends prefill/decode a repeat as a metadata-only part.
 3. Baseline: one plain vLLM server (no EC connector at all) answers the demo's chat
    requests; it is stopped before the next phase.
 4. EPD: an encoder server (``ec_producer``), a prefill/decode server (``ec_consumer``)
@@ -24,9 +26,10 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    (token ids equal, logprobs within ``--logprob-tolerance``: batching noise, see
    :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
 
-The tiny model has the heavier vision tower (:data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`):
-its encoder costs what a real one costs relative to the language model, so the summary
-shows where EPD pays.
+The tiny Qwen's encoder costs what prefilling its image costs (as in Qwen2.5-VL-3B; the
+tiny LLaVA has the heavier vision tower, :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`), so
+the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
+the plain server, fresh images at most 1.3x) as met or MISSED.
 
 Why the baseline runs on its own server, before the EPD servers: the consumer looks
 every image up in the bucket (``lookup: always``), so it can never produce a
@@ -130,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     m = p.add_argument_group("model and servers")
     m.add_argument("--model", default=None,
                    help="model dir or id to serve instead of the tiny LLaVA (uses your vLLM and GPU)")
+    m.add_argument("--tiny-model", choices=["qwen", "llava"], default="qwen",
+                   help="the offline stand-in when --model is not given: a tiny Qwen2.5-VL with 1024² photos "
+                        "(the model family EPD serves; default), or a tiny LLaVA-1.5 with small fixed-size images")
     m.add_argument("--tiny-model-dir", type=Path, default=None,
                    help="where the tiny LLaVA is built/reused (default $XDG_CACHE_HOME/ec-s3/tiny-llava)")
     m.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
@@ -184,6 +190,8 @@ class _Demo:
         self.schedule = default_schedule(fleet_seeds=FLEET_SEEDS)
         self.timings: dict[str, float] = {}
         self.vllm_args = [a for raw in args.vllm_arg for a in shlex.split(raw)]
+        # Photos of a real size for Qwen-VL and real models; the tiny LLaVA takes 112 px.
+        self.photo = args.model is not None or args.tiny_model == "qwen"
 
     # ------------------------------------------------------------------ phases
     def run(self) -> int:
@@ -298,15 +306,26 @@ class _Demo:
             self.timings["model"] = 0.0
             return str(args.model), list(self.vllm_args), {}
         from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava, default_model_dir, read_manifest
+        from ec_s3.sandbox.tiny_qwen import build_tiny_qwen, default_qwen_dir
+        from ec_s3.sandbox.vllm_server import QWEN_MODEL_ARGS
 
-        dst = args.tiny_model_dir or default_model_dir()
-        self._step(2, "model: tiny offline LLaVA-1.5 with a heavier vision tower (random weights; "
-                      "outputs are gibberish, but exact)")
-        had = read_manifest(dst) is not None
-        path = build_tiny_llava(Path(dst), shape=HEAVY_VISION)  # rebuilt if dst holds another shape
+        if args.tiny_model == "qwen":
+            dst = args.tiny_model_dir or default_qwen_dir()
+            self._step(2, "model: tiny offline Qwen2.5-VL, 1024² photos of 1,225 image tokens (random weights; "
+                          "outputs are gibberish, but exact)")
+            had = read_manifest(dst) is not None
+            path = build_tiny_qwen(Path(dst))
+            server_args = [*QWEN_MODEL_ARGS, *self.vllm_args]
+        else:
+            dst = args.tiny_model_dir or default_model_dir()
+            self._step(2, "model: tiny offline LLaVA-1.5 with a heavier vision tower (random weights; "
+                          "outputs are gibberish, but exact)")
+            had = read_manifest(dst) is not None
+            path = build_tiny_llava(Path(dst), shape=HEAVY_VISION)  # rebuilt if dst holds another shape
+            server_args = [*HEAVY_VISION.server_args(), *self.vllm_args]
         self.timings["model"] = time.monotonic() - t
         out(f"      {path} ({'reused' if had else 'built'} in {self.timings['model']:.1f} s)")
-        return str(path), [*HEAVY_VISION.server_args(), *self.vllm_args], dict(CPU_OFFLINE_ENV)
+        return str(path), server_args, dict(CPU_OFFLINE_ENV)
 
     def _baseline(self, model: str, server_args: list[str], env: dict[str, str],
                   log_dir: Path) -> dict[int, ChatResult] | None:
@@ -323,7 +342,7 @@ class _Demo:
             warm = self._warm_up(server.url, model)
             t_req = time.monotonic()
             results = run_schedule(server.url, model, self.schedule, max_tokens=self.args.max_tokens,
-                                   timeout=self.args.request_timeout, id_prefix="baseline")
+                                   timeout=self.args.request_timeout, id_prefix="baseline", photo=self.photo)
             self.timings["baseline_requests"] = time.monotonic() - t_req
         self.timings["baseline"] = time.monotonic() - t
         bad = [i for i, r in results.items() if not r.ok]
@@ -339,7 +358,8 @@ class _Demo:
         """One request with an image outside the schedule: the first image request of a
         fresh server is seconds slower (processor and encoder warm-up), which would
         otherwise land on whichever request comes first. Its counts are excluded."""
-        result = post_chat(url, chat_body(model, WARMUP_SEED, QUESTIONS[0], max_tokens=self.args.max_tokens),
+        result = post_chat(url, chat_body(model, WARMUP_SEED, QUESTIONS[0], max_tokens=self.args.max_tokens,
+                                             photo=self.photo),
                            timeout=self.args.request_timeout, request_id=f"warm-up-{secrets.token_hex(3)}")
         if not result.ok:
             raise ServerError(f"the warm-up request to {url} failed: HTTP {result.status}: {result.error}")
@@ -404,7 +424,8 @@ class _Demo:
 
         t_req = time.monotonic()
         results = run_schedule(proxy.url, model, self.schedule, max_tokens=args.max_tokens,
-                               timeout=args.request_timeout, id_prefix="epd", after_step=after_step)
+                               timeout=args.request_timeout, id_prefix="epd", after_step=after_step,
+                               photo=self.photo)
         self.timings["epd_requests"] = time.monotonic() - t_req
         self.timings["epd"] = time.monotonic() - t
         out(f"      warm-up request {warm.latency_s:.1f} s; {len(results)} requests in "
@@ -420,7 +441,7 @@ class _Demo:
 
         before = len(run_blobs(store, prefix, self.out) or [])
         for seed in FLEET_SEEDS:
-            body = name_media(chat_body(model, seed, QUESTIONS[0]), give_uuids=True)
+            body = name_media(chat_body(model, seed, QUESTIONS[0], photo=self.photo), give_uuids=True)
             for item in find_media_items(body):
                 r = post_chat(encoder_url, encoder_body(body, item), timeout=self.args.request_timeout,
                               request_id=f"other-front-{seed}-{secrets.token_hex(3)}")
