@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ec_s3.proxy.media import MediaItem, media_key
+from ec_s3.proxy.media import MediaItem, replace_media_parts
 from ec_s3.proxy.naming import CONTENT_PREFIX
 
 __all__ = ["metadata_only_body", "metadata_only_part"]
@@ -97,22 +97,4 @@ def metadata_only_body(
         new = metadata_only_part(item.part, entry, identifier if verbatim else None)
         if new is not None:
             swaps.append((item.part, new))
-    if not swaps or not isinstance(body.get("messages"), list):
-        return body, 0
-    messages = []
-    for message in body["messages"]:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            messages.append(message)
-            continue
-        new_content, changed = [], False
-        for part in content:
-            if isinstance(part, dict) and media_key(part) is not None:
-                # Identical parts were merged into one item: match parts by value.
-                for old, new in swaps:
-                    if part == old:
-                        part, changed = new, True
-                        break
-            new_content.append(part)
-        messages.append({**message, "content": new_content} if changed else message)
-    return {**body, "messages": messages}, len(swaps)
+    return replace_media_parts(body, swaps), len(swaps)

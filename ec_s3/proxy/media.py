@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 __all__ = [
-    "EMBED_PART_TYPES", "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested", "TooManyItems",
-    "dump_body", "encoder_body", "encoder_payload", "find_media_items", "media_key", "merge_params", "parse_body",
-    "parts_of", "splice_params", "strip_media", "strip_published_media",
+    "EMBED_PART_TYPES", "ENCODER_CARRIED_FIELDS", "MEDIA_PART_KEYS", "BodyError", "MediaItem", "TooDeeplyNested",
+    "TooManyItems", "dump_body", "encoder_body", "encoder_payload", "find_media_items", "media_key", "merge_params", "parse_body",
+    "parts_of", "replace_media_parts", "splice_params", "strip_media", "strip_published_media",
 ]
 
 # Content-part types whose media an encoder turns into an encoder output. Embeddings
@@ -255,9 +255,16 @@ def strip_published_media(
 def strip_media(body: dict[str, Any], parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``body`` with the media of the parts equal to one of ``parts`` and carrying a
     ``uuid`` nulled (vLLM's form for a part without data); every other part is kept."""
-    # Identical parts were merged into one item: match parts by value.
     published = [part for part in parts if part.get("uuid") is not None]
-    if not published:
+    return replace_media_parts(body, [(part, {**part, _media_key(part): None}) for part in published])
+
+
+def replace_media_parts(
+    body: dict[str, Any], swaps: Sequence[tuple[dict[str, Any], dict[str, Any]]]
+) -> dict[str, Any]:
+    """``body`` with every media part equal to the first of a pair of ``swaps`` replaced
+    by its second; the input is not modified and untouched messages are shared."""
+    if not swaps or not isinstance(body.get("messages"), list):
         return body
     messages = []
     for message in body["messages"]:
@@ -265,11 +272,14 @@ def strip_media(body: dict[str, Any], parts: Sequence[dict[str, Any]]) -> dict[s
         if not isinstance(content, list):
             messages.append(message)
             continue
-        new_content = []
+        new_content, changed = [], False
         for part in content:
-            key = _media_key(part) if isinstance(part, dict) else None
-            if key is not None and part in published:
-                part = {**part, key: None}
+            if isinstance(part, dict) and _media_key(part) is not None:
+                # Identical parts were merged into one item: match parts by value.
+                for old, new in swaps:
+                    if part == old:
+                        part, changed = new, True
+                        break
             new_content.append(part)
-        messages.append({**message, "content": new_content})
+        messages.append({**message, "content": new_content} if changed else message)
     return {**body, "messages": messages}
