@@ -20,6 +20,7 @@ import torch
 from vllm.v1.engine import FinishReason
 
 from ec_s3.blob.keys import KeySpace
+from ec_s3.blob.placeholder import read_placeholder
 from ec_s3.connector.model import carries_media
 from ec_s3.store.client import S3Store
 from support.ec_harness import Node, drive, make_node
@@ -157,3 +158,24 @@ def test_a_wrong_grid_does_not_spoil_the_blob_for_the_right_one(
         assert torch.equal(node.sim.encoder_cache["img-25"], fake_encoder_output("img-25", 25, WIDTH))
     finally:
         node.close()
+
+
+def test_a_producer_stores_the_grid_with_the_blob(
+    tiny_qwen_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """The placeholder metadata goes into the blob's S3 object metadata, where a proxy's
+    HEAD finds it (tests/test_proxy_known.py); its params carry the same."""
+    node = make_node(tiny_qwen_dir, "ec_producer", {**extra_config(), "lookup": "promised"})
+    try:
+        node.driver.add("p1", ["img-grid"], with_media="pixels", num_image_tokens=ROWS)
+        params = drive(node.driver)["p1"].ec_transfer_params
+        node.flush()
+    finally:
+        node.close()
+    assert params is not None
+    entry = params["img-grid"]
+    assert entry["metadata"] == {"image_grid_thw": [1, 2, 2 * ROWS]} and entry["modality"] == "image"
+    store = make_store()
+    info = store.run(store.head_async(entry["key"]), timeout=30)
+    assert info is not None
+    assert read_placeholder(info.metadata) == {"modality": "image", "metadata": {"image_grid_thw": [1, 2, 2 * ROWS]}}

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from ec_s3.blob.format import MISSING_REPORT, PRESENT_MARK
+from ec_s3.blob.format import MISSING_REPORT, PLACEHOLDER_METADATA_KEY, PRESENT_MARK
 from ec_s3.blob.keys import KeySpace
+from ec_s3.blob.placeholder import placeholder_json
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.known import KnownBlobs
 from ec_s3.proxy.main import build_parser, config_from_args
 from ec_s3.proxy.media import find_media_items
-from ec_s3.proxy.naming import name_media
+from ec_s3.proxy.naming import content_uuid, name_media
 from ec_s3.store.client import S3Store
 from support.faultproxy import FaultProxy
 from test_proxy import MODEL, FakeEncoder, FakePD, chat, image, identifier_of, params_of, rig, run
@@ -284,5 +285,39 @@ def test_a_bucket_lookup_that_cannot_start_leaves_nothing_bound(
         monkeypatch.setenv("FLEET_SECRET", extra["secret_access_key"])
         proxy = await EPDProxy(config).start()
         await proxy.stop()
+
+    run(scenario())
+
+
+def test_a_blob_found_by_head_with_its_grid_goes_to_prefill_decode_metadata_only(
+    extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """A producer stores an item's placeholder metadata with its blob (S3 object
+    metadata): a proxy whose HEAD finds it sends prefill/decode a metadata-only part, no
+    image (issue 31: fleet repeats found by HEAD used to carry their media)."""
+    extra = extra_config(prefix="fleet")
+    space = KeySpace("fleet", "tiny-0123456789abcdef")
+    store = make_store()
+    grid = {"image_grid_thw": [1, 70, 70]}
+    stored = {PLACEHOLDER_METADATA_KEY: placeholder_json({"modality": "image", "metadata": grid})}
+
+    async def scenario() -> None:
+        enc = KeyedEncoder("b")
+        enc.space = space
+        async with rig(encoders=[enc], dispatch="parallel", bucket_lookup=extra, bucket_lookup_timeout_s=10.0) as b:
+            assert (await b.post(chat(image(7))))[0] == 200  # learns the key space
+            uuid6 = content_uuid("image_url", image(6)["image_url"])
+            await asyncio.wrap_future(store.submit(store.put_async(space.key_for(uuid6), bytearray(b"blob"),
+                                                                   metadata=stored)))
+            uuid9 = content_uuid("image_url", image(9)["image_url"])
+            await asyncio.wrap_future(store.submit(store.put_async(space.key_for(uuid9), bytearray(b"blob"))))
+            assert (await b.post(chat(image(6), image(9))))[0] == 200
+            assert len(enc.bodies) == 1
+            sent = [p for p in b.pds[0].bodies[-1]["messages"][-1]["content"] if p.get("type") != "text"]
+            assert sent[0] == {"type": "image_embeds", "image_embeds": grid, "uuid": uuid6}
+            assert sent[1]["type"] == "image_url"  # stored without placeholder metadata: the media go
+            params = params_of(b.pds[0].bodies[-1])
+            assert params[uuid6][PRESENT_MARK] is True and params[uuid9] == {PRESENT_MARK: True, "item_indices": [1]}
+            assert b.metric("ec_s3_proxy_metadata_only_items_total") == 1
 
     run(scenario())

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MISSING_REPORT",
     "PENDING_MARK",
+    "PLACEHOLDER_METADATA_KEY",
     "PRESENT_MARK",
     "TENSOR_NAME",
     "identifier_digest",
@@ -47,6 +48,13 @@ PRESENT_MARK = "ec_s3_present"
 #: The field of a consumer's answer (its ``ec_transfer_params``) that lists the keys of
 #: items marked present that the bucket did not have, so the proxy forgets them.
 MISSING_REPORT = "ec_s3_missing"
+#: The S3 object metadata (``x-amz-meta-…``) in which a producer stores an item's
+#: placeholder metadata, ``{"modality": "image", "metadata": {"image_grid_thw": [1, 70,
+#: 70]}}`` as compact JSON, for models that declare vLLM's ``embedding_fields``: a proxy
+#: whose HEAD finds the blob can then send prefill/decode a metadata-only part.
+PLACEHOLDER_METADATA_KEY = "ec-s3-placeholder"
+#: S3 allows 2 KB of user metadata per object; placeholder metadata above this is not stored.
+MAX_PLACEHOLDER_METADATA_BYTES = 1024
 
 
 def identifier_digest(identifier: str) -> str:

@@ -46,6 +46,9 @@ class ECS3ConnectorMetadata(ECConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     # Producer: key to publish each encoder output of this step's requests under.
     save_keys: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    # Producer: identifier -> its placeholder metadata as the object metadata to store
+    # with the blob (blob.format.PLACEHOLDER_METADATA_KEY), for items that have some.
+    save_metadata: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     # Consumer: the step's ``scheduler_output.scheduled_encoder_inputs`` itself (the
     # same object: vLLM pickles the scheduler output with this metadata in it as one
     # object graph, which keeps shared references shared). vLLM runs the encoder on it

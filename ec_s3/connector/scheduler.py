@@ -41,10 +41,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver, collect_ec_item_metadata
 
 from ec_s3.blob.codec import BlobExpectation
-from ec_s3.blob.format import MISSING_REPORT
+from ec_s3.blob.format import MISSING_REPORT, PLACEHOLDER_METADATA_KEY
+from ec_s3.blob.placeholder import placeholder_json
 from ec_s3.config import ECS3Config
 from ec_s3.connector.admission import (
     NO_SPACE_MAX_S,
@@ -463,6 +464,7 @@ class ECS3Scheduler:
         self._hits.clear()
         if self._is_producer:
             meta.save_keys = self._save_keys(scheduler_output)
+            meta.save_metadata = self._save_metadata(meta.save_keys)
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
@@ -518,6 +520,33 @@ class ECS3Scheduler:
                     if identifier not in state.saved and not self._known_present(key):
                         add(identifier, state)
         return keys
+
+    def _save_metadata(self, save_keys: dict[str, list[str]]) -> dict[str, dict[str, str]]:
+        """Producer: the object metadata to store with each blob of this step: its
+        placeholder metadata (e.g. Qwen-VL's grid), which lets a proxy that finds the
+        blob by HEAD send prefill/decode a metadata-only part (ec_s3/proxy/embeds.py).
+        Only for models that declare placeholder fields, and only for items of a live
+        request (their data holds the values)."""
+        out: dict[str, dict[str, str]] = {}
+        for identifier in save_keys:
+            feature = self._live_feature(identifier)
+            if feature is None or not self._resolver.fields_for(feature.modality):
+                continue
+            entry = collect_ec_item_metadata([feature], self._resolver).get(identifier) or {}
+            # vllm 0.32's entry has no "modality" (0.33 adds it): the feature's.
+            text = placeholder_json({**entry, "modality": feature.modality})
+            if text is not None:
+                out[identifier] = {PLACEHOLDER_METADATA_KEY: text}
+        return out
+
+    def _live_feature(self, identifier: str) -> MultiModalFeatureSpec | None:
+        """Producer: the feature of a live request whose item is ``identifier``."""
+        for req_id in self._by_identifier.get(identifier, ()):
+            state = self._requests.get(req_id)
+            for feature in state.request.mm_features if state is not None else ():
+                if feature.identifier == identifier:
+                    return feature
+        return None
 
     def _known_present(self, key: str) -> bool:
         item = self._items.peek(key)

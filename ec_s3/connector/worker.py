@@ -114,10 +114,12 @@ class ECS3Worker:
         tensor = encoder_cache.get(identifier)
         if tensor is None:
             return
-        save_keys = metadata.save_keys if isinstance(metadata, ECS3ConnectorMetadata) else {}
+        ours = isinstance(metadata, ECS3ConnectorMetadata)
+        save_keys = metadata.save_keys if ours else {}
+        stored = metadata.save_metadata.get(identifier) if ours else None
         # Each tenant's request promised its own key (cache_salt): publish under all.
         for key in save_keys.get(identifier) or [self._model.keyspace.key_for(identifier)]:
-            self._publisher.publish(identifier, tensor, key)
+            self._publisher.publish(identifier, tensor, key, object_metadata=stored)
 
     def start_save_caches(
         self, encoder_cache: dict[str, torch.Tensor] | None, metadata: ECConnectorMetadata | None

@@ -71,16 +71,20 @@ class Known:
 
     key: str  # the blob's key: what a consumer's missing report names
     identifier: str  # what the forwarded entry is keyed by
-    entry: dict[str, Any] | None  # the encoder's ec_transfer_params entry; None: a HEAD found it
+    # The encoder's ec_transfer_params entry; None: a HEAD found it.
+    entry: dict[str, Any] | None
     learned_at: float
     present_at: float  # from then on it is marked present
     nbytes: int
     source: str  # "answer" or "bucket"
+    # A HEAD's find: the placeholder metadata stored with the blob ({"modality",
+    # "metadata"}), which lets the item go to prefill/decode metadata-only.
+    placeholder: dict[str, Any] | None = None
 
     def params(self, indices: list[int], now: float) -> dict[str, Any]:
         """The ``ec_transfer_params`` entry for a request in which it occurs at ``indices``."""
         if self.entry is None:
-            return {self.identifier: {PRESENT_MARK: True, "item_indices": list(indices)}}
+            return {self.identifier: {**(self.placeholder or {}), PRESENT_MARK: True, "item_indices": list(indices)}}
         entry = {**self.entry, "item_indices": list(indices)}
         if now >= self.present_at:
             entry[PRESENT_MARK] = True
@@ -131,10 +135,13 @@ class KnownBlobs:
                              _size(identifier, entry), "answer"))
         return True
 
-    def remember_present(self, ref: str, key: str, identifier: str, now: float | None = None) -> None:
-        """Record that a HEAD found the blob at ``key`` of the item named ``identifier``."""
+    def remember_present(self, ref: str, key: str, identifier: str, now: float | None = None,
+                         placeholder: dict[str, Any] | None = None) -> None:
+        """Record that a HEAD found the blob at ``key`` of the item named ``identifier``
+        (with the ``placeholder`` metadata stored with it, if any)."""
         now = time.monotonic() if now is None else now
-        self._add(ref, Known(key, identifier, None, now, now, _size(identifier, {"key": key}), "bucket"))
+        size = _size(identifier, {"key": key, **(placeholder or {})})
+        self._add(ref, Known(key, identifier, None, now, now, size, "bucket", placeholder))
 
     def forget_keys(self, keys: Iterable[object], reason: str = "missing") -> int:
         """Forget every entry of these blob keys (a consumer found them missing)."""

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ec_s3.blob.format import MISSING_REPORT, PRESENT_MARK
 from ec_s3.blob.keys import KeySpace, probe_key
+from ec_s3.blob.placeholder import read_placeholder
 from ec_s3.log import logger
 from ec_s3.proxy.answer import PdAnswer
 from ec_s3.proxy.config import ProxyConfig
@@ -29,6 +30,9 @@ from ec_s3.proxy.known import KnownBlobs, item_ref, keyspace_of
 from ec_s3.proxy.media import MediaItem, dump_body
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.upstreams import Warner
+
+if TYPE_CHECKING:
+    from ec_s3.store.transport import ObjectInfo
 
 __all__ = ["EncoderSkips"]
 
@@ -101,24 +105,25 @@ class EncoderSkips:
                 heads.append((n, ref, key, name))
         if heads:
             for (n, ref, key, name), hit in zip(heads, await self._head_all([k for _, _, k, _ in heads]), strict=True):
-                if hit:
-                    self.known.remember_present(ref, key, name)
-                    params[name] = {PRESENT_MARK: True, "item_indices": list(items[n].indices)}
+                if hit is not None:
+                    placeholder = read_placeholder(hit.metadata)
+                    self.known.remember_present(ref, key, name, placeholder=placeholder)
+                    params[name] = {**(placeholder or {}), PRESENT_MARK: True, "item_indices": list(items[n].indices)}
                     found.add(n)
                     self.metrics.inc("ec_s3_proxy_encoder_skips_total", source="bucket")
         self._metrics()
         return params, found
 
-    async def _head_all(self, keys: list[str]) -> list[bool]:
-        """Whether each key is in the bucket; a failed or late HEAD counts as no (the
-        item then goes to an encoder, which is always right)."""
+    async def _head_all(self, keys: list[str]) -> list[ObjectInfo | None]:
+        """What a HEAD of each key found (None: not in the bucket); a failed or late
+        HEAD counts as not found (the item then goes to an encoder, which is always right)."""
         store = self._bucket
         try:
             futures = [asyncio.wrap_future(store.submit(store.head_async(k))) for k in keys]
         except Exception as exc:  # noqa: BLE001 - the store is closing: the encoders get the items
             self.metrics.inc("ec_s3_proxy_bucket_lookups_total", len(keys), outcome="error")
             self._warner.warn(("bucket", "error"), "ec-s3 proxy: bucket lookup failed: %s", exc)
-            return [False] * len(keys)
+            return [None] * len(keys)
         done, pending = await asyncio.wait(futures, timeout=self.config.bucket_lookup_timeout_s)
         for f in pending:
             f.cancel()
@@ -129,16 +134,17 @@ class EncoderSkips:
                 "went to encoders. Check the store's latency from this host, or raise --bucket-lookup-timeout",
                 len(pending), self.config.bucket_lookup_timeout_s,
             )
-        out = []
+        out: list[ObjectInfo | None] = []
         for f in futures:
+            hit: ObjectInfo | None = None
             if f in pending:
-                outcome, hit = "timeout", False
+                outcome = "timeout"
             elif f.exception() is not None:
-                outcome, hit = "error", False
+                outcome = "error"
                 self._warner.warn(("bucket", "error"), "ec-s3 proxy: bucket lookup failed: %s", f.exception())
             else:
-                hit = f.result() is not None
-                outcome = "hit" if hit else "miss"
+                hit = f.result()
+                outcome = "hit" if hit is not None else "miss"
             self.metrics.inc("ec_s3_proxy_bucket_lookups_total", outcome=outcome)
             out.append(hit)
         return out

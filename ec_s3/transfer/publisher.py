@@ -71,11 +71,14 @@ _HEADER_MARGIN = 64  # dtype names differ in length; padding to 8
 
 
 class _Job:
-    __slots__ = ("identifier", "key", "dtype", "shape", "nbytes", "room", "buf", "event", "source", "settled", "shared")
+    __slots__ = ("identifier", "key", "dtype", "shape", "nbytes", "room", "buf", "event", "source", "settled", "shared",
+                 "object_metadata")
 
-    def __init__(self, identifier: str, key: str, tensor: torch.Tensor, nbytes: int, room: int, buf: HostBuffer) -> None:
+    def __init__(self, identifier: str, key: str, tensor: torch.Tensor, nbytes: int, room: int, buf: HostBuffer,
+                 object_metadata: dict[str, str] | None = None) -> None:
         self.identifier = identifier
         self.key = key
+        self.object_metadata = object_metadata  # stored with the blob (placeholder metadata)
         self.dtype = tensor.dtype
         self.shape = tuple(tensor.shape)
         self.nbytes = nbytes
@@ -129,8 +132,10 @@ class BlobPublisher:
         return self._pool
 
     # ------------------------------------------------------------ model-step side
-    def publish(self, identifier: str, tensor: torch.Tensor, key: str) -> bool:
-        """Start publishing ``tensor`` under ``key``; returns False if it was skipped."""
+    def publish(self, identifier: str, tensor: torch.Tensor, key: str,
+                object_metadata: dict[str, str] | None = None) -> bool:
+        """Start publishing ``tensor`` under ``key`` (with ``object_metadata`` as the
+        object's S3 metadata); returns False if it was skipped."""
         seen = self._seen.get(key)
         if seen is not None and time.monotonic() - seen <= self._config.present_ttl_s:
             return False
@@ -149,7 +154,7 @@ class BlobPublisher:
         if buf is None:
             return False
         self._remember(key)
-        job = _Job(identifier, key, tensor, nbytes, room, buf)
+        job = _Job(identifier, key, tensor, nbytes, room, buf, object_metadata)
         try:
             if tensor.is_cuda:
                 self._start_device_copy(job, tensor)
@@ -328,7 +333,7 @@ class BlobPublisher:
         try:
             body = await self._body(job)
             started = time.monotonic()
-            outcome = await self._store.put_async(job.key, body)
+            outcome = await self._store.put_async(job.key, body, metadata=job.object_metadata)
             self._counters.observe("upload_seconds", time.monotonic() - started)
             if outcome is PutOutcome.CREATED:
                 self._counters.inc("blobs_uploaded")

@@ -350,7 +350,8 @@ def make_mm_request(
     None, modality="image", identifier=..., mm_position=PlaceholderRange(offset,
     num_image_tokens), mm_hash=identifier)``; ``with_media="metadata"`` gives the data of
     a metadata-only item as Qwen-VL's processor builds it on an EC consumer (only
-    ``image_grid_thw``, see :func:`metadata_only_data`). ``ec_transfer_params`` travel as
+    ``image_grid_thw``, see :func:`metadata_only_data`), ``with_media="pixels"`` that of an
+    image as it builds it anywhere (``pixel_values`` and ``image_grid_thw``). ``ec_transfer_params`` travel as
     vLLM's frontend sends them: ``SamplingParams.extra_args["ec_transfer_params"]``
     (``Request.__init__`` copies them to ``request.ec_transfer_params``).
     """
@@ -382,6 +383,7 @@ def make_mm_request(
         features.append(
             MultiModalFeatureSpec(
                 data=(metadata_only_data(num_image_tokens) if with_media == "metadata"
+                      else pixels_data(num_image_tokens) if with_media == "pixels"
                       else MultiModalKwargsItem.dummy() if with_media else None),
                 modality="image",
                 identifier=identifier,
@@ -417,6 +419,15 @@ def metadata_only_data(num_image_tokens: int):
 
     grid = torch.tensor([1, 2, 2 * num_image_tokens])
     return MultiModalKwargsItem({"image_grid_thw": MultiModalFieldElem(data=grid, field=MultiModalBatchedField())})
+
+
+def pixels_data(num_image_tokens: int):
+    """An image's data as Qwen-VL's processor builds it: ``pixel_values`` (a dummy) and
+    its ``image_grid_thw`` (see :func:`metadata_only_data`)."""
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    item = metadata_only_data(num_image_tokens)
+    return MultiModalKwargsItem({**item, **MultiModalKwargsItem.dummy()})
 
 
 # Per modality, the fields a metadata-only item carries (vLLM's placeholder metadata).

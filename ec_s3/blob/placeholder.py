@@ -1,0 +1,61 @@
+"""An item's placeholder metadata as stored with its blob: the S3 object metadata a
+producer writes and a proxy's HEAD reads (:data:`~ec_s3.blob.format.PLACEHOLDER_METADATA_KEY`).
+
+``{"modality": "image", "metadata": {"image_grid_thw": [1, 70, 70]}}`` as compact JSON:
+vLLM's ``ec_transfer_params`` entry reduced to what a metadata-only part needs. Both
+directions check the shape (a modality name, and metadata of numbers or arrays of
+numbers) and the size, so a bucket object can never make a proxy send anything else.
+
+Owns the encoding and its checks. No I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ec_s3.blob.format import MAX_PLACEHOLDER_METADATA_BYTES, PLACEHOLDER_METADATA_KEY
+
+__all__ = ["placeholder_json", "read_placeholder"]
+
+_MODALITIES = frozenset({"image", "video", "audio"})
+
+
+def _numbers(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    return isinstance(value, list) and bool(value) and all(_numbers(v) for v in value)
+
+
+def _valid(entry: Any) -> bool:
+    if not isinstance(entry, Mapping) or entry.get("modality") not in _MODALITIES:
+        return False
+    metadata = entry.get("metadata")
+    return (isinstance(metadata, Mapping) and bool(metadata)
+            and all(isinstance(k, str) and _numbers(v) for k, v in metadata.items()))
+
+
+def placeholder_json(entry: Mapping[str, Any]) -> str | None:
+    """The stored form of a vLLM ``ec_transfer_params`` entry's placeholder metadata;
+    None when it has none (LLaVA-like models), or it is not plain numbers, or too long."""
+    if not _valid(entry):
+        return None
+    text = json.dumps({"modality": entry["modality"], "metadata": dict(entry["metadata"])},
+                      separators=(",", ":"), sort_keys=True)
+    return text if len(text) <= MAX_PLACEHOLDER_METADATA_BYTES else None
+
+
+def read_placeholder(object_metadata: Mapping[str, str]) -> dict[str, Any] | None:
+    """``{"modality", "metadata"}`` from an object's S3 metadata, or None when it holds
+    none or something else."""
+    text = object_metadata.get(PLACEHOLDER_METADATA_KEY)
+    if not isinstance(text, str) or len(text) > MAX_PLACEHOLDER_METADATA_BYTES:
+        return None
+    try:
+        entry = json.loads(text)
+    except ValueError:
+        return None
+    return {"modality": entry["modality"], "metadata": entry["metadata"]} if _valid(entry) else None
