@@ -183,8 +183,10 @@ PANELS: list[dict[str, Any]] = [
         (proxy_rate("ec_s3_proxy_pd_retries_total"), "sent once more (engine refused it)")], unit="ops"),
     panel("Proxy media items", [
         (proxy_rate("ec_s3_proxy_mm_items_total"), "items seen"),
-        (proxy_rate("ec_s3_proxy_items_without_params_total"), "forwarded without encoder params")], unit="ops",
-        description="Items without params are encoded by prefill/decode itself (alert EcS3ProxyItemsWithoutParams)."),
+        (proxy_rate("ec_s3_proxy_items_without_params_total"), "forwarded without encoder params"),
+        (proxy_rate("ec_s3_proxy_metadata_only_items_total"), "sent metadata-only (no image)")], unit="ops",
+        description="Items without params are encoded by prefill/decode itself (alert EcS3ProxyItemsWithoutParams); "
+                    "metadata-only items reach it without their image (docs/proxy.md)."),
     panel("Proxy encoder skips", [
         (proxy_rate("ec_s3_proxy_encoder_skips_total", by="source"), "skipped: known from {{source}}"),
         (proxy_rate("ec_s3_proxy_bucket_lookups_total", by="outcome"), "bucket HEAD: {{outcome}}"),

