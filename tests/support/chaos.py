@@ -546,11 +546,11 @@ class WatchedNode:
         if publisher is not None:
             publish = publisher.publish
 
-            def published(identifier: str, tensor: torch.Tensor, key: str) -> bool:
+            def published(identifier: str, tensor: torch.Tensor, key: str, **kwargs: Any) -> bool:
                 origin = self.origin.get(identifier)  # the variant the encoder made this entry as
                 variant = origin[1] if origin is not None else ("?", int(tensor.shape[0]))
                 self.published.setdefault(key, set()).add(variant)
-                return publish(identifier, tensor, key)
+                return publish(identifier, tensor, key, **kwargs)
 
             publisher.publish = published  # type: ignore[method-assign]
 
