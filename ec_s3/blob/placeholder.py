@@ -17,12 +17,14 @@ from typing import Any
 
 from ec_s3.blob.format import MAX_PLACEHOLDER_METADATA_BYTES, PLACEHOLDER_METADATA_KEY
 
-__all__ = ["placeholder_json", "read_placeholder"]
+__all__ = ["has_placeholder", "placeholder_json", "read_placeholder"]
 
+# The modalities whose embeddings part vLLM's chat API parses (image_embeds, ...).
 _MODALITIES = frozenset({"image", "video", "audio"})
 
 
 def _numbers(value: Any) -> bool:
+    """A number, or a (nested) array of numbers: what vLLM accepts as metadata in JSON."""
     if isinstance(value, bool):
         return False
     if isinstance(value, int | float):
@@ -30,7 +32,9 @@ def _numbers(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(_numbers(v) for v in value)
 
 
-def _valid(entry: Any) -> bool:
+def has_placeholder(entry: Any) -> bool:
+    """Whether ``entry`` (vLLM's ``ec_transfer_params`` entry, or the stored form) names
+    a modality of an embeddings part and holds placeholder metadata of numbers only."""
     if not isinstance(entry, Mapping) or entry.get("modality") not in _MODALITIES:
         return False
     metadata = entry.get("metadata")
@@ -41,7 +45,7 @@ def _valid(entry: Any) -> bool:
 def placeholder_json(entry: Mapping[str, Any]) -> str | None:
     """The stored form of a vLLM ``ec_transfer_params`` entry's placeholder metadata;
     None when it has none (LLaVA-like models), or it is not plain numbers, or too long."""
-    if not _valid(entry):
+    if not has_placeholder(entry):
         return None
     text = json.dumps({"modality": entry["modality"], "metadata": dict(entry["metadata"])},
                       separators=(",", ":"), sort_keys=True)
@@ -58,4 +62,4 @@ def read_placeholder(object_metadata: Mapping[str, str]) -> dict[str, Any] | Non
         entry = json.loads(text)
     except ValueError:
         return None
-    return {"modality": entry["modality"], "metadata": entry["metadata"]} if _valid(entry) else None
+    return {"modality": entry["modality"], "metadata": entry["metadata"]} if has_placeholder(entry) else None

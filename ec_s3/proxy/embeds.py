@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ec_s3.blob.placeholder import has_placeholder
 from ec_s3.proxy.media import MediaItem, replace_media_parts
 from ec_s3.proxy.naming import CONTENT_PREFIX
 
@@ -41,15 +42,6 @@ __all__ = ["metadata_only_body", "metadata_only_part"]
 
 # The embeddings part type of each modality vLLM's chat API parses.
 _EMBED_PART_OF = {"image": "image_embeds", "video": "video_embeds", "audio": "audio_embeds"}
-
-
-def _plain(value: Any) -> bool:
-    """A number, or a (nested) array of numbers: what vLLM accepts as metadata in JSON."""
-    if isinstance(value, bool):
-        return False
-    if isinstance(value, int | float):
-        return True
-    return isinstance(value, list) and bool(value) and all(_plain(v) for v in value)
 
 
 def metadata_only_part(
@@ -64,15 +56,10 @@ def metadata_only_part(
         if uuid is not None or not identifier:
             return None  # a client's (namespaced) uuid: the encoder's identifier is a hash of it
         uuid = identifier
-    if not isinstance(entry, Mapping):
+    if not has_placeholder(entry):  # a modality, and metadata of numbers only
         return None
-    kind = _EMBED_PART_OF.get(entry.get("modality"))  # type: ignore[arg-type]
-    metadata = entry.get("metadata")
-    if kind is None or not isinstance(metadata, Mapping) or not metadata:
-        return None
-    if not all(isinstance(k, str) and _plain(v) for k, v in metadata.items()):
-        return None
-    return {"type": kind, kind: dict(metadata), "uuid": uuid}
+    kind = _EMBED_PART_OF[entry["modality"]]
+    return {"type": kind, kind: dict(entry["metadata"]), "uuid": uuid}
 
 
 def _entry_of(item: MediaItem, params: Mapping[str, Any]) -> tuple[str | None, Any]:
