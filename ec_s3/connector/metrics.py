@@ -75,6 +75,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "store_retries"),
     "vllm:ec_s3_store_errors_total": ("Lookups that failed with a store error.", "store_errors"),
     "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign.", "promises_ignored"),
+    "vllm:ec_s3_items_encoded_total": (
+        "Media items vLLM's encoder ran on this engine (any role): what the bucket did not save here.", "items_encoded"),
     "vllm:ec_s3_lookups_started_total": ("Bucket lookups started (HEAD for producers, GET for consumers).", "lookups_started"),
     "vllm:ec_s3_uploads_started_total": ("Uploads queued by save_caches.", "upload_started"),
     "vllm:ec_s3_uploads_already_present_total": ("Uploads answered 412: another producer had written the same blob.", "upload_already_present"),

@@ -7,7 +7,9 @@ here and not from the workers: a step that schedules no tokens never reaches the
 worker-side connector, so a deferred request would otherwise wait forever.
 
 A request is deferred while an item it needs is being looked up, within a per-item
-wait budget; when the budget runs out or the blob is bad it falls back to local
+wait budget (an ``ec_both`` engine encodes an item nobody promised at once, and asks the
+bucket only on the side: :class:`ec_s3.connector.admission.AggregatedAdmission` has the
+rule and its cost); when the budget runs out or the blob is bad it falls back to local
 encoding if it still carries the media, or is reported through
 ``take_unavailable_requests`` so vLLM fails just that request. A consumer answers "hit"
 only for a blob staged on this host, pinned, and only while its workers can read the
@@ -52,6 +54,7 @@ from ec_s3.connector.admission import (
     POLL_CAP_S,
     Action,
     Admission,
+    AggregatedAdmission,
     Ask,
     ConsumerAdmission,
     Decision,
@@ -115,7 +118,8 @@ class ECS3Scheduler:
             self._staging: StagingArea | None = StagingArea(config.staging_dir, config.staging_bytes)
             self._topology = Topology.from_vllm(vllm_config, self._host)
             self._items = ItemTable(consumer_capacity(config.staging_bytes))
-            self._admission: Admission = ConsumerAdmission(config, self._staging.capacity)
+            admission = AggregatedAdmission if self._is_producer else ConsumerAdmission
+            self._admission: Admission = admission(config, self._staging.capacity)
         else:
             self._staging = None
             self._topology = Topology(WorkerReach.LOCAL, self._host)
@@ -142,6 +146,9 @@ class ECS3Scheduler:
         # identifier, tenants included (a client may reuse a uuid for another image): it
         # is published only under keys of that tenant, never under another's.
         self._encoded_for: dict[str, str | None] = {}
+        # ec_both: key -> when this engine last published it (newest last, bounded like
+        # the item table), so that a repeat waits for its GET (AggregatedAdmission).
+        self._published: dict[str, float] = {}
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
         self._looking = 0  # lookups running on the I/O loop
@@ -203,7 +210,7 @@ class ECS3Scheduler:
         identifier = feature.identifier
         promise = state.promises.get(identifier)
         key = promise.key if promise else self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
-        decision = self._decide(state, feature, self._items.peek(key), now)
+        decision = self._decide(state, feature, key, self._items.peek(key), now)
         if decision.gone:
             state.gone.add(key)
         if decision.action is Action.HIT:
@@ -221,7 +228,7 @@ class ECS3Scheduler:
             if self._hold(state, identifier, item):
                 self._stop_waiting(state, identifier, now)
                 return decision
-            decision = self._decide(state, feature, None, now)  # its slot is gone: look it up again
+            decision = self._decide(state, feature, key, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
             self._items.drop(item)
         if decision.clock:
@@ -256,11 +263,13 @@ class ECS3Scheduler:
             self._staging.unpin(slot)
         state.forget(identifier)
 
-    def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, item: Item | None, now: float) -> Decision:
+    def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, key: str, item: Item | None,
+                now: float) -> Decision:
         identifier = feature.identifier
         return self._admission.decide(Ask(
             item=item, promise=state.promises.get(identifier), has_media=self._carries_media(feature),
             since=state.waiting_since.get(identifier), now=now, workers_read_staging=self._topology.workers_read_staging,
+            published_at=self._published.get(key),
         ))
 
     def _carries_media(self, feature: MultiModalFeatureSpec) -> bool:
@@ -453,6 +462,9 @@ class ECS3Scheduler:
             # The engine has nothing to run but requests waiting for our transfers.
             self._fetcher.wait_for_result(_IDLE_WAIT_S)
         self._deferred = False
+        encoded = sum(len(inputs) for inputs in scheduler_output.scheduled_encoder_inputs.values())
+        if encoded:
+            self._counters.inc("items_encoded", encoded)
         meta = ECS3ConnectorMetadata(loads=[spec for spec, _ in self._loads])
         if self._loads:
             meta.encoder_inputs = scheduler_output.scheduled_encoder_inputs
@@ -465,10 +477,22 @@ class ECS3Scheduler:
         if self._is_producer:
             meta.save_keys = self._save_keys(scheduler_output)
             meta.save_metadata = self._save_metadata(meta.save_keys)
+            if self._staging is not None:
+                self._note_published(meta.save_keys)
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
         return meta
+
+    def _note_published(self, save_keys: dict[str, list[str]]) -> None:
+        """ec_both: remember what this step's workers publish (their upload starts now)."""
+        now = time.monotonic()
+        for keys in save_keys.values():
+            for key in keys:
+                self._published.pop(key, None)
+                self._published[key] = now
+        while len(self._published) > PRODUCER_CAPACITY:
+            del self._published[next(iter(self._published))]
 
     def _save_keys(self, scheduler_output: SchedulerOutput) -> dict[str, list[str]]:
         """Producer: identifier -> every key this step's workers publish it under
