@@ -60,6 +60,7 @@ proxies (:mod:`ec_s3.proxy`, the vendored example), nor the model (:mod:`bench.c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -75,13 +76,19 @@ from typing import Any
 from bench import benchlib as bl
 from bench import costmodel as cm
 
-TOPOLOGIES = ("plain-dp", "epd-parallel", "epd-serial", "vllm-epd")
+TOPOLOGIES = ("plain-dp", "shared-dp", "epd-parallel", "epd-serial", "vllm-epd")
+SHARED = "shared-dp"
 EPD_TOPOLOGIES = ("epd-parallel", "epd-serial")
 KINDS = ("fresh", "zipf", "hot")
 IMAGES = (1, 4)
 IMAGE_TOKENS = 64  # HEAVY_VISION: 112 px / 14 px patches, squared
 MAX_BATCHED_TOKENS = 512
 ENCODER_CACHE_IMAGES = MAX_BATCHED_TOKENS // IMAGE_TOKENS  # vLLM: encoder_cache_size = max_num_batched_tokens
+# The tiny Qwen2.5-VL (the default): a 1024x1024 photo is grid 1x70x70 = 1,225 tokens.
+QWEN_PHOTO_PX = 1024
+QWEN_IMAGE_TOKENS = 1225
+QWEN_MAX_BATCHED_TOKENS = 4096
+QWEN_CACHE_IMAGES = QWEN_MAX_BATCHED_TOKENS // QWEN_IMAGE_TOKENS
 ZIPF_SET_FACTOR = 8
 ZIPF_S = 1.1
 HOT_SET_FACTOR = 8
@@ -100,7 +107,8 @@ _TOPOLOGY_ID_STRIDE = 10_000_000
 COUNTERS = ("vllm:ec_s3_blobs_uploaded_total", "vllm:ec_s3_uploads_already_present_total",
             "vllm:ec_s3_bytes_uploaded_total", "vllm:ec_s3_blobs_downloaded_total",
             "vllm:ec_s3_bytes_downloaded_total", "vllm:ec_s3_blobs_loaded_total", "vllm:ec_s3_fallbacks_local_total",
-            "vllm:ec_s3_loads_encoded_locally_total", "vllm:request_success_total", "vllm:prompt_tokens_total")
+            "vllm:ec_s3_loads_encoded_locally_total", "vllm:ec_s3_items_encoded_total", "vllm:request_success_total",
+            "vllm:prompt_tokens_total")
 HISTOGRAMS = ("vllm:request_inference_time_seconds", "vllm:e2e_request_latency_seconds",
               "vllm:request_queue_time_seconds", "vllm:ec_s3_download_seconds", "vllm:ec_s3_upload_seconds")
 PROXY_ENC = "ec_s3_proxy_encoder_requests_total"
@@ -109,6 +117,13 @@ LOOKUPS = "vllm:ec_s3_lookups_total"
 # (name, workload, target): EPD's SLO-90 rate over plain-dp's.
 GOALS = (("hot, 4 images: EPD / plain-dp goodput", "hot-4", 1.3),
          ("zipf, 4 images: EPD / plain-dp goodput", "zipf-4", 1.1))
+# (name, workload, target): shared-dp's SLO-90 rate over plain-dp's (issue 32), and the
+# share of the cost model's bound it must reach.
+SHARED_GOALS = (("hot, 4 images: shared-dp / plain-dp goodput", "hot-4", 1.5),
+                ("zipf, 4 images: shared-dp / plain-dp goodput", "zipf-4", 1.2),
+                ("fresh, 4 images: shared-dp / plain-dp goodput", "fresh-4", 0.95),
+                ("hot, 1 image: shared-dp / plain-dp goodput", "hot-1", 1.3))
+SHARED_BOUND_SHARE = 0.85
 
 
 # --------------------------------------------------------------------------- workloads
@@ -164,10 +179,10 @@ def for_topology(stream: Sequence[Sequence[int]], topology: str) -> list[list[in
 
 
 def write_segment(work: Path, name: str, stream: Sequence[Sequence[int]], image_dir: Path,
-                  size: int) -> dict[str, Path]:
+                  size: int, topologies: Sequence[str] = TOPOLOGIES, photo: bool = False) -> dict[str, Path]:
     """One JSONL per topology for one segment of a workload (:func:`for_topology`)."""
-    return {t: write_jsonl(work / f"{name}-{t}.jsonl", for_topology(stream, t), image_dir, size)
-            for t in TOPOLOGIES}
+    return {t: write_jsonl(work / f"{name}-{t}.jsonl", for_topology(stream, t), image_dir, size, photo=photo)
+            for t in topologies}
 
 
 def repeat_fraction(stream: Sequence[Sequence[int]], seen: set[int]) -> float:
@@ -183,21 +198,26 @@ def repeat_fraction(stream: Sequence[Sequence[int]], seen: set[int]) -> float:
 
 
 def write_jsonl(path: Path, stream: Sequence[Sequence[int]], image_dir: Path, size: int,
-                prompt: str = PROMPT) -> Path:
+                prompt: str = PROMPT, photo: bool = False) -> Path:
     """vLLM's ``custom_image`` JSONL: one ``{"prompt", "image_files"}`` per request; writes
-    each image's PNG (:func:`ec_s3.sandbox.tiny_model.make_test_image`, seeded by its id)
-    once."""
+    each image once, seeded by its id: a ``size`` px PNG
+    (:func:`ec_s3.sandbox.tiny_model.make_test_image`), or with ``photo`` a ``size`` px
+    photo-like JPEG (:func:`ec_s3.sandbox.tiny_qwen.photo_jpeg`: what the Qwen-VL family sees)."""
     from ec_s3.sandbox.tiny_model import make_test_image
+    from ec_s3.sandbox.tiny_qwen import photo_jpeg
 
     image_dir.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for req in stream:
             files = []
             for i in req:
-                png = image_dir / f"img-{i}.png"
-                if not png.exists():
-                    make_test_image(i, size).save(png, format="PNG")
-                files.append(str(png))
+                img = image_dir / f"img-{i}.{'jpg' if photo else 'png'}"
+                if not img.exists():
+                    if photo:
+                        img.write_bytes(photo_jpeg(i, size))
+                    else:
+                        make_test_image(i, size).save(img, format="PNG")
+                files.append(str(img))
             f.write(json.dumps({"prompt": prompt, "image_files": files}) + "\n")
     return path
 
@@ -277,6 +297,15 @@ def counts(topo: str, d: Mapping[str, Mapping[str, float]]) -> dict[str, float |
     if topo == "plain-dp":
         return {"encoder requests": 0.0, "PUT": None, "GET": None, "bytes": None, "hits": None,
                 "fallbacks": None}
+    if topo == SHARED:  # aggregated servers: each encodes, publishes and loads
+        fleet = d.get("shared") or {}
+        return {"encoder requests": 0.0, "PUT": fleet.get("vllm:ec_s3_blobs_uploaded_total"),
+                "GET": fleet.get("vllm:ec_s3_blobs_downloaded_total"),
+                "bytes": (fleet.get("vllm:ec_s3_bytes_uploaded_total") or 0.0)
+                + (fleet.get("vllm:ec_s3_bytes_downloaded_total") or 0.0),
+                "hits": fleet.get("vllm:ec_s3_blobs_loaded_total"),
+                "fallbacks": fleet.get("vllm:ec_s3_fallbacks_local_total"),
+                "encoded": fleet.get("vllm:ec_s3_items_encoded_total")}
     enc = proxy.get(PROXY_ENC) if topo != "vllm-epd" else prod.get("vllm:request_success_total")
     return {"encoder requests": enc,
             "PUT": prod.get("vllm:ec_s3_blobs_uploaded_total"),
@@ -368,6 +397,8 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
     best_epd = {}
     for w in sorted({r["workload"] for r in runs}):
         g = goodput_by_topology(runs, w)
+        if not any(g[t].get("rate") is not None for t in EPD_TOPOLOGIES):
+            continue
         best = max(EPD_TOPOLOGIES, key=lambda t: (g[t].get("rate") or 0.0))
         best_epd[w] = (best, g)
     for name, w, target in GOALS:
@@ -386,6 +417,7 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
         met = None if q is None or bound == "~" else (q >= 1.0 if bound in ("=", ">=") else (False if q < 1 else None))
         out.append({"goal": f"{w}: EPD (ec-s3) / vllm-epd goodput", "workload": w, "ratio": q, "bound": bound,
                     "target": ">= 1.0", "met": met, "epd": best, "why": "" if met else why(d, w, best, "vllm-epd")})
+    out += shared_goals(d)
     for w, pred in (model.get("predicted") or {}).items():
         if w.startswith(("hot-4", "zipf-4")):
             continue
@@ -404,9 +436,60 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def shared_goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Issue 32's goals: shared-dp over plain-dp per workload, each against its target and
+    against :data:`SHARED_BOUND_SHARE` of the cost model's bound, and the model within 15%."""
+    runs = d.get("runs") or []
+    pred = ((d.get("model") or {}).get("shared") or {}).get("predicted") or {}
+    out = []
+    for name, w, target in SHARED_GOALS:
+        g = goodput_by_topology(runs, w)
+        q, bound = _ratio(g[SHARED], g["plain-dp"])
+        bound_ratio = (pred.get(w) or {}).get("ratio")
+        need = max(target, SHARED_BOUND_SHARE * bound_ratio) if bound_ratio else target
+        met = None if q is None or bound == "~" else (q >= need if bound in ("=", ">=") else (False if q < need else None))
+        because = "" if met else why_shared(d, w)
+        target_s = f">= {target}" + (f" and >= {SHARED_BOUND_SHARE:.0%} of the model's {bound_ratio:.2f}x"
+                                     if bound_ratio else "")
+        out.append({"goal": name, "workload": w, "ratio": q, "bound": bound, "target": target_s, "met": met,
+                    "epd": SHARED, "why": because if runs and q is not None else "workload not run"})
+        if bound_ratio and q is not None:
+            err = q / bound_ratio - 1.0
+            ok = abs(err) <= 0.15 if bound == "=" else None
+            out.append({"goal": f"{w}: measured shared-dp / plain-dp within 15% of the model", "workload": w,
+                        "ratio": q, "bound": bound, "target": f"{bound_ratio:.2f} +- 15%", "met": ok, "epd": SHARED,
+                        "why": "" if ok else f"measured {q:.2f}x vs predicted {bound_ratio:.2f}x ({err * 100:+.0f}%): "
+                        + why_shared(d, w)})
+    return out
+
+
+def why_shared(d: Mapping[str, Any], w: str) -> str:
+    """What shared-dp's servers did on workload ``w``, per request, over its runs."""
+    rs = [r for r in d.get("runs") or [] if r["workload"] == w and r["topology"] == SHARED]
+    ps = [r for r in d.get("runs") or [] if r["workload"] == w and r["topology"] == "plain-dp"]
+    if not rs or not ps:
+        return "not measured"
+    fleet = merge(*((r.get("deltas") or {}).get("shared") or {} for r in rs))
+    plain = merge(*((r.get("deltas") or {}).get("plain") or {} for r in ps))
+    n = fleet.get("vllm:request_inference_time_seconds_count") or 0.0
+    n_plain = plain.get("vllm:request_inference_time_seconds_count") or 0.0
+    if not n or not n_plain:
+        return "no metrics"
+    k = rs[0]["images"]
+    inf = (fleet.get("vllm:request_inference_time_seconds_sum") or 0.0) / n * 1e3
+    inf_plain = (plain.get("vllm:request_inference_time_seconds_sum") or 0.0) / n_plain * 1e3
+    repeats = sum(r["repeat_fraction"] for r in rs) / len(rs)
+    return (f"over {n:.0f} requests of {k} images ({repeats:.0%} repeats): shared-dp encoded "
+            f"{(fleet.get('vllm:ec_s3_items_encoded_total') or 0.0) / n:.2f} items, GET "
+            f"{(fleet.get('vllm:ec_s3_blobs_downloaded_total') or 0.0) / n:.2f}, loaded "
+            f"{(fleet.get('vllm:ec_s3_blobs_loaded_total') or 0.0) / n:.2f}, PUT "
+            f"{(fleet.get('vllm:ec_s3_blobs_uploaded_total') or 0.0) / n:.2f} per request; inference "
+            f"{inf:.0f} ms per request vs plain-dp's {inf_plain:.0f} ms")
+
+
 def verdict(g: Mapping[str, Mapping[str, Any]], pred: Mapping[str, Any]) -> str:
     """Whether the measurement agrees with the model's "should win": yes / NO / undecided."""
-    if not pred:
+    if not pred or not any(g[t].get("rate") is not None for t in EPD_TOPOLOGIES):
         return "-"
     best = max(EPD_TOPOLOGIES, key=lambda t: (g[t].get("rate") or 0.0))
     q, bound = _ratio(g[best], g["plain-dp"])
@@ -492,16 +575,39 @@ def measurement_rows(d: Mapping[str, Any] | None) -> list[list[Any]]:
 
 
 # --------------------------------------------------------------------------- the stack
-def server_args(shape: Any) -> list[str]:
-    """The tiny LLaVA's arguments with room for 4 images and no prefix caching."""
-    return ["--max-model-len", str(MAX_BATCHED_TOKENS), "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-            "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": max(IMAGES)}),
-            "--no-enable-prefix-caching"]
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The model a run serves and what follows from it: image size, tokens per image,
+    the servers' token budget and so vLLM's encoder cache (in images)."""
+
+    name: str  # "qwen" (the default: the family EPD serves) or "llava"
+    image_px: int
+    image_tokens: int
+    max_batched_tokens: int
+    photo: bool  # photo-like JPEGs (Qwen) or synthetic PNGs (LLaVA)
+
+    @property
+    def cache_images(self) -> int:
+        return self.max_batched_tokens // self.image_tokens
+
+    def server_args(self) -> list[str]:
+        """Room for 4 images per request, no prefix caching."""
+        max_len = max(self.max_batched_tokens, max(IMAGES) * self.image_tokens + 256)
+        return ["--max-model-len", str(max_len), "--max-num-batched-tokens", str(self.max_batched_tokens),
+                "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": max(IMAGES)}),
+                "--no-enable-prefix-caching"]
 
 
-def start_stack(model: str, shape: Any, ep: bl.Endpoint, bucket: str, work: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Six servers (two plain, ec-s3 E + PD, peer E + PD) and four proxies; returns
-    (servers, {topology: url}) with ``servers["_proxies"]`` the proxy processes."""
+SERVED = {"qwen": Served("qwen", QWEN_PHOTO_PX, QWEN_IMAGE_TOKENS, QWEN_MAX_BATCHED_TOKENS, photo=True),
+          "llava": Served("llava", 112, IMAGE_TOKENS, MAX_BATCHED_TOKENS, photo=False)}
+
+
+def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: Path,
+                topologies: Sequence[str] = TOPOLOGIES,
+                shared_proxy_args: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The servers and proxies of ``topologies`` (two plain; two ec_both; ec-s3 E + PD;
+    peer E + PD); returns (servers, {topology: url}) with ``servers["_proxies"]`` the
+    proxy processes."""
     from bench.epd_stack import ProxyProc
     from ec_s3.sandbox.env import CPU_OFFLINE_ENV
     from ec_s3.sandbox.net import LOOPBACK, free_port
@@ -513,36 +619,63 @@ def start_stack(model: str, shape: Any, ep: bl.Endpoint, bucket: str, work: Path
            "AWS_SECRET_ACCESS_KEY": ep.secret_access_key}
     s3 = {"bucket": bucket, "endpoint_url": ep.url, "prefix": "bench-goodput"}
     peer = {"shared_storage_path": str(work / "peer")}
-    args = server_args(shape)
+    args = served.server_args()
     logs = work / "logs"
 
     def server(name: str, cfg: dict[str, Any] | None, cpus: list[int]) -> VllmServer:
         return VllmServer(model, name=name, args=args, env=env, ec_transfer_config=cfg, cpus=cpus,
                           log_path=logs / f"{name}.log")
 
-    s = {"plain A": server("plain-a", None, c0), "plain B": server("plain-b", None, c1),
-         "ec-s3 E": server("ecs3-encoder", ec_transfer_config("ec_producer", s3), c1),
-         "ec-s3 PD": server("ecs3-pd", ec_transfer_config("ec_consumer", s3), c0),
-         "peer E": server("peer-encoder", ec_transfer_config("ec_producer", peer, connector="ECExampleConnector",
-                                                             module_path=None), c1),
-         "peer PD": server("peer-pd", ec_transfer_config("ec_consumer", peer, connector="ECExampleConnector",
-                                                         module_path=None), c0)}
+    want = set(topologies)
+    s: dict[str, Any] = {}
+    if "plain-dp" in want:
+        s |= {"plain A": server("plain-a", None, c0), "plain B": server("plain-b", None, c1)}
+    if SHARED in want:
+        # Each its own staging area: two engines on one host, as on two hosts.
+        s |= {f"shared {n}": server(f"shared-{n.lower()}", ec_transfer_config(
+            "ec_both", {**s3, "staging_dir": str(_private_dir(work / f"staging-{n.lower()}"))}), cpus)
+            for n, cpus in (("A", c0), ("B", c1))}
+    if want & set(EPD_TOPOLOGIES):
+        s |= {"ec-s3 E": server("ecs3-encoder", ec_transfer_config("ec_producer", s3), c1),
+              "ec-s3 PD": server("ecs3-pd", ec_transfer_config("ec_consumer", s3), c0)}
+    if "vllm-epd" in want:
+        s |= {"peer E": server("peer-encoder", ec_transfer_config("ec_producer", peer, connector="ECExampleConnector",
+                                                                  module_path=None), c1),
+              "peer PD": server("peer-pd", ec_transfer_config("ec_consumer", peer, connector="ECExampleConnector",
+                                                              module_path=None), c0)}
     servers = list(s.values())
     proxies: list[Any] = []
     s["_proxies"] = proxies
     start_all(servers)
     t0 = time.monotonic()
     wait_all_ready(servers, 900)
-    bl.log(f"goodput: 6 servers ready in {time.monotonic() - t0:.0f} s")
-    port = free_port()
-    proxies.append(ProxyProc.spawn([sys.executable, "-m", "ec_s3.proxy", "--pd-url", s["plain A"].url,
-                                    "--pd-url", s["plain B"].url, "--host", LOOPBACK, "--port", str(port),
-                                    "--log-level", "WARNING"], port, logs / "proxy-plain.log", "ec-s3 proxy (no encoder)"))
-    proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-parallel.log", "parallel"))
-    proxies.append(ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / "proxy-serial.log", "serial"))
-    proxies.append(ProxyProc.vllm_example(s["peer E"].url, s["peer PD"].url, logs / "proxy-vllm.log"))
-    urls = dict(zip(TOPOLOGIES, (p.url for p in proxies)))
+    bl.log(f"goodput: {len(servers)} servers ready in {time.monotonic() - t0:.0f} s")
+
+    def dp_proxy(a: str, b: str, name: str, extra: Sequence[str] = ()) -> Any:
+        port = free_port()
+        return ProxyProc.spawn([sys.executable, "-m", "ec_s3.proxy", "--pd-url", s[a].url, "--pd-url", s[b].url,
+                                "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", *extra],
+                               port, logs / f"proxy-{name}.log", f"ec-s3 proxy ({name}, no encoder)")
+
+    urls: dict[str, str] = {}
+    for topo in topologies:
+        if topo == "plain-dp":
+            proxy = dp_proxy("plain A", "plain B", "plain")
+        elif topo == SHARED:
+            proxy = dp_proxy("shared A", "shared B", "shared", shared_proxy_args)
+        elif topo == "vllm-epd":
+            proxy = ProxyProc.vllm_example(s["peer E"].url, s["peer PD"].url, logs / "proxy-vllm.log")
+        else:
+            dispatch = topo.removeprefix("epd-")
+            proxy = ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / f"proxy-{dispatch}.log", dispatch)
+        proxies.append(proxy)
+        urls[topo] = proxy.url
     return s, urls
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
 
 
 def scrape(s: Mapping[str, Any], urls: Mapping[str, str], topo: str) -> dict[str, Any]:
@@ -551,6 +684,8 @@ def scrape(s: Mapping[str, Any], urls: Mapping[str, str], topo: str) -> dict[str
 
     if topo == "plain-dp":
         out = {"plain A": s["plain A"].metrics(), "plain B": s["plain B"].metrics()}
+    elif topo == SHARED:
+        out = {"shared A": s["shared A"].metrics(), "shared B": s["shared B"].metrics()}
     elif topo == "vllm-epd":
         out = {"producer": s["peer E"].metrics(), "consumer": s["peer PD"].metrics()}
     else:
@@ -561,21 +696,26 @@ def scrape(s: Mapping[str, Any], urls: Mapping[str, str], topo: str) -> dict[str
 
 def deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     out = {role: window(before[role], after[role]) for role in before}
-    if "plain A" in out:
-        out["plain"] = merge(out.pop("plain A"), out.pop("plain B"))
+    for fleet in ("plain", "shared"):
+        if f"{fleet} A" in out:
+            out[fleet] = merge(out.pop(f"{fleet} A"), out.pop(f"{fleet} B"))
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava
+    from ec_s3.sandbox.tiny_qwen import build_tiny_qwen
     from ec_s3.sandbox.vllm_server import stop_all
 
-    shape = HEAVY_VISION
-    assert shape.num_image_tokens == IMAGE_TOKENS, "IMAGE_TOKENS follows HEAVY_VISION"
+    served = SERVED[args.model]
+    topologies = args.topologies
+    assert HEAVY_VISION.num_image_tokens == IMAGE_TOKENS, "IMAGE_TOKENS follows HEAVY_VISION"
     work = Path(tempfile.mkdtemp(prefix="ecb-goodput-"))
     (work / "logs").mkdir()
     (work / "peer").mkdir()
-    model = str(build_tiny_llava(work / "model", shape=shape))
+    model = str(build_tiny_qwen(work / "model") if served.name == "qwen"
+                else build_tiny_llava(work / "model", shape=HEAVY_VISION))
+    cache = served.cache_images
     kinds = args.kinds
     rates = {1: args.rates_1, 4: args.rates_4}
     slo = {1: args.slo_ms_1, 4: args.slo_ms_4}
@@ -589,31 +729,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with bl.s3_endpoint("goodput") as ep:
             bucket = bl.create_bucket(ep)
-            s, urls = start_stack(model, shape, ep, bucket, work)
+            s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
             load_s = time.monotonic() - t_start
-            hot = hot_set()
+            hot = hot_set(cache)
             if "hot" in kinds:
                 # Publish the hot set: one earlier request per 4 images through every topology.
                 paths = write_segment(work, "hot-warm", [hot[i:i + 4] for i in range(0, len(hot), 4)],
-                                      work / "images", shape.image_size)
-                for t in TOPOLOGIES:
+                                      work / "images", served.image_px, topologies, served.photo)
+                for t in topologies:
                     run_bench_serve(bench_serve_argv(base_url=urls[t], model=model, dataset=paths[t], rate=math.inf,
                                                      n=len(hot) // 4, slo_ms=1e6, result_dir=work / "warm",
                                                      result_file=f"warm-{t}.json", output_len=1, seed=0))
                 time.sleep(args.gap_s)
             for w in (workload_name(k, i) for k in KINDS for i in IMAGES):
-                seen[w] = {t: set(hot) if w.startswith("hot") else set() for t in TOPOLOGIES}
+                seen[w] = {t: set(hot) if w.startswith("hot") else set() for t in topologies}
             step = 0
             for ri in range(max(len(rates[1]), len(rates[4]))):
                 for kind in kinds:
-                    for k in IMAGES:
+                    for k in args.images:
                         if ri >= len(rates[k]):
                             continue
                         w, rate = workload_name(kind, k), rates[k][ri]
                         n = max(args.min_requests, int(round(rate * args.seconds)))
-                        stream = draw_stream(kind, k, n, rng[w], counter=fresh_ids.setdefault(w, {}))
-                        paths = write_segment(work, f"{w}-r{ri}", stream, work / "images", shape.image_size)
-                        order = TOPOLOGIES[step % len(TOPOLOGIES):] + TOPOLOGIES[:step % len(TOPOLOGIES)]
+                        stream = draw_stream(kind, k, n, rng[w], cache_images=cache,
+                                             counter=fresh_ids.setdefault(w, {}))
+                        paths = write_segment(work, f"{w}-r{ri}", stream, work / "images", served.image_px,
+                                              topologies, served.photo)
+                        order = topologies[step % len(topologies):] + topologies[:step % len(topologies)]
                         step += 1
                         for t in order:
                             rep = repeat_fraction(stream, seen[w][t])
@@ -663,9 +805,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     d: dict[str, Any] = {
         "params": {"quick": args.quick, "rates": rates, "slo_ttft_ms": slo, "output_len": args.output_len,
                    "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": kinds,
-                   "shape": shape, "image_tokens": IMAGE_TOKENS,
-                   "encoder_cache_images": ENCODER_CACHE_IMAGES, "zipf_set": ZIPF_SET_FACTOR * ENCODER_CACHE_IMAGES,
-                   "zipf_s": ZIPF_S, "hot_set": HOT_SET_FACTOR * ENCODER_CACHE_IMAGES, "hot_repeat": HOT_REPEAT,
+                   "model": dataclasses.asdict(served), "topologies": list(topologies),
+                   "shared_proxy_args": list(args.shared_proxy_args), "image_tokens": served.image_tokens,
+                   "encoder_cache_images": cache, "zipf_set": ZIPF_SET_FACTOR * cache,
+                   "zipf_s": ZIPF_S, "hot_set": HOT_SET_FACTOR * cache, "hot_repeat": HOT_REPEAT,
                    "slo_fraction": SLO_FRACTION},
         "load_s": load_s if s else None, "elapsed_s": time.monotonic() - t_start, "runs": runs, "errors": errors,
     }
@@ -675,11 +818,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The cost model fitted on this run, its predictions per workload, which should win."""
+    """The cost models fitted on this run (EPD's; the shared fleet's), their predictions
+    per workload, which should win."""
+    shared = shared_model(runs)
     try:
         costs, record = cm.fit_costs(runs)
     except ValueError as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc), "shared": shared}
     pred = {}
     for w in sorted({r["workload"] for r in runs}):
         rs = [r for r in runs if r["workload"] == w and r["topology"] in EPD_TOPOLOGIES]
@@ -691,6 +836,20 @@ def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         pred[w] = {"ratio": cm.predicted_ratio(costs, k, miss), "miss": miss, "should_win": win, "why": because}
     import dataclasses
 
+    return {"costs_s": dataclasses.asdict(costs), "fit": record, "predicted": pred, "shared": shared}
+
+
+def shared_model(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """:func:`bench.costmodel.fit_shared` on this run, and its bound per workload."""
+    try:
+        costs, record = cm.fit_shared(runs)
+    except ValueError as exc:
+        return {"error": str(exc)}
+    pred = {}
+    for w in sorted({r["workload"] for r in runs if r["topology"] == SHARED}):
+        rs = [r for r in runs if r["workload"] == w and r["topology"] == SHARED]
+        k, miss = rs[0]["images"], sum(r["miss_fraction"] for r in rs) / len(rs)
+        pred[w] = {"ratio": cm.shared_ratio(costs, k, miss), "miss": miss}
     return {"costs_s": dataclasses.asdict(costs), "fit": record, "predicted": pred}
 
 
@@ -710,10 +869,13 @@ def print_tables(d: Mapping[str, Any]) -> None:
     for w in sorted({r["workload"] for r in d["runs"]}):
         g = goodput_by_topology(d["runs"], w)
         pred = ((d.get("model") or {}).get("predicted") or {}).get(w, {})
+        shared = (((d.get("model") or {}).get("shared") or {}).get("predicted") or {}).get(w, {})
         rows.append([w, *((_bounded(g[t]["rate"], g[t]["bound"], "") or "not monotone")
                           if g[t]["rate"] is not None else "-" for t in TOPOLOGIES),
-                     pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred)])
-    print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees"], rows,
+                     pred.get("ratio"), "yes" if pred.get("should_win") else "no", verdict(g, pred),
+                     shared.get("ratio")])
+    print(bl.table(["workload", *TOPOLOGIES, "model EPD/plain", "should win", "measured agrees",
+                    "model shared/plain"], rows,
                    title="Highest rate (req/s) with >= 90% of requests under the TTFT SLO"))
     c = (d.get("model") or {}).get("costs_s")
     if c:
@@ -806,9 +968,17 @@ def main() -> int:
     bl.add_common_args(parser)
     parser.add_argument("--rates-1", type=_floats, default=None, help="request rates, 1 image (default 1,2,4,6)")
     parser.add_argument("--rates-4", type=_floats, default=None, help="request rates, 4 images (default 0.5,1,2,3)")
-    parser.add_argument("--slo-ms-1", type=float, default=400.0, help="TTFT SLO, 1 image (ms)")
-    parser.add_argument("--slo-ms-4", type=float, default=800.0, help="TTFT SLO, 4 images (ms)")
+    parser.add_argument("--slo-ms-1", type=float, default=None, help="TTFT SLO, 1 image (ms; qwen 1500, llava 400)")
+    parser.add_argument("--slo-ms-4", type=float, default=None, help="TTFT SLO, 4 images (ms; qwen 4000, llava 800)")
     parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS), help="fresh,zipf,hot")
+    parser.add_argument("--images", type=lambda s: [int(x) for x in s.split(",")], default=list(IMAGES),
+                        help="images per request to run (default 1,4)")
+    parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
+                        help="the tiny Qwen2.5-VL with 1024x1024 photos (default) or the tiny LLaVA")
+    parser.add_argument("--topologies", type=lambda s: s.split(","), default=list(TOPOLOGIES),
+                        help=f"a subset of {','.join(TOPOLOGIES)} (default all)")
+    parser.add_argument("--shared-proxy-args", type=lambda s: s.split(), default=[],
+                        help="extra ec-s3 proxy arguments for shared-dp, e.g. '--route affinity'")
     parser.add_argument("--seconds", type=float, default=None, help="arrivals per run (default 20, quick 5)")
     parser.add_argument("--min-requests", type=int, default=None, help="default 24, quick 8")
     parser.add_argument("--output-len", type=int, default=8)
@@ -835,6 +1005,18 @@ def main() -> int:
         write_fleet(args.out_dir, not args.no_plot)
         return 0
     bl.setup_env()
+    unknown = [t for t in args.topologies if t not in TOPOLOGIES]
+    if unknown or not args.topologies or "plain-dp" not in args.topologies:
+        parser.error(f"--topologies: {unknown or args.topologies} (need plain-dp, the baseline, and names from "
+                     f"{', '.join(TOPOLOGIES)})")
+    if not set(args.images) <= set(IMAGES):
+        parser.error(f"--images: {args.images} is not a subset of {IMAGES}")
+    qwen = args.model == "qwen"
+    args.slo_ms_1 = args.slo_ms_1 or (1500.0 if qwen else 400.0)
+    args.slo_ms_4 = args.slo_ms_4 or (4000.0 if qwen else 800.0)
+    if qwen:  # an image costs ~0.3 s of one core to encode and prefill (ec_s3.sandbox.calibrate)
+        args.rates_1 = args.rates_1 or ([1.0, 2.5] if args.quick else [0.5, 1.0, 2.0, 3.0])
+        args.rates_4 = args.rates_4 or ([0.3, 0.6, 0.9] if args.quick else [0.2, 0.4, 0.6, 0.9, 1.2])
     args.rates_1 = args.rates_1 or ([2.0, 6.0] if args.quick else [1.0, 2.0, 4.0, 6.0])
     args.rates_4 = args.rates_4 or ([1.0, 3.0] if args.quick else [0.5, 1.0, 2.0, 3.0])
     args.seconds = args.seconds or (5.0 if args.quick else 20.0)
