@@ -27,8 +27,8 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
 
 The tiny Qwen's encoder costs what prefilling its image costs (as in Qwen2.5-VL-3B; the
-tiny LLaVA has the heavier vision tower, :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`), so
-the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
+tiny LLaVA's encoder, even with :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`, is nearly
+free next to prefill), so the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
 the plain server, fresh images at most 1.3x) as met or MISSED.
 
 Why the baseline runs on its own server, before the EPD servers: the consumer looks
