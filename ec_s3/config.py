@@ -147,9 +147,9 @@ class ECS3Config:
     data_path: DataPath = dataclasses.field(
         default="direct",
         metadata=_doc(
-            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent on ec-s3's own aiohttp "
-            "pool: less client CPU per request, see bench/results/summary.md) or `botocore` (every request through aiobotocore; the "
-            "escape hatch). Other requests always go through aiobotocore."
+            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by ec-s3 itself, `store/sigv4.py`, and sent "
+            "on ec-s3's own aiohttp pool: less client CPU per request, see bench/results/summary.md) or `botocore` "
+            "(every request through aiobotocore; the escape hatch). Other requests always go through aiobotocore."
         ),
     )
     max_concurrency: int = dataclasses.field(
