@@ -3,7 +3,7 @@
 vLLM hands a connector an untyped ``ec_connector_extra_config`` dict, whose values may
 arrive as JSON numbers or as strings from a CLI flag. Every key is declared once here
 (type, default, bounds, one-line doc) so that parsing, validation, error messages and
-the README table cannot drift apart. A bad or unknown key fails at start-up with an
+the table in docs/config.md cannot drift apart. A bad or unknown key fails at start-up with an
 error that names it; secrets never appear in a repr, a log line or an error.
 
 Credentials given in ``ec_connector_extra_config`` are visible to anyone who can read
@@ -147,9 +147,9 @@ class ECS3Config:
     data_path: DataPath = dataclasses.field(
         default="direct",
         metadata=_doc(
-            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by botocore, sent on ec-s3's own aiohttp "
-            "pool: less client CPU per request, see bench/results/summary.md) or `botocore` (every request through aiobotocore; the "
-            "escape hatch). Other requests always go through aiobotocore."
+            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by ec-s3 itself, `store/sigv4.py`, and sent "
+            "on ec-s3's own aiohttp pool: less client CPU per request, see bench/results/summary.md) or `botocore` "
+            "(every request through aiobotocore; the escape hatch). Other requests always go through aiobotocore."
         ),
     )
     max_concurrency: int = dataclasses.field(
@@ -583,7 +583,7 @@ _PARSERS: dict[Any, Any] = {int: _parse_int, float: _parse_float, bool: _parse_b
 
 
 def config_keys() -> list[tuple[str, str, str]]:
-    """(key, default, doc) for every config key: the source of the README table."""
+    """(key, default, doc) for every config key: the source of the table in docs/config.md (scripts/config_table.py)."""
     rows = []
     for f in dataclasses.fields(ECS3Config):
         default = "required" if f.name == "bucket" else repr(f.default)

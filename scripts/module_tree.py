@@ -1,8 +1,8 @@
-"""Regenerate the module tree in README.md from the modules' own docstrings.
+"""Regenerate the module tree in CONTRIBUTING.md from the modules' own docstrings.
 
 The folder tree is the architecture: each line is a module and the first sentence of
-its docstring (what it owns). tests/test_layout.py fails when the README's tree is
-out of date; run this to fix it:
+its docstring (what it owns). tests/test_layout.py fails when CONTRIBUTING.md's tree
+is out of date; run this to fix it:
 
     .venv/bin/python scripts/module_tree.py
 """
@@ -48,11 +48,11 @@ def block() -> str:
 
 
 def main() -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
+    doc = ROOT / "CONTRIBUTING.md"
+    text = doc.read_text()
     start, end = text.index(START), text.index(END) + len(END)
-    readme.write_text(text[:start] + block() + text[end:])
-    print(f"wrote the module tree ({tree().count(chr(10)) + 1} lines) to {readme}")
+    doc.write_text(text[:start] + block() + text[end:])
+    print(f"wrote the module tree ({tree().count(chr(10)) + 1} lines) to {doc}")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,14 @@ def test_help_lists_every_subcommand(run_cli: Run) -> None:
     assert rc == 2 and "invalid choice" in err
 
 
+def test_region_help_names_the_aws_chain(run_cli: Run) -> None:
+    """The store takes the region from the AWS chain (tests/test_store_aws_chain.py); the
+    help used to say the default was 'us-east-1' straight after the config."""
+    rc, out, _ = run_cli("check", "--help")
+    flat = " ".join(out.split())
+    assert rc == 0 and "then $AWS_REGION, $AWS_DEFAULT_REGION, the profile's region, else" in flat
+
+
 def test_proxy_and_demo_pass_their_argv_through(run_cli: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, list[str]] = {}
     for name in ("proxy", "demo"):

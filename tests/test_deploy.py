@@ -706,10 +706,21 @@ def test_each_alert_watches_a_dashboard_panel_and_is_documented() -> None:
         assert f"`{rule['alert']}`" in guide, f"docs/deploy.md does not explain {rule['alert']}"
 
 
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings."""
+    heads = re.findall(r"^#+ (.+)$", doc.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def test_the_guides_links_resolve() -> None:
-    for doc in (ROOT / "docs" / "deploy.md", ROOT / "README.md"):
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
-            assert (doc.parent / target).exists(), f"{doc.name}: link {target} does not resolve"
+    """Every relative link of the README, CONTRIBUTING.md and docs/ names a file that
+    exists, and a heading there when it has an #anchor."""
+    for doc in (*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", ROOT / "CONTRIBUTING.md"):
+        for target, anchor in re.findall(r"\]\(([^)#:]+)(?:#([^)]*))?\)", doc.read_text()):
+            path = doc.parent / target
+            assert path.exists(), f"{doc.name}: link {target} does not resolve"
+            if anchor and path.suffix == ".md":
+                assert anchor in _anchors(path), f"{doc.name}: {target} has no heading #{anchor}"
     assert "(docs/deploy.md)" in (ROOT / "README.md").read_text()
 
 

@@ -251,11 +251,11 @@ def test_rules_catch_a_violation(tmp_path: Path) -> None:
     assert "vllm.config" in found and "ec_s3.connector.facade" in found
 
 
-def test_readme_tree_is_current() -> None:
+def test_contributing_tree_is_current() -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("module_tree", PKG.parent / "scripts" / "module_tree.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.block() in (PKG.parent / "README.md").read_text(), "run scripts/module_tree.py"
+    assert module.block() in (PKG.parent / "CONTRIBUTING.md").read_text(), "run scripts/module_tree.py"

@@ -4,6 +4,7 @@ periodic log summary and the Prometheus families, fed by real producer/consumer 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,19 @@ def test_every_counter_that_is_counted_is_exported() -> None:
     assert len(counted) >= 30
     missing = sorted(counted - exported_counter_names())
     assert not missing, f"counted but never exported to Prometheus: {missing}"
+
+
+def test_every_exported_metric_is_in_the_operations_guide() -> None:
+    """docs/operations.md's table names every family ec-s3 exports, in full or as a
+    ``_suffix`` of a full name in the same row (``vllm:ec_s3_loads_encoded_locally_total``
+    was exported and missing there)."""
+    from ec_s3.connector.metrics import COUNTERS, GAUGES, HISTOGRAMS
+
+    exported = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS) | {"vllm:ec_s3_lookups_total"}
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    documented: set[str] = set()
+    for row in (line for line in guide.splitlines() if line.startswith("| `vllm:ec_s3_")):
+        names = re.findall(r"`(vllm:ec_s3_[a-z0-9_]+|_[a-z0-9_]+)(?:\{[a-z]+\})?`", row.split("|")[1])
+        documented |= {n if n.startswith("vllm:") else "vllm:ec_s3" + n for n in names}
+    missing = sorted(exported - documented)
+    assert not missing, f"exported but not in docs/operations.md: {missing}"

@@ -213,7 +213,8 @@ def add_config_args(p: argparse.ArgumentParser, *, namespace_help: str) -> None:
     g.add_argument("--bucket", help="S3 bucket (default: config, then $EC_S3_BUCKET)")
     g.add_argument("--endpoint-url", help="S3 endpoint, e.g. http://minio:9000 (default: config, then $EC_S3_ENDPOINT_URL, then AWS)")
     g.add_argument("--prefix", help="key prefix (default: config, then 'ec-cache')")
-    g.add_argument("--region", help="signing region (default: config, then 'us-east-1')")
+    g.add_argument("--region", help="signing region (default: config, then $AWS_REGION, $AWS_DEFAULT_REGION, the profile's region, "
+                   "else 'us-east-1')")
     g.add_argument("--namespace", help=namespace_help)
     g.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="set any config key (repeatable); `ec-s3 check --list-keys` lists them")

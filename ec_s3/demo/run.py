@@ -27,8 +27,8 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
 
 The tiny Qwen's encoder costs what prefilling its image costs (as in Qwen2.5-VL-3B; the
-tiny LLaVA has the heavier vision tower, :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`), so
-the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
+tiny LLaVA's encoder, even with :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`, is nearly
+free next to prefill), so the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
 the plain server, fresh images at most 1.3x) as met or MISSED.
 
 Why the baseline runs on its own server, before the EPD servers: the consumer looks
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
             "compared with a plain (non-disaggregated) vLLM server. Exit 0 only if all match.\n"
             "\n"
             "Without options everything is local: an embedded SeaweedFS S3 server and a tiny\n"
-            "offline LLaVA with random weights (about 2 minutes on a 2-core CPU)."
+            "offline Qwen2.5-VL with random weights (a few minutes on a 2-core CPU)."
         ),
         epilog=(
             "S3: with --endpoint-url the credentials come from the standard AWS chain\n"
@@ -132,12 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     s3.add_argument("--keep-blobs", action="store_true", help="do not delete this run's blobs at the end")
     m = p.add_argument_group("model and servers")
     m.add_argument("--model", default=None,
-                   help="model dir or id to serve instead of the tiny LLaVA (uses your vLLM and GPU)")
+                   help="model dir or id to serve instead of the tiny model (uses your vLLM and GPU)")
     m.add_argument("--tiny-model", choices=["qwen", "llava"], default="qwen",
                    help="the offline stand-in when --model is not given: a tiny Qwen2.5-VL with 1024² photos "
                         "(the model family EPD serves; default), or a tiny LLaVA-1.5 with small fixed-size images")
     m.add_argument("--tiny-model-dir", type=Path, default=None,
-                   help="where the tiny LLaVA is built/reused (default $XDG_CACHE_HOME/ec-s3/tiny-llava)")
+                   help="where the tiny model is built/reused (default $XDG_CACHE_HOME/ec-s3/tiny-qwen, /tiny-llava with --tiny-model llava)")
     m.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument(s) for every vLLM server (repeatable, shell-split)")
     m.add_argument("--load-timeout", type=float, default=600.0, metavar="S",
