@@ -116,7 +116,7 @@ def connector_families(vllm_config: Any) -> set[str]:
 def proxy_families() -> set[str]:
     from ec_s3.proxy.metrics import ProxyMetrics
 
-    return set(re.findall(r"^# TYPE (\S+) ", ProxyMetrics().render(), re.M))
+    return set(re.findall(r"^# TYPE (\S+) ", ProxyMetrics().render().decode(), re.M))
 
 
 def test_no_two_panels_overlap() -> None:

@@ -54,7 +54,7 @@ from ec_s3.proxy.limits import ByteBudget
 from ec_s3.proxy.media import BodyError, MediaItem, TooManyItems, find_media_items, parse_body
 from ec_s3.proxy.naming import name_media
 from ec_s3.proxy.skips import EncoderSkips
-from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ProxyMetrics
 from ec_s3.proxy.upstreams import Pool, Upstream, Warner
 
 # ProxyConfig is re-exported: callers build one and hand it to EPDProxy / ProxyThread.
@@ -648,7 +648,7 @@ class EPDProxy:
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
         if self.config.protect_status and not self._authorized(request):
             return _error(401, "invalid or missing API key", "AuthenticationError")
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def _is_error_json(data: bytes) -> bool:

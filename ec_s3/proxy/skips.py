@@ -49,7 +49,10 @@ class EncoderSkips:
         self._warner = warner
         self.known = KnownBlobs(config.known_max_entries, config.known_max_bytes, config.known_ttl_s,
                                 config.known_settle_s)
-        self.metrics.set("ec_s3_proxy_known_entries", 0)
+        # Read at each scrape: the table's own numbers, never a copy that could lag.
+        metrics.mirror("ec_s3_proxy_known_entries", lambda: {(): len(self.known)})
+        metrics.mirror("ec_s3_proxy_known_forgotten_total",
+                       lambda: {(reason,): n for reason, n in self.known.forgotten.items()})
         # Opt-in HEADs (bucket_lookup): the store, its key prefix, and per model the key
         # space its encoders' answers showed.
         self._bucket: Any = None
@@ -111,7 +114,6 @@ class EncoderSkips:
                     params[name] = {**(placeholder or {}), PRESENT_MARK: True, "item_indices": list(items[n].indices)}
                     found.add(n)
                     self.metrics.inc("ec_s3_proxy_encoder_skips_total", source="bucket")
-        self._metrics()
         return params, found
 
     async def _head_all(self, keys: list[str]) -> list[ObjectInfo | None]:
@@ -160,7 +162,6 @@ class EncoderSkips:
                 space = keyspace_of(key, self._bucket_prefix)
                 if space is not None:
                     self._keyspaces[model] = space
-        self._metrics()
 
     def learn_from_answer(self, answer: PdAnswer) -> None:
         """A non-streamed answer whose consumer found blobs marked present missing lists
@@ -181,9 +182,3 @@ class EncoderSkips:
                         len(keys), forgotten)
         payload["ec_transfer_params"] = params or None
         answer.first = dump_body(payload)
-        self._metrics()
-
-    def _metrics(self) -> None:
-        self.metrics.set("ec_s3_proxy_known_entries", len(self.known))
-        for reason, n in self.known.forgotten.items():
-            self.metrics.set("ec_s3_proxy_known_forgotten_total", n, reason=reason)

@@ -2,22 +2,20 @@
 need them: sums of the series whose labels match, and ``None`` for a family that is
 not exported (never a silent 0).
 
-Owns parsing the text exposition format and one scrape. Does not own which metrics
-exist (the connector's :mod:`ec_s3.connector.metrics`, vLLM, the proxy) nor what a
-delta between two scrapes means (the callers).
+Owns one scrape and the sums over it; ``prometheus_client`` parses the text format. Does
+not own which metrics exist (the connector's :mod:`ec_s3.connector.metrics`, vLLM, the
+proxy) nor what a delta between two scrapes means (the callers).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from ec_s3.sandbox.net import http_get
 
 __all__ = ["MetricSamples", "parse_prometheus", "scrape_metrics"]
-
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?\s*$")
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -49,26 +47,14 @@ class MetricSamples:
 
 
 def parse_prometheus(text: str) -> MetricSamples:
-    """Parse Prometheus text exposition (comments skipped, ``NaN``/``+Inf`` kept)."""
-    out: list[tuple[str, tuple[tuple[str, str], ...], float]] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE_RE.match(line)
-        if m is None:
-            continue
-        name, label_text, raw = m.groups()
-        try:
-            value = float(raw)
-        except ValueError:
-            continue
-        labels = tuple(sorted(
-            (k, v.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\"))
-            for k, v in _LABEL_RE.findall(label_text or "")
-        ))
-        out.append((name, labels, value))
-    return MetricSamples(tuple(out), ok=True)
+    """Parse Prometheus text exposition with prometheus_client's parser (label escapes,
+    ``NaN``/``+Inf``, timestamps); a malformed line raises :class:`ValueError`."""
+    out = tuple(
+        (sample.name, tuple(sorted(sample.labels.items())), float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    )
+    return MetricSamples(out, ok=True)
 
 
 def scrape_metrics(url: str, timeout: float = 5.0) -> MetricSamples:

@@ -27,7 +27,6 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit
 
-import aioboto3
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.httpsession import AIOHTTPSession
@@ -208,13 +207,6 @@ async def open_client(
     botocore_session = _botocore_session()
     if config.access_key_id is None:  # the chain resolves them: a credential_process may run
         end_abandoned_credential_processes(botocore_session)
-    session = aioboto3.Session(
-        botocore_session=botocore_session,
-        aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
-        aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
-        aws_session_token=config.session_token.reveal() if config.session_token else None,
-        region_name=settings.region,
-    )
     boto_config = AioConfig(
         region_name=settings.region,
         signature_version="s3v4",
@@ -228,6 +220,14 @@ async def open_client(
         tcp_keepalive=True,
         http_session_cls=BoundedPoolSession,
     )
-    return await stack.enter_async_context(
-        session.client("s3", endpoint_url=config.endpoint_url, config=boto_config, verify=botocore_verify(settings.trust) if tls else False)
-    )
+    # aiobotocore's own call (aioboto3's Session.client is this plus boto3's resource layer).
+    return await stack.enter_async_context(botocore_session.create_client(
+        "s3",
+        region_name=settings.region,
+        endpoint_url=config.endpoint_url,
+        verify=botocore_verify(settings.trust) if tls else False,
+        aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
+        aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
+        aws_session_token=config.session_token.reveal() if config.session_token else None,
+        config=boto_config,
+    ))
