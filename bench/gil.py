@@ -381,8 +381,9 @@ def goal_rows(d: dict[str, Any] | None) -> list[dict[str, str]]:
             "result": f"GIL cost up to {worst[1]['gil_cost'] * 100:.1f}% ({worst[0]} MiB); wall slowdown up to "
                       f"{slow[1]['slowdown'] * 100:+.0f}%; step time lost {per_gib}",
             "target": f"GIL cost <= {GOAL:.0%}", "status": "met" if ok else "MISSED",
-            "why": "" if ok else "per request the I/O thread runs Python (signing, headers, the result hand-off), "
-                   "so small blobs cost the most per GiB; close: fewer, larger requests"})
+            "why": "" if ok else f"worst at {worst[0]} MiB: per request the I/O thread runs Python (signing, "
+                   "headers, validation, the result hand-off) while the step waits for the GIL; close: fewer, larger "
+                   "requests, or that work outside the GIL"})
     return rows
 
 

@@ -122,7 +122,7 @@ def goals_table(goals: list[dict[str, str]]) -> str:
 
 def render(c: dict[str, Any]) -> str:
     counts = ", ".join(f"{sum(r['status'] == s for r in c['goals'])} {s}" for s in STATUSES)
-    parts = ["Rendered by `python -m bench.run_all --summary-only` from the result files of the current code: "
+    parts = ["Rendered by `bench/run_all.py` from the result files as current as the code they measured: "
              + ("; ".join(c["shown"]) or "none") + ".",
              f"### Goals\n\n{counts}; every ratio is measured within one run.\n\n{goals_table(c['goals'])}"]
     if c["rows"]:
