@@ -310,16 +310,24 @@ def file_sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+# ec-s3's tools that start the S3 server, the model and vLLM for a bench: they host
+# what is measured (a change to them stales no result).
+HARNESS = ("ec_s3.sandbox", "ec_s3.cli", "ec_s3.demo")
+
+
 def measured_sources() -> dict[str, str]:
     """sha256 of what a result measures, by repository path: the bench script that runs
     (``__main__``), the bench modules it loaded (but this harness), every ``ec_s3``
-    module loaded in this process, and the globs a script names in ``MEASURES`` (for
-    code that runs in other processes: servers, proxies). ``bench/run_all.py`` refuses
-    a result whose recorded files no longer hash the same: one older than its code."""
+    module loaded in this process but the tools that only host the run (:data:`HARNESS`),
+    and the globs a script names in ``MEASURES`` (for code that runs in other processes:
+    servers, proxies). ``bench/run_all.py`` refuses a result whose recorded files no
+    longer hash the same: one older than its code."""
     files: set[Path] = set()
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
         if not f or not (name == "__main__" or name == "ec_s3" or name.startswith(("ec_s3.", "bench."))):
+            continue
+        if name.startswith(HARNESS):
             continue
         path = Path(f).resolve()
         if path.suffix == ".py" and path.is_relative_to(REPO) and path.name not in ("benchlib.py", "run_all.py"):

@@ -78,4 +78,5 @@ def test_committed_results_are_as_current_as_what_they_measured(name: str, reque
 
     if name in PENDING_RERUN:
         request.applymarker(pytest.mark.xfail(strict=True, reason="re-run by its owner (issue 35)"))
-    assert run_all.stale(name, json.loads((BENCH / "results" / f"{name}.json").read_text())) == []
+    stale = run_all.stale(name, json.loads((BENCH / "results" / f"{name}.json").read_text()))
+    assert stale == [], f"re-run it: python -m bench.run_all --quick --only {name}"
