@@ -5,7 +5,8 @@ Machines here are small (2 cores), shared and noisy, so every benchmark measures
 subject and its baseline in the same run, interleaved, and reports ratios of medians
 with their spread. This module holds what they share: an S3 endpoint (a fresh
 SeaweedFS per use, or one named by the environment), CPU and RSS meters that include
-the server process, summary statistics, result files and plots.
+the server process, summary statistics, result files (with the hashes of the code they
+measured) and plots.
 
 Environment (all optional):
 
@@ -31,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -56,7 +56,7 @@ def setup_env(extra: dict[str, str] | None = None) -> None:
 
 
 def module_command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``module`` (e.g. ``bench.e2e``) in a child process; start
+    """The command line that runs ``module`` (e.g. ``bench.gil``) in a child process; start
     it with ``cwd=REPO`` so that ``bench`` and ``tests.support`` import as they do here."""
     return [sys.executable, "-m", module, *args]
 
@@ -256,36 +256,6 @@ class Meter:
             self.server_cpu = None if s1 is None else s1 - self._s0
 
 
-class RssSampler:
-    """Samples this process's RSS every ``interval_s`` in a thread; ``peak`` is the max."""
-
-    def __init__(self, interval_s: float = 0.005, pid: int | None = None) -> None:
-        self.interval_s = interval_s
-        self.pid = pid
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss = proc_rss_bytes(self.pid) or 0
-            self.peak = max(self.peak, rss)
-            self._stop.wait(self.interval_s)
-
-    def reset(self) -> None:
-        self.peak = proc_rss_bytes(self.pid) or 0
-
-    def __enter__(self) -> RssSampler:
-        self.reset()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, proc_rss_bytes(self.pid) or 0)
-
-
 # --------------------------------------------------------------------------- statistics
 
 
@@ -334,16 +304,37 @@ def git_rev() -> str:
         return "unknown"
 
 
-def ec_s3_fingerprint() -> str:
-    """sha256 of every ec_s3 source file as it is on disk (the package changes under the
-    bench); subpackages included, with their paths, so a moved module changes it too."""
+def file_sha256(path: Path) -> str:
     import hashlib
 
-    h = hashlib.sha256()
-    root = REPO / "ec_s3"
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:12]
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+# ec-s3's tools that start the S3 server, the model and vLLM for a bench: they host
+# what is measured (a change to them stales no result).
+HARNESS = ("ec_s3.sandbox", "ec_s3.cli", "ec_s3.demo")
+
+
+def measured_sources() -> dict[str, str]:
+    """sha256 of what a result measures, by repository path: the bench script that runs
+    (``__main__``), the bench modules it loaded (but this harness), every ``ec_s3``
+    module loaded in this process but the tools that only host the run (:data:`HARNESS`),
+    and the globs a script names in ``MEASURES`` (for code that runs in other processes:
+    servers, proxies). ``bench/run_all.py`` refuses a result whose recorded files no
+    longer hash the same: one older than its code."""
+    files: set[Path] = set()
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if not f or not (name == "__main__" or name == "ec_s3" or name.startswith(("ec_s3.", "bench."))):
+            continue
+        if name.startswith(HARNESS):
+            continue
+        path = Path(f).resolve()
+        if path.suffix == ".py" and path.is_relative_to(REPO) and path.name not in ("benchlib.py", "run_all.py"):
+            files.add(path)
+    for pattern in getattr(sys.modules.get("__main__"), "MEASURES", ()):
+        files.update(p.resolve() for p in REPO.glob(pattern))
+    return {str(p.relative_to(REPO)): file_sha256(p) for p in sorted(files)}
 
 
 def environment() -> dict[str, Any]:
@@ -357,7 +348,6 @@ def environment() -> dict[str, Any]:
         "loadavg_at_start": [round(x, 2) for x in load],
         "python": platform.python_version(),
         "git": git_rev(),
-        "ec_s3_sources_sha256": ec_s3_fingerprint(),
         "argv": sys.argv,
         "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS",
     }
@@ -367,7 +357,7 @@ def write_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> 
     out_dir = out_dir or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    payload = {"benchmark": name, "environment": environment(), **data}
+    payload = {"benchmark": name, "environment": environment(), "sources": measured_sources(), **data}
     path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
     log(f"wrote {path}")
     return path

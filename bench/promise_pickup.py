@@ -37,6 +37,7 @@ from bench import benchlib as bl
 bl.setup_env()
 
 ROWS, WIDTH = 16, 128  # the tiny model's image: 16 tokens x hidden 128
+GOAL_MS = 5.0  # issue #13: picked up within 5 ms (p90) of becoming visible
 # "dense": the bound the current schedule gives up for fewer GETs: every poll 2 ms
 # after the previous one started, one at a time, however long the wait.
 SCHEDULES = ("current", "legacy", "dense")
@@ -211,25 +212,34 @@ def print_tables(summ: dict[str, Any], delays_ms: list[int]) -> None:
                      summ[n]["gets_per_s"]["median"]] for n in SCHEDULES], "all delays"))
 
 
-def plot(summ: dict[str, Any], delays_ms: list[int], out_dir: Path | None) -> None:
-    plt = bl.pyplot()
-    if plt is None:
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for name in SCHEDULES:
-        per = summ[name]["per_delay_ms"]
-        a.plot(delays_ms, [per[str(d)]["pickup_ms"]["p90"] for d in delays_ms], marker="o", label=f"{name} p90")
-        a.plot(delays_ms, [per[str(d)]["pickup_ms"]["median"] for d in delays_ms], marker=".", ls="--",
-               label=f"{name} p50")
-        b.plot(delays_ms, [per[str(d)]["gets"]["median"] for d in delays_ms], marker="o", label=name)
-    for ax in (a, b):
-        ax.set_xscale("log")
-        ax.set_xlabel("blob visible after the promise (ms)")
-        ax.legend()
-    a.set_yscale("log")
-    a.set_ylabel("pickup after visible (ms)")
-    b.set_ylabel("GETs per waiting item")
-    bl.save_fig(fig, "promise_pickup", out_dir)
+def goal_rows(d: dict[str, Any] | None) -> list[dict[str, str]]:
+    """bench/run_all.py's goal rows from ``promise_pickup.json``: pickup p90 for blobs
+    visible within the dense-poll window (<= 100 ms), and over every delay."""
+    current = ((d or {}).get("summary") or {}).get("current") or {}
+    per = current.get("per_delay_ms") or {}
+    fast = [v["pickup_ms"]["p90"] for k, v in per.items() if float(k) <= 100]
+    if not fast:
+        return []
+    rate = current["gets_per_s"]["median"]
+    gets_1s = (per.get("1000") or {}).get("gets", {}).get("median")
+    cost = f"; {rate:.0f} GET/s per waiting item (median)" + (f", {gets_1s:.0f} GETs for a 1 s wait" if gets_1s else "")
+    worst, overall = max(fast), current["pickup_ms"]["p90"]
+    dense = d["summary"]["dense"]
+    bound = (f"polling every 2 ms throughout (the bound, same run): p90 {dense['pickup_ms']['p90']:.1f} ms at "
+             f"{dense['gets_per_s']['median']:.0f} GET/s per waiting item")
+
+    def row(case: str, result: str, p90: float, why: str) -> dict[str, str]:
+        ok = p90 <= GOAL_MS
+        return {"goal": "1. critical path", "case": case, "result": result, "target": f"<= {GOAL_MS:g} ms p90",
+                "status": "met" if ok else "MISSED", "why": "" if ok else why}
+
+    return [row("promised blob picked up after it becomes visible (p90), visible <= 100 ms after the promise",
+                f"p90 {worst:.1f} ms (worst delay){cost}", worst,
+                f"a poll interval, one GET and a scheduler step; {bound}; close: a push from the producer "
+                "(S3 has none)"),
+            row("same, every delay measured", f"p90 {overall:.1f} ms", overall,
+                f"after 100 ms the schedule (connector/admission.py) polls less often, trading pickup delay for "
+                f"GETs; {bound}")]
 
 
 def main() -> int:
@@ -256,13 +266,11 @@ def main() -> int:
                    "blob_bytes": "tiny model image, ~4.5 KiB"},
         "elapsed_s": time.monotonic() - started,
         "goal": "promised blob picked up within 5 ms (p90) of becoming visible; state the GET rate per waiting item",
-        "goal_met": p90 <= 5.0,
+        "goal_met": p90 <= GOAL_MS,
         "summary": summ,
         "samples": samples,
     }, args.out_dir)
     print_tables(summ, args.delays_ms)
-    if not args.no_plot:
-        plot(summ, args.delays_ms, args.out_dir)
     return 0
 
 

@@ -1,19 +1,26 @@
 """bench/ stays in proportion: every script there is one ``run_all`` runs (or a helper of
 one), the scripts import their harness by name (``bench.benchlib``, ``tests.support``)
-rather than editing ``sys.path``, and bench/results holds summaries and the per-bench
-JSON the summary is built from, not logs or plots."""
+rather than editing ``sys.path``, bench/ stays under 4,000 lines, and bench/results
+holds summaries and the per-bench JSON the summary is built from, not logs or plots,
+each written by the code it measured as that code is now."""
 
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-HELPERS = {"__init__", "benchlib", "run_all", "epd_stack", "costmodel"}  # epd_stack: e2e.py's stack part;
+HELPERS = {"__init__", "benchlib", "run_all", "epd_stack", "costmodel"}  # epd_stack: goodput.py's proxies;
 # costmodel: goodput.py's model
+# Results their owners re-run after issue 35 (written before results recorded source
+# hashes). strict: once one is current, this test fails until its name leaves the set.
+PENDING_RERUN = {"transfer", "small_ops", "goodput"}
 
 
 def _run_all_names() -> list[str]:
@@ -51,9 +58,25 @@ def test_committed_results_are_summaries_and_the_json_run_all_reads() -> None:
                              timeout=30).stdout.split()
     if not tracked:  # not a git checkout (an sdist): nothing to check
         return
-    readable = {f"{name}.json" for name in _run_all_names()} | {"gpu_check_cpu.json"}
+    readable = {f"{name}.json" for name in _run_all_names()}
     # goodput.py's plot and the fleet model on paper (issue 26: a reader would rather look at them).
     allowed = {"summary.md", "summary.json", "goodput.png", "fleet.md", "fleet.png"}
     extra = [f for f in tracked
              if Path(f).name not in allowed and not (Path(f).parent.name == "results" and Path(f).name in readable)]
     assert extra == []
+
+
+def test_bench_stays_under_four_thousand_lines() -> None:
+    """bench/*.py (bench/third_party/, vLLM's example proxy vendored unchanged, is not ours to cut)."""
+    lines = sum(len(p.read_text().splitlines()) for p in BENCH.glob("*.py"))
+    assert lines < 4000
+
+
+@pytest.mark.parametrize("name", [n for n in _run_all_names() if (BENCH / "results" / f"{n}.json").exists()])
+def test_committed_results_are_as_current_as_what_they_measured(name: str, request: pytest.FixtureRequest) -> None:
+    from bench import run_all
+
+    if name in PENDING_RERUN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="re-run by its owner (issue 35)"))
+    stale = run_all.stale(name, json.loads((BENCH / "results" / f"{name}.json").read_text()))
+    assert stale == [], f"re-run it: python -m bench.run_all --quick --only {name}"

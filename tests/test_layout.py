@@ -8,7 +8,7 @@ cannot be broken by a lazy import either:
   ``store/`` does not import torch, and ``blob/format`` and ``blob/keys`` do not either;
 * ``transfer/`` imports no vLLM;
 * what a GPU host with torch alone runs (the device copies, the publisher, the store's
-  plain error types: ``python -m bench.gpu_check``) imports, through every ec-s3 module
+  plain error types: ``tests/test_gpu_path.py``) imports, through every ec-s3 module
   it reaches, no third-party module but torch, numpy and safetensors, and loads so;
 * nothing under ``connector/`` imports a tool (``cli``, ``proxy``, ``demo``, ``sandbox``),
   nor does the data path below it;
@@ -134,7 +134,7 @@ def test_transfer_imports_no_vllm_and_no_connector() -> None:
 
 
 # What runs on a GPU host with torch and this repository but no vLLM and no S3 client
-# library (bench/gpu_check.py), and the third-party modules it may use.
+# library (tests/test_gpu_path.py), and the third-party modules it may use.
 GPU_HOST = ("ec_s3.transfer.device", "ec_s3.transfer.publisher", "ec_s3.store.errors")
 GPU_HOST_THIRD_PARTY = {"torch", "numpy", "safetensors"}
 BARE_HOST_ABSENT = ("vllm", "botocore", "aiobotocore", "boto3", "aioboto3", "aiohttp", "yarl", "httptools")

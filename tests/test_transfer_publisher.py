@@ -264,7 +264,7 @@ def test_a_producer_step_of_many_saves_wakes_the_loop_once(
 
 
 def test_importable_without_s3_client_libraries() -> None:
-    """A GPU host with torch only (bench/gpu_check.py) imports the publisher as is."""
+    """A GPU host with torch only (tests/test_gpu_path.py) imports the publisher as is."""
     code = (
         "import sys\n"
         "for name in ('aiohttp', 'aiobotocore', 'aioboto3', 'botocore', 'boto3', 'vllm'):\n"

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 #
-# Vendored for ec-s3's bench/ttft.py (the baseline "vLLM's example EPD proxy") from
+# Vendored for ec-s3's bench/goodput.py (the baseline "vLLM's example EPD proxy") from
 # vllm-project/vllm, examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py
 # at commit 7e4cd77021afa2d7298f9e6836dc789517b01925: the version that sends each
 # media item to an encoder, waits for all of them, then forwards the client's
