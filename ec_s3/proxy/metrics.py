@@ -44,6 +44,10 @@ class ProxyMetrics:
         "ec_s3_proxy_requests_in_flight": ("gauge", "Chat requests being handled (bounded by max_in_flight)."),
         "ec_s3_proxy_in_flight": ("gauge", "Requests outstanding per upstream."),
         "ec_s3_proxy_upstream_up": ("gauge", "0 while an upstream is skipped after refusing a connection."),
+        "ec_s3_proxy_route_picks_total": (
+            "counter", "Requests routed by affinity (--route affinity), by outcome: affinity (the first "
+                       "rendezvous choice of the first media item), spill (it was over the load bound), "
+                       "no_media (least-loaded)."),
     }
 
     def __init__(self) -> None:
