@@ -27,7 +27,7 @@ from bench import benchlib as bl
 from bench import goodput, small_ops, ttft
 
 BENCHES = ["producer_save", "transfer", "small_ops", "scheduler_cost", "stats_cost", "prefetch", "memory",
-           "gil", "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft", "goodput"]
+           "gil", "promise_pickup", "poll_sockets", "gpu_check", "e2e", "ttft", "goodput", "affinity"]
 # Wall-clock limits per benchmark (s): full, quick. e2e: in-process engines, then the
 # served stacks (4-5 vLLM servers per blob size, ~1-2 min to load each time).
 TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "small_ops": (240, 120),
@@ -35,9 +35,9 @@ TIMEOUTS = {"producer_save": (240, 120), "transfer": (480, 180), "small_ops": (2
             "stats_cost": (120, 60),
             "prefetch": (180, 90), "memory": (420, 120), "gil": (300, 90), "promise_pickup": (300, 120),
             "poll_sockets": (180, 120), "gpu_check": (300, 180), "e2e": (1500, 900),
-            "ttft": (900, 600), "goodput": (3600, 900)}
+            "ttft": (900, 600), "goodput": (3600, 900), "affinity": (900, 600)}
 # Benchmarks that start real vLLM engines (the slowest): --skip-e2e leaves them out.
-ENGINE_BENCHES = {"e2e", "ttft", "goodput"}
+ENGINE_BENCHES = {"e2e", "ttft", "goodput", "affinity"}
 # Benchmarks that may be absent (written by others): skipped with a note, reported "not measured".
 OPTIONAL = {"promise_pickup"}
 # Exit status 2 of gpu_check: no CUDA (a CPU dry run), reported "not run: no GPU", not a failure.
