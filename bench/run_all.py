@@ -32,11 +32,11 @@ from typing import Any
 
 from bench import benchlib as bl
 
-BENCHES = ["transfer", "small_ops", "engine_cost", "promise_pickup", "gil", "goodput"]
+BENCHES = ["transfer", "small_ops", "engine_cost", "promise_pickup", "gil", "goodput", "affinity"]
 # Wall-clock limits per benchmark (s): full, quick.
 TIMEOUTS = {"transfer": (480, 180), "small_ops": (240, 120), "engine_cost": (300, 150),
-            "promise_pickup": (300, 150), "gil": (300, 90), "goodput": (3600, 900)}
-ENGINE_BENCHES = {"goodput"}  # starts real vLLM servers (the slowest): --skip-engines leaves it out
+            "promise_pickup": (300, 150), "gil": (300, 90), "goodput": (3600, 900), "affinity": (900, 600)}
+ENGINE_BENCHES = {"goodput", "affinity"}  # starts real vLLM servers (the slowest): --skip-engines leaves it out
 STATUSES = ("met", "MISSED", "not decided", "not measured")
 PERF_START, PERF_END = "<!-- perf:start -->", "<!-- perf:end -->"
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.proxy.limits import BODY_COST_FACTOR
+from ec_s3.proxy.routing import LEAST_LOADED, ROUTES
 
 __all__ = ["ProxyConfig"]
 
@@ -60,6 +61,15 @@ class ProxyConfig:
     max_connections_per_upstream: int = 256
     # An upstream that refused a connection is skipped for this long.
     down_cooldown_s: float = 5.0
+    # Which prefill/decode instance a request goes to. "least-loaded": fewest requests
+    # outstanding. "affinity": a request with media goes where its first item went before
+    # (rendezvous hashing of its identifier), unless that instance is over the load bound
+    # below; for aggregated ec_both servers, whose staging areas and caches then hold each
+    # image once (ec_s3.proxy.routing). Encoders are always chosen least-loaded.
+    route: str = LEAST_LOADED
+    # The load bound of route="affinity": an instance takes a request only while its
+    # requests outstanding stay within ceil((1 + route_balance) * mean), counting it.
+    route_balance: float = 0.25
     # "parallel": the request goes to prefill/decode at once, its items marked pending,
     # while encoders encode them (items are named by content, as their uuid); "serial":
     # encoders first, then prefill/decode with their ec_transfer_params (for servers
@@ -170,6 +180,10 @@ class ProxyConfig:
             )
         if self.dispatch not in ("parallel", "serial"):
             raise ValueError(f"dispatch: {self.dispatch!r} is not 'parallel' or 'serial'")
+        if self.route not in ROUTES:
+            raise ValueError(f"route: {self.route!r} is not one of {', '.join(ROUTES)}")
+        if not 0 <= float(self.route_balance) <= 100:
+            raise ValueError("route_balance: must be >= 0 and at most 100 (0: perfect balance)")
         if self.down_cooldown_s < 0:
             raise ValueError("down_cooldown_s: must be >= 0")
         if self.max_connections_per_upstream < 1:

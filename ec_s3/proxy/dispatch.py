@@ -61,6 +61,7 @@ from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.embeds import metadata_only_body
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.naming import pending_params
+from ec_s3.proxy.routing import route_key
 
 __all__ = ["Answer", "Sender", "dispatch_parallel", "dispatch_serial"]
 
@@ -81,14 +82,15 @@ class Sender(Protocol):
     async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None: ...
 
     async def pd_begin(
-        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None
+        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None,
+        route_key: str | None = None,
     ) -> Any: ...
 
     async def pd_finish(self, request: web.Request, answer: Any, request_id: str) -> web.StreamResponse: ...
 
     async def forward_to_pd(
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
-        retry_data: bytes | None = None,
+        retry_data: bytes | None = None, route_key: str | None = None,
     ) -> web.StreamResponse: ...
 
     def detach(self, tasks: list[asyncio.Task[Any]]) -> None: ...
@@ -139,6 +141,7 @@ async def dispatch_serial(
 ) -> web.StreamResponse:
     """Encoders first, then p/d with their merged params. ``original`` is the client's
     parsed ``raw``; ``body`` is it named (:func:`~.naming.name_media`)."""
+    route = route_key(items)
     present, known, items = await _split_known(proxy, body, items, may_look=False)
     params: dict[str, Any] = dict(present)
     if known and not proxy.config.forward_media:
@@ -159,15 +162,15 @@ async def dispatch_serial(
         params = {}  # vLLM's example-proxy contract: PD sees the client's request only
     slim, retry = _metadata_only(proxy, body, [*known, *items], params, params)
     if retry is not None:
-        return await proxy.forward_to_pd(request, slim, headers, stream=stream, retry_data=retry)
+        return await proxy.forward_to_pd(request, slim, headers, stream=stream, retry_data=retry, route_key=route)
     if not params and body is original and "ec_transfer_params" not in body:
-        return await proxy.forward_to_pd(request, raw, headers, stream=stream)  # nothing to change
+        return await proxy.forward_to_pd(request, raw, headers, stream=stream, route_key=route)  # nothing to change
     if params and body is original:
         # The client's bytes plus the params: the media are not serialised again.
         spliced = splice_params(raw, body, params)
         if spliced is not None:
-            return await proxy.forward_to_pd(request, spliced, headers, stream=stream)
-    return await proxy.forward_to_pd(request, _pd_payload(body, params), headers, stream=stream)
+            return await proxy.forward_to_pd(request, spliced, headers, stream=stream, route_key=route)
+    return await proxy.forward_to_pd(request, _pd_payload(body, params), headers, stream=stream, route_key=route)
 
 
 async def _gather(tasks: list[asyncio.Task[Any]]) -> list[Any]:
@@ -214,6 +217,7 @@ async def dispatch_parallel(
     """Encoders and p/d at once; p/d sent again without the marks of items whose encoder
     failed, for as long as its answer has not begun (module docstring)."""
     request_id = headers["X-Request-Id"]
+    route = route_key(items)
     present, known, items = await _split_known(proxy, body, items, may_look=True)
     encodes = _encode_tasks(proxy, body, items, headers)
     # One turn of the loop: every encoder request has picked its encoder, and those
@@ -234,7 +238,7 @@ async def dispatch_parallel(
         params = {**present, **pending_params(items, marked)}
         slim, retry = _metadata_only(proxy, pd_body, known, present, params)
         data = slim if retry is not None else _pd_payload(pd_body, params)
-        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream, retry_data=retry))
+        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream, retry_data=retry, route_key=route))
 
     attempt = begin()
     try:

@@ -82,6 +82,13 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help="parallel: send the request to prefill/decode while encoders encode its media (items "
                         "named by content, marked pending); serial: encoders first, then prefill/decode with "
                         f"their ec_transfer_params (for servers that take no uuid) (default {d.dispatch})")
+    p.add_argument("--route", choices=["least-loaded", "affinity"], default=d.route,
+                   help="how a request picks its prefill/decode instance: least-loaded, or affinity (where its "
+                        "first media item went before: rendezvous hashing, bounded by --route-balance; for "
+                        f"aggregated ec_both servers) (default {d.route})")
+    p.add_argument("--route-balance", type=float, default=d.route_balance, metavar="EPS",
+                   help="--route affinity: an instance takes a request only while its outstanding requests stay "
+                        f"within ceil((1 + EPS) * mean), else the next choice does (default {d.route_balance:g})")
     p.add_argument("--no-forward-media", dest="forward_media", action="store_false",
                    help="null the media of uuid-carrying items an encoder published (PD must have them cached)")
     p.add_argument("--no-forward-params", dest="forward_params", action="store_false",
@@ -173,6 +180,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         down_cooldown_s=args.down_cooldown,
         shutdown_timeout_s=args.shutdown_timeout,
         dispatch=args.dispatch,
+        route=args.route,
+        route_balance=args.route_balance,
         forward_media=args.forward_media,
         forward_params=args.forward_params,
         metadata_only=args.metadata_only,

@@ -75,6 +75,9 @@ SPECS: dict[str, MetricSpec] = {
     "ec_s3_proxy_requests_in_flight": _g("Chat requests being handled (bounded by max_in_flight)."),
     "ec_s3_proxy_in_flight": _g("Requests outstanding per upstream.", "role", "upstream"),
     "ec_s3_proxy_upstream_up": _g("0 while an upstream is skipped after refusing a connection.", "role", "upstream"),
+    "ec_s3_proxy_route_picks_total": _c(
+        "Requests routed by affinity (--route affinity), by outcome: affinity (the first rendezvous choice of the "
+        "first media item), spill (it was over the load bound), no_media (least-loaded).", "role", "upstream", "outcome"),
 }
 
 # What a mirror reads: label values (in the spec's order) -> value.

@@ -102,7 +102,8 @@ class EPDProxy:
         self.config = config
         self.metrics = ProxyMetrics()
         self.encoders = Pool("encoder", config.encoder_urls, self.metrics, config.down_cooldown_s)
-        self.pds = Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s)
+        self.pds = Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s,
+                        route=config.route, balance=config.route_balance)
         self._warner = Warner()
         # Chat requests between arrival and the end of their answer (max_in_flight).
         self._chat_in_flight = 0
@@ -406,18 +407,20 @@ class EPDProxy:
 
     async def forward_to_pd(
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
-        retry_data: bytes | None = None,
+        retry_data: bytes | None = None, route_key: str | None = None,
     ) -> web.StreamResponse:
-        """Send to the least busy PD and relay its answer."""
-        answer = await self.pd_begin(data, headers, stream=stream, retry_data=retry_data)
+        """Send to a PD (:meth:`pd_begin`) and relay its answer."""
+        answer = await self.pd_begin(data, headers, stream=stream, retry_data=retry_data, route_key=route_key)
         if isinstance(answer, web.Response):
             return answer
         return await self.pd_finish(request, answer, headers["X-Request-Id"])
 
     async def pd_begin(
-        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None
+        self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None,
+        route_key: str | None = None,
     ) -> PdAnswer | web.Response:
-        """Send to the least busy PD (one that refuses the connection, so nothing was
+        """Send to the least busy PD, or under ``route="affinity"`` the one ``route_key``
+        (:func:`~ec_s3.proxy.routing.route_key`) ranks first within the load bound (one that refuses the connection, so nothing was
         sent, is skipped for the next) and read the start of its answer: the whole body,
         or for a 200 stream its first events (:meth:`PdAnswer.read_start`), so nothing has
         reached the client yet when this returns (parallel dispatch may still drop the
@@ -427,7 +430,7 @@ class EPDProxy:
         refused before any token is sent once more (:mod:`.answer` says why), as
         ``retry_data`` when given (the request with its media instead of metadata-only
         parts, whose blobs p/d could not get: :mod:`.embeds`)."""
-        answer = await self._pd_send(data, headers, stream=stream)
+        answer = await self._pd_send(data, headers, stream=stream, route_key=route_key)
         if isinstance(answer, PdAnswer) and answer.failed_generation():
             answer.close()
             reason = "failed_generation" if retry_data is None else "metadata_only_failed"
@@ -438,10 +441,13 @@ class EPDProxy:
                 "output); sending it once more%s", headers["X-Request-Id"], answer.upstream.url,
                 "" if retry_data is None else " with the media of its metadata-only items",
             )
-            answer = await self._pd_send(data if retry_data is None else retry_data, headers, stream=stream)
+            answer = await self._pd_send(data if retry_data is None else retry_data, headers, stream=stream,
+                                         route_key=route_key)
         return answer
 
-    async def _pd_send(self, data: bytes, headers: dict[str, str], *, stream: bool) -> PdAnswer | web.Response:
+    async def _pd_send(
+        self, data: bytes, headers: dict[str, str], *, stream: bool, route_key: str | None
+    ) -> PdAnswer | web.Response:
         """One try of :meth:`pd_begin`."""
         assert self._pd_session is not None
         cfg = self.config
@@ -450,7 +456,7 @@ class EPDProxy:
         send_headers = {**headers, "Content-Type": "application/json"}
         tried: list[Upstream] = []
         while True:
-            upstream = self.pds.acquire(tried, allow_down=True)
+            upstream = self.pds.acquire(tried, allow_down=True, key=route_key)
             if upstream is None:
                 break
             tried.append(upstream)

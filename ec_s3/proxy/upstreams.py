@@ -1,7 +1,9 @@
 """Upstream pools: which encoder or prefill/decode instance gets the next request.
 
 Owns each instance's load (requests outstanding), its refuse-to-connect cooldown, the
-least-loaded choice, and rate-limited warnings about an instance. It does not own HTTP
+least-loaded choice (or, under ``route="affinity"``, the load-bounded rendezvous choice of
+:mod:`ec_s3.proxy.routing` for a request with a routing key), and rate-limited warnings
+about an instance. It does not own HTTP
 (:mod:`ec_s3.proxy.server` sends and decides what a failure means) nor health probes
 (``/health`` probes the instances, its answer cached briefly, in the server).
 """
@@ -15,6 +17,7 @@ from typing import Any
 
 from ec_s3.log import logger
 from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.routing import AFFINITY, LEAST_LOADED, bounded_pick
 
 __all__ = ["Pool", "Upstream", "Warner"]
 
@@ -41,8 +44,13 @@ class Pool:
     in cooldown; the pick is counted at once so that the items of one request, picked
     back to back, land on different instances."""
 
-    def __init__(self, role: str, urls: Sequence[str], metrics: ProxyMetrics, cooldown_s: float) -> None:
+    def __init__(
+        self, role: str, urls: Sequence[str], metrics: ProxyMetrics, cooldown_s: float, *,
+        route: str = LEAST_LOADED, balance: float = 0.25,
+    ) -> None:
         self.role = role
+        self.route = route
+        self.balance = balance
         self.members = [Upstream(role, u) for u in urls]
         self._metrics = metrics
         self._cooldown_s = cooldown_s
@@ -51,7 +59,11 @@ class Pool:
             metrics.set("ec_s3_proxy_in_flight", 0, role=role, upstream=m.url)
             metrics.set("ec_s3_proxy_upstream_up", 1, role=role, upstream=m.url)
 
-    def acquire(self, exclude: Iterable[Upstream] = (), *, allow_down: bool = False) -> Upstream | None:
+    def acquire(
+        self, exclude: Iterable[Upstream] = (), *, allow_down: bool = False, key: str | None = None
+    ) -> Upstream | None:
+        """The next instance, counted at once; ``key`` (a request's routing key) picks by
+        bounded rendezvous hashing when the pool routes by affinity."""
         excluded = set(map(id, exclude))
         now = time.monotonic()
         candidates = [m for m in self.members if id(m) not in excluded and m.up(now)]
@@ -59,11 +71,28 @@ class Pool:
             candidates = [m for m in self.members if id(m) not in excluded]
         if not candidates:
             return None
-        start = next(self._rr) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        chosen = min(rotated, key=lambda m: m.in_flight)
+        if self.route == AFFINITY:
+            chosen = self._affine(candidates, key)
+        else:
+            chosen = self._least_loaded(candidates)
         chosen.in_flight += 1
         self._metrics.set("ec_s3_proxy_in_flight", chosen.in_flight, role=self.role, upstream=chosen.url)
+        return chosen
+
+    def _least_loaded(self, candidates: list[Upstream]) -> Upstream:
+        start = next(self._rr) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda m: m.in_flight)
+
+    def _affine(self, candidates: list[Upstream], key: str | None) -> Upstream:
+        if key is None:
+            chosen = self._least_loaded(candidates)
+            self._metrics.inc("ec_s3_proxy_route_picks_total", role=self.role, upstream=chosen.url, outcome="no_media")
+            return chosen
+        pick = bounded_pick(key, [m.url for m in candidates], [m.in_flight for m in candidates], self.balance)
+        chosen = candidates[pick.index]
+        self._metrics.inc("ec_s3_proxy_route_picks_total", role=self.role, upstream=chosen.url,
+                          outcome="spill" if pick.spilled else "affinity")
         return chosen
 
     def release(self, member: Upstream) -> None:
