@@ -15,7 +15,7 @@ Each server's front-end processor cache is bounded (:data:`PROCESSOR_CACHE_GB`, 
 such photos, below the hot set) as a fleet's hot set outgrows one server's caches; prefix
 caching is off (a repeated image would otherwise skip the encoder through the KV cache).
 
-    python -m bench.affinity [--quick] [--out-dir D]
+    python -m bench.affinity [--quick] [--blocks N] [--concurrency C] [--out-dir D]
 
 Owns this bench: the workload, the deltas, ``bench/results/affinity.json``. Does not own the
 servers (:mod:`ec_s3.sandbox.vllm_server`) nor the routing (:mod:`ec_s3.proxy.routing`).
@@ -59,11 +59,12 @@ def scrape(servers: list[Any]) -> dict[str, float]:
     return {k: sum(m.get(name, **labels) or 0.0 for m in samples) for k, (name, labels) in COUNTERS.items()}
 
 
-async def run_block(url: str, model: str, photos: list[str], picks: list[int]) -> list[float]:
-    """``picks`` (indices into ``photos``) through the proxy at ``url``; each latency (s)."""
+async def run_block(url: str, model: str, photos: list[str], picks: list[int], concurrency: int) -> list[float]:
+    """``picks`` (indices into ``photos``) through the proxy at ``url``, ``concurrency`` at
+    a time; each latency (s)."""
     import aiohttp
 
-    sem = asyncio.Semaphore(CONCURRENCY)
+    sem = asyncio.Semaphore(concurrency)
     out: list[float] = []
 
     async def one(session: aiohttp.ClientSession, n: int, i: int) -> None:
@@ -88,10 +89,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bl.add_common_args(p)
     p.add_argument("--blocks", type=int, default=None, help="blocks per policy (default 8; --quick 3)")
+    p.add_argument("--concurrency", type=int, default=CONCURRENCY, help=f"requests at once (default {CONCURRENCY})")
     args = p.parse_args()
     blocks = args.blocks or (3 if args.quick else 8)
     if blocks < 1:
         p.error("--blocks: must be >= 1")
+    if args.concurrency < 1:
+        p.error("--concurrency: must be >= 1")
     bl.setup_env()
     from ec_s3.proxy.config import ProxyConfig
     from ec_s3.proxy.server import ProxyThread
@@ -125,7 +129,7 @@ def main() -> int:
                 for pol in (POLICIES if b % 2 == 0 else POLICIES[::-1]):
                     picks = [rng.randrange(HOT) for _ in range(BLOCK)]
                     before = scrape(servers)
-                    lat = asyncio.run(run_block(proxies[pol].url, model, photos[pol], picks))
+                    lat = asyncio.run(run_block(proxies[pol].url, model, photos[pol], picks, args.concurrency))
                     time.sleep(1.0)  # uploads finish after the answer: let their counters land
                     after = scrape(servers)
                     delta = {k: after[k] - before[k] for k in COUNTERS}
@@ -148,10 +152,10 @@ def main() -> int:
     rows = [[pol, *(f"{summary[pol][k]:.0f}" for k in COUNTERS), f"{summary[pol]['ttft_median_ms']:.0f}",
              f"{summary[pol]['ttft_p90_ms']:.0f}"] for pol in POLICIES]
     print(bl.table(["route", *COUNTERS, "TTFT p50 ms", "p90 ms"], rows, title="affinity vs least-loaded"))
-    bl.write_json("affinity", {"config": {"hot": HOT, "block": BLOCK, "blocks": blocks, "concurrency": CONCURRENCY,
-                                          "processor_cache_gb": PROCESSOR_CACHE_GB},
-                               "summary": summary, "per_block": {p: per[p]["blocks"] for p in POLICIES}},
-                  args.out_dir)
+    config = {"hot": HOT, "block": BLOCK, "blocks": blocks, "concurrency": args.concurrency,
+              "processor_cache_gb": PROCESSOR_CACHE_GB}
+    bl.write_json("affinity", {"config": config, "summary": summary,
+                               "per_block": {p: per[p]["blocks"] for p in POLICIES}}, args.out_dir)
     return 0
 
 

@@ -139,10 +139,10 @@ def test_route_key_is_the_first_items_content_identifier() -> None:
 
 def test_route_flags_and_validation() -> None:
     config = config_from_args(build_parser().parse_args(["--pd-url", "http://pd:1"]))
-    assert config.route == "least-loaded" and config.route_balance == 0.25
-    args = build_parser().parse_args(["--pd-url", "http://pd:1", "--route", "affinity", "--route-balance", "0.5"])
+    assert config.route == "affinity" and config.route_balance == 0.25
+    args = build_parser().parse_args(["--pd-url", "http://pd:1", "--route", "least-loaded", "--route-balance", "0.5"])
     config = config_from_args(args)
-    assert config.route == "affinity" and config.route_balance == 0.5
+    assert config.route == "least-loaded" and config.route_balance == 0.5
     assert main(["--pd-url", "http://pd:1", "--route", "hash"]) == 2
     with pytest.raises(ValueError, match="^route: "):
         ProxyConfig(encoder_urls=[], pd_urls=["http://pd:1"], route="hash")
@@ -175,7 +175,7 @@ def test_the_same_image_goes_to_the_same_upstream_and_images_spread() -> None:
             assert status == 200 and r.metric("ec_s3_proxy_route_picks_total", outcome="no_media") == 1
         # Least-loaded (the control): one image's repeats land on both servers.
         pds = [FakePD("pd0"), FakePD("pd1")]
-        async with rig(encoders=[], pds=pds, dispatch="parallel") as r:
+        async with rig(encoders=[], pds=pds, dispatch="parallel", route="least-loaded") as r:
             for _ in range(4):
                 assert (await r.post(chat(image(0))))[0] == 200
             assert [len(p.bodies) for p in pds] == [2, 2]

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.proxy.limits import BODY_COST_FACTOR
-from ec_s3.proxy.routing import LEAST_LOADED, ROUTES
+from ec_s3.proxy.routing import AFFINITY, LEAST_LOADED, ROUTES
 
 __all__ = ["ProxyConfig"]
 
@@ -61,12 +61,13 @@ class ProxyConfig:
     max_connections_per_upstream: int = 256
     # An upstream that refused a connection is skipped for this long.
     down_cooldown_s: float = 5.0
-    # Which prefill/decode instance a request goes to. "least-loaded": fewest requests
-    # outstanding. "affinity": a request with media goes where its first item went before
-    # (rendezvous hashing of its identifier), unless that instance is over the load bound
-    # below; for aggregated ec_both servers, whose staging areas and caches then hold each
-    # image once (ec_s3.proxy.routing). Encoders are always chosen least-loaded.
-    route: str = LEAST_LOADED
+    # Which prefill/decode instance a request goes to. "affinity": a request with media
+    # goes where its first item went before (rendezvous hashing of its identifier) unless
+    # that instance is over the load bound below, so a fleet's staging areas and caches
+    # hold each image once (ec_s3.proxy.routing; the default: fewer GETs for the same
+    # encodes in bench/affinity.py). "least-loaded": fewest requests outstanding.
+    # Encoders and media-less requests are always chosen least-loaded.
+    route: str = AFFINITY
     # The load bound of route="affinity": an instance takes a request only while its
     # requests outstanding stay within ceil((1 + route_balance) * mean), counting it.
     route_balance: float = 0.25

@@ -420,8 +420,8 @@ class EPDProxy:
         route_key: str | None = None,
     ) -> PdAnswer | web.Response:
         """Send to the least busy PD, or under ``route="affinity"`` the one ``route_key``
-        (:func:`~ec_s3.proxy.routing.route_key`) ranks first within the load bound (one that refuses the connection, so nothing was
-        sent, is skipped for the next) and read the start of its answer: the whole body,
+        (:func:`~ec_s3.proxy.routing.route_key`) ranks first within the load bound (one
+        that refuses the connection, so nothing was sent, is skipped for the next) and read the start of its answer: the whole body,
         or for a 200 stream its first events (:meth:`PdAnswer.read_start`), so nothing has
         reached the client yet when this returns (parallel dispatch may still drop the
         answer and send again). The :class:`PdAnswer` holds the upstream until
