@@ -659,8 +659,8 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
 
     urls: dict[str, str] = {}
     for topo in topologies:
-        if topo == "plain-dp":
-            proxy = dp_proxy("plain A", "plain B", "plain")
+        if topo == "plain-dp":  # the baseline of issue 26's runs: each request to the less busy server
+            proxy = dp_proxy("plain A", "plain B", "plain", ("--route", "least-loaded"))
         elif topo == SHARED:
             proxy = dp_proxy("shared A", "shared B", "shared", shared_proxy_args)
         elif topo == "vllm-epd":
@@ -978,7 +978,7 @@ def main() -> int:
     parser.add_argument("--topologies", type=lambda s: s.split(","), default=list(TOPOLOGIES),
                         help=f"a subset of {','.join(TOPOLOGIES)} (default all)")
     parser.add_argument("--shared-proxy-args", type=lambda s: s.split(), default=[],
-                        help="extra ec-s3 proxy arguments for shared-dp, e.g. '--route affinity'")
+                        help="extra ec-s3 proxy arguments for shared-dp (its default routing is --route affinity)")
     parser.add_argument("--seconds", type=float, default=None, help="arrivals per run (default 20, quick 5)")
     parser.add_argument("--min-requests", type=int, default=None, help="default 24, quick 8")
     parser.add_argument("--output-len", type=int, default=8)
