@@ -14,12 +14,9 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
   and a 64-connection pool;
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
   multipart PUT for large bodies, single GET);
-* ``aiohttp``: raw aiohttp + SigV4 ``UNSIGNED-PAYLOAD`` signed by botocore
-  (single PUT, single streamed GET into a buffer);
-* ``bufferedprotocol`` (opt-in): GETs on an ``asyncio.BufferedProtocol`` that reads
-  bodies straight into the buffer (the ceiling of a Python GET path), PUTs as ``aiohttp``;
-* ``example-connector``: vLLM's ``ECExampleConnector`` (the seed: synchronous
-  safetensors save/load on local disk) for the same tensors, one at a time.
+* retired (issue 35: one store bench with ec-s3 / botocore / obstore): raw aiohttp, a
+  BufferedProtocol GET (the ceiling of a Python GET path, which ec-s3's direct path
+  reached) and vLLM's ``ECExampleConnector`` on local disk (it measured vLLM).
 
 Clients run in the same process on the same asyncio loop thread, in a rotated order
 per repeat. CPU: this process's ``process_time`` (all threads) and the server's
@@ -33,9 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -163,235 +158,6 @@ class ObstoreClient(Client):
         await obstore.delete_async(self.store, key)
 
 
-class AiohttpClient(Client):
-    """aiohttp + SigV4 with ``x-amz-content-sha256: UNSIGNED-PAYLOAD`` (botocore signs)."""
-
-    name = "aiohttp"
-
-    def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
-        from botocore.auth import SigV4Auth
-        from botocore.credentials import Credentials
-
-        class _Unsigned(SigV4Auth):
-            def payload(self, request: Any) -> str:
-                return "UNSIGNED-PAYLOAD"
-
-        self.ep, self.bucket = ep, bucket
-        self.auth = _Unsigned(Credentials(ep.access_key_id, ep.secret_access_key), "s3", "us-east-1")
-
-    async def setup(self) -> None:
-        import aiohttp
-
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=300),
-        )
-
-    def _headers(self, method: str, url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        from botocore.awsrequest import AWSRequest
-
-        req = AWSRequest(method=method, url=url, headers={"x-amz-content-sha256": "UNSIGNED-PAYLOAD", **(extra or {})})
-        self.auth.add_auth(req)
-        return dict(req.headers.items())
-
-    def _url(self, key: str) -> str:
-        return f"{self.ep.url}/{self.bucket}/{key}"
-
-    async def put(self, key: str, body: Any) -> None:
-        url = self._url(key)
-        view = memoryview(body)
-        headers = self._headers("PUT", url, {"Content-Length": str(len(view))})
-        async with self.session.put(url, data=view, headers=headers) as resp:
-            await resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"PUT {resp.status}")
-
-    async def get(self, key: str) -> int:
-        url = self._url(key)
-        async with self.session.get(url, headers=self._headers("GET", url)) as resp:
-            if resp.status != 200:
-                raise RuntimeError(f"GET {resp.status}")
-            out = bytearray(int(resp.headers["Content-Length"]))
-            view, pos = memoryview(out), 0
-            async for chunk in resp.content.iter_chunked(1 << 20):
-                view[pos : pos + len(chunk)] = chunk
-                pos += len(chunk)
-        return pos
-
-    async def delete(self, key: str) -> None:
-        url = self._url(key)
-        async with self.session.delete(url, headers=self._headers("DELETE", url)) as resp:
-            await resp.read()
-
-    async def close(self) -> None:
-        await self.session.close()
-
-
-class _IntoBuffer(asyncio.BufferedProtocol):
-    """One keep-alive HTTP/1.1 connection whose GET bodies the kernel copies straight
-    into the destination buffer (``recv_into``): no bytes objects, no parser copy."""
-
-    def __init__(self) -> None:
-        self.transport: Any = None
-        self.head = bytearray(64 * 1024)
-        self.done: asyncio.Future[int] | None = None
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def expect(self) -> asyncio.Future[int]:
-        self.hlen, self.out, self.pos, self.size = 0, None, 0, -1
-        self.done = asyncio.get_running_loop().create_future()
-        return self.done
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self.head)[self.hlen :] if self.out is None else self.out[self.pos :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        assert self.done is not None
-        if self.out is None:
-            self.hlen += nbytes
-            end = self.head.find(b"\r\n\r\n", 0, self.hlen)
-            if end < 0:
-                return
-            lines = bytes(self.head[:end]).split(b"\r\n")
-            if int(lines[0].split()[1]) != 200:
-                self.done.set_exception(RuntimeError(lines[0].decode()))
-                return
-            headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
-            self.size = int(headers[b"content-length"])
-            self.out = memoryview(bytearray(self.size))
-            already = self.hlen - (end + 4)
-            self.out[:already] = self.head[end + 4 : self.hlen]
-            self.pos = already
-        else:
-            self.pos += nbytes
-        if self.pos >= self.size and not self.done.done():
-            self.done.set_result(self.pos)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.done is not None and not self.done.done():
-            self.done.set_exception(exc or ConnectionError("closed mid-answer"))
-
-
-class BufferedProtocolClient(AiohttpClient):
-    """What-if for GET (opt-in, ``--clients bufferedprotocol``): a minimal HTTP/1.1 GET on
-    an ``asyncio.BufferedProtocol`` that reads the body straight into the buffer, signed
-    like ``aiohttp``; PUTs as ``aiohttp``. The ceiling of a Python GET path here; ec-s3's
-    direct GET reads the same way since ``ec_s3/store/recv.py`` (plus signing, the pool's
-    checks and the CRC)."""
-
-    name = "bufferedprotocol"
-
-    async def setup(self) -> None:
-        await super().setup()
-        self.idle: list[_IntoBuffer] = []
-
-    async def get(self, key: str) -> int:
-        from urllib.parse import urlsplit
-
-        url = self._url(key)
-        parts = urlsplit(url)
-        conn = self.idle.pop() if self.idle else None
-        if conn is None or conn.transport.is_closing():
-            _, conn = await asyncio.get_running_loop().create_connection(_IntoBuffer, parts.hostname, parts.port)
-        head = "".join(f"{k}: {v}\r\n" for k, v in self._headers("GET", url).items())
-        done = conn.expect()
-        conn.transport.write(f"GET {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n{head}\r\n".encode())
-        try:
-            n = await done
-        except BaseException:
-            conn.transport.close()
-            raise
-        self.idle.append(conn)
-        return n
-
-    async def close(self) -> None:
-        for conn in self.idle:
-            conn.transport.close()
-        await super().close()
-
-
-class ExampleConnectorClient(Client):
-    """vLLM's ECExampleConnector: ``save_caches`` / ``start_load_caches`` to local disk.
-
-    Synchronous (the seed runs it inside the model step), so one at a time; the
-    tensor (not the encoded blob) is what it saves. Loads right after saves are page
-    cache hits: the best case for local disk.
-    """
-
-    name = "example-connector"
-    concurrent = False
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self.dir = Path(tempfile.mkdtemp(prefix="ecb-example-", dir="/tmp"))
-
-    async def setup(self) -> None:
-        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
-        from vllm.distributed.ec_transfer.ec_connector.example_connector import (
-            ECExampleConnector,
-            ECExampleConnectorMetadata,
-            MMMeta,
-        )
-
-        from ec_s3.sandbox.tiny_model import build_tiny_llava
-        from ec_s3.sandbox.vllm_server import ec_transfer_config
-        from tests.support.vllm_rig import make_vllm_config
-
-        model = build_tiny_llava(Path(tempfile.gettempdir()) / "ec-s3-bench-tiny-llava")
-        cfg = ec_transfer_config("ec_both", {"shared_storage_path": str(self.dir)},
-                                 connector="ECExampleConnector", module_path=None)
-        self.producer = self.consumer = ECExampleConnector(make_vllm_config(model, cfg), ECConnectorRole.WORKER)
-        self._meta_cls, self._mm = ECExampleConnectorMetadata, MMMeta
-
-    async def put(self, key: str, body: Any) -> None:
-        self.producer.save_caches({key: self.tensor}, key)
-
-    async def get(self, key: str) -> int:
-        meta = self._meta_cls()
-        meta.add_mm_data(self._mm.make_meta(key, self.tensor.shape[0]))
-        self.consumer.bind_connector_metadata(meta)
-        cache: dict[str, torch.Tensor] = {}
-        try:
-            self.consumer.start_load_caches(cache)
-        finally:
-            self.consumer.clear_connector_metadata()
-        t = cache[key]
-        return t.numel() * t.element_size()
-
-    async def delete(self, key: str) -> None:
-        shutil.rmtree(self.dir / key, ignore_errors=True)
-
-    async def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- measurement
-
-
-async def _run_ops(client: Client, op: str, keys: list[str], body: Any, conc: int) -> int:
-    if not client.concurrent:
-        conc = 1
-    sem = asyncio.Semaphore(conc)
-    moved = 0
-
-    async def one(key: str) -> None:
-        nonlocal moved
-        async with sem:
-            if op == "put":
-                await client.put(key, body)
-                moved += len(memoryview(body)) if body is not None else 0
-            elif op == "get":
-                n = await client.get(key)  # not `moved += await ...`: that reads moved before awaiting
-                moved += n
-            else:
-                await client.delete(key)
-
-    await asyncio.gather(*(one(k) for k in keys))
-    return moved
-
-
 def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_obj: int, body: Any, tag: str) -> dict[str, Any]:
     keys = [f"bench/{client.name}/{tag}/{i:04d}" for i in range(n_obj)]
     out: dict[str, Any] = {}
@@ -399,7 +165,7 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
         with bl.Meter(ep) as m:
             moved = bg.run(_run_ops(client, op, keys, body, conc), timeout=900)
         expect = n_obj * size
-        if moved != expect and not isinstance(client, ExampleConnectorClient):
+        if moved != expect:
             raise RuntimeError(f"{client.name} {op}: moved {moved} bytes, expected {expect}")
         gib = expect / bl.GiB
         out[op] = {
@@ -420,9 +186,6 @@ def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list
         "boto-default": lambda: BotoClient(ep, bucket, tuned=False),
         "boto-tuned": lambda: BotoClient(ep, bucket, tuned=True),
         "obstore": lambda: ObstoreClient(ep, bucket),
-        "aiohttp": lambda: AiohttpClient(ep, bucket),
-        "bufferedprotocol": lambda: BufferedProtocolClient(ep, bucket),
-        "example-connector": lambda: ExampleConnectorClient(tensor),
     }
     clients = []
     for name in names:
@@ -484,7 +247,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
     """Medians per (size, conc, client, op) and ratios vs the best raw client."""
-    raw = ("boto-default", "boto-tuned", "obstore", "aiohttp", "bufferedprotocol")
+    raw = ("boto-default", "boto-tuned", "obstore")
     out: dict[str, Any] = {}
     for size, sres in results.items():
         for conc, cres in sres["cells"].items():
@@ -509,7 +272,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     theirs = [r[op]["mib_per_s"] for r in cres["runs"][best]]
                     per = [a / b for a, b in zip(ours, theirs)]
                     entry["ec_s3_vs_best_raw_range"] = [min(per), max(per)]
-                for base in ("boto-default", "example-connector", "ec-s3-botocore"):
+                for base in ("boto-default", "ec-s3-botocore"):
                     if base in med and "ec-s3" in med:
                         entry[f"ec_s3_vs_{base}"] = med["ec-s3"]["mib_per_s"] / med[base]["mib_per_s"]
                 row[op] = entry
@@ -535,7 +298,6 @@ def print_tables(summ: dict[str, Any]) -> None:
                 c.get(e.get("best_raw") or "", {}).get("mib_per_s"),
                 e.get("ec_s3_vs_best_raw"),
                 e.get("ec_s3_vs_boto-default"),
-                e.get("ec_s3_vs_example-connector"),
                 e.get("ec_s3_vs_ec-s3-botocore"),
                 c.get("ec-s3", {}).get("client_cpu_s_per_gib"),
                 c.get("ec-s3-botocore", {}).get("client_cpu_s_per_gib"),
@@ -543,7 +305,7 @@ def print_tables(summ: dict[str, Any]) -> None:
                 c.get("ec-s3", {}).get("server_cpu_s_per_gib"),
             ])
         print(bl.table(
-            ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def", "vs example",
+            ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def",
              "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
             rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)",
         ))
@@ -554,7 +316,7 @@ def plot(summ: dict[str, Any], out_dir: Path | None) -> None:
     if plt is None:
         return
     cells = list(summ)
-    names = ["ec-s3", "boto-default", "boto-tuned", "obstore", "aiohttp", "example-connector"]
+    names = ["ec-s3", "ec-s3-botocore", "boto-default", "boto-tuned", "obstore"]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for col, op in enumerate(("put", "get")):
         ax = axes[0][col]
@@ -591,7 +353,7 @@ def main() -> int:
     parser.add_argument("--max-inflight-mib", type=int, default=None,
                         help="skip cells with more than this in flight (bounds client and SeaweedFS memory)")
     parser.add_argument("--clients", nargs="+",
-                        default=["ec-s3", "boto-default", "boto-tuned", "obstore", "aiohttp", "example-connector"])
+                        default=["ec-s3", "ec-s3-botocore", "boto-default", "boto-tuned", "obstore"])
     args = parser.parse_args()
     q = args.quick
     args.sizes_mib = args.sizes_mib or ([1, 8, 32] if q else [1, 8, 32, 64])
