@@ -196,6 +196,10 @@ PANELS: list[dict[str, Any]] = [
         (proxy_rate("ec_s3_proxy_known_forgotten_total", by="reason"), "forgotten: {{reason}}"),
         ("sum(ec_s3_proxy_known_entries)", "entries known")], unit="short",
         description="Repeated images sent to prefill/decode without an encoder request (docs/proxy.md)."),
+    panel("Proxy routing", [
+        (proxy_rate("ec_s3_proxy_route_picks_total", by="outcome"), "{{outcome}}")], unit="ops",
+        description="--route affinity: requests sent to their first image's server (affinity), to the next one "
+                    "because it was over the load bound (spill), or least-loaded (no media)."),
 ]
 
 def dashboard() -> dict[str, Any]:
