@@ -33,7 +33,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["Costs", "FLEET_ASSUMPTIONS", "fit_costs", "fit_shared", "fleet_table", "linear_fit", "plain_capacity",
+__all__ = ["Costs", "FLEET_ASSUMPTIONS", "fit_costs", "SharedFit", "fit_shared", "fleet_table", "linear_fit", "plain_capacity",
            "epd_capacity", "predicted_ratio", "shared_ratio", "should_win"]
 
 
@@ -58,10 +58,6 @@ class Costs:
     def pd_s(self, k: int, miss: float) -> float:
         return self.P0 + k * self.p + k * (1.0 - miss) * self.G
 
-    def shared_s(self, k: int, miss: float) -> float:
-        """One aggregated server of a shared-bucket fleet: it encodes only the misses
-        and pays a GET for each repeat."""
-        return self.P0 + k * (self.p + miss * self.E + (1.0 - miss) * self.G)
 
 
 def linear_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -167,59 +163,67 @@ def predicted_ratio(c: Costs, k: int, miss: float) -> float:
     return epd_capacity(c, k, miss) / plain_capacity(c, k)
 
 
-def shared_ratio(c: Costs, k: int, miss: float) -> float:
+@dataclasses.dataclass(frozen=True)
+class SharedFit:
+    """One ``k`` (images per request) of the shared fleet, measured: a plain server's
+    inference time per request, and an aggregated server's as a line in the items it
+    encoded per request (``base_s`` + ``encode_s`` x items): ``encode_s`` is what one
+    encoded item costs there (encoding, publishing) less what a repeat costs instead (its
+    GET, staging); ``base_s`` the rest of the request."""
+
+    k: int
+    plain_s: float
+    encode_s: float
+    base_s: float
+
+    def shared_s(self, miss: float) -> float:
+        return self.base_s + self.encode_s * self.k * miss
+
+
+def shared_ratio(fit: SharedFit, miss: float) -> float:
     """shared-dp over plain-dp (two aggregated servers on one bucket against two plain
-    ones): the bound on the goodput ratio when a repeat never reaches an encoder."""
-    return c.plain_s(k) / c.shared_s(k, miss)
+    ones): the capacity ratio when only the share ``miss`` of images is encoded (every
+    repeat served from the bucket, a server's staging or its encoder cache)."""
+    return fit.plain_s / fit.shared_s(miss)
 
 
-def fit_shared(runs: Iterable[Mapping[str, Any]]) -> tuple[Costs, dict[str, Any]]:
-    """Costs from plain-dp and shared-dp runs alone (no EPD consumer to isolate ``p``):
-
-    * plain-dp: inference time per request against ``k`` -> slope ``E + p``, intercept ``P0``;
-    * shared-dp: inference time per request against the items its servers encoded per
-      request (``vllm:ec_s3_items_encoded_total``), over runs of one ``k`` -> slope ``E - G``;
-      ``p`` = plain's slope less ``E``; ``G``: the fleet's ``ec_s3_download_seconds`` mean."""
-    plain_x: list[float] = []
-    plain_y: list[float] = []
-    enc_x: list[float] = []
-    enc_y: list[float] = []
-    gets: list[float] = []
-    ks: set[float] = set()
+def fit_shared(runs: Iterable[Mapping[str, Any]]) -> tuple[dict[int, SharedFit], dict[str, Any]]:
+    """Per ``k``, from plain-dp and shared-dp runs of the same bench: plain's mean
+    inference time per request, and shared-dp's inference time per request against the
+    items its servers encoded per request (``vllm:ec_s3_items_encoded_total``; the
+    workloads vary it: fresh encodes all, hot few). Measured per ``k`` rather than split
+    into E and p: a run of one ``k`` cannot separate them, and the line already holds
+    what an aggregated server pays to publish and to GET."""
+    plain: dict[int, list[float]] = {}
+    shared: dict[int, tuple[list[float], list[float]]] = {}
     for r in runs:
-        d, k = r.get("deltas") or {}, float(r["images"])
+        d, k = r.get("deltas") or {}, int(r["images"])
         if r["topology"] == "plain-dp":
             y = _per(d.get("plain") or {}, "vllm:request_inference_time_seconds")
             if y is not None:
-                plain_x.append(k)
-                plain_y.append(y)
+                plain.setdefault(k, []).append(y)
         elif r["topology"] == "shared-dp":
             fleet = d.get("shared") or {}
             y = _per(fleet, "vllm:request_inference_time_seconds")
             n = fleet.get("vllm:request_inference_time_seconds_count") or 0.0
             encoded = fleet.get("vllm:ec_s3_items_encoded_total")
-            if y is not None and n and encoded is not None and k == max(IMAGES_FIT):
-                enc_x.append(encoded / n)
-                enc_y.append(y)
-                ks.add(k)
-            g = _per(fleet, "vllm:ec_s3_download_seconds")
-            if g is not None:
-                gets.append(g)
-    if not plain_x or len(set(enc_x)) < 2:
-        raise ValueError("fit_shared: need plain-dp runs and shared-dp runs of 4 images that encoded different shares")
-    a_plain, b_plain = linear_fit(plain_x, plain_y)
-    a_enc, b_enc = linear_fit(enc_x, enc_y)
-    g = sum(gets) / len(gets) if gets else 0.0
-    e = max(a_enc + g, 0.0)  # an item not encoded is a GET: the slope is E - G
-    costs = Costs(E=e, p=max(a_plain - e, 0.0), P0=max(b_plain, 0.0), G=g)
-    record = {"plain_inference_vs_images": {"x": plain_x, "y": plain_y, "slope": a_plain, "intercept": b_plain},
-              "shared_inference_vs_encoded_per_request": {"x": enc_x, "y": enc_y, "slope": a_enc,
-                                                          "intercept": b_enc}}
-    return costs, record
-
-
-# shared-dp's E is fitted over runs with this many images per request (the encoded share varies most there).
-IMAGES_FIT = (4,)
+            if y is not None and n and encoded is not None:
+                xs, ys = shared.setdefault(k, ([], []))
+                xs.append(encoded / n)
+                ys.append(y)
+    fits: dict[int, SharedFit] = {}
+    record: dict[str, Any] = {}
+    for k, (xs, ys) in sorted(shared.items()):
+        if k not in plain or len(set(xs)) < 2:
+            continue
+        a, b = linear_fit(xs, ys)
+        fits[k] = SharedFit(k=k, plain_s=sum(plain[k]) / len(plain[k]), encode_s=max(a, 0.0), base_s=max(b, 0.0))
+        record[str(k)] = {"plain_inference_s": plain[k], "shared_inference_vs_encoded_per_request":
+                          {"x": xs, "y": ys, "slope": a, "intercept": b}}
+    if not fits:
+        raise ValueError("fit_shared: need plain-dp runs and shared-dp runs of the same images per request that "
+                         "encoded different shares (fresh and hot workloads)")
+    return fits, record
 
 
 def should_win(c: Costs, k: int, miss: float) -> tuple[bool, str]:

@@ -389,6 +389,19 @@ def _ratio(num: Mapping[str, Any], den: Mapping[str, Any]) -> tuple[float | None
     return q, "~"
 
 
+def judge(q: float | None, bound: str, need: float) -> bool | None:
+    """Whether a ratio ``q`` with its censoring ``bound`` meets ``>= need``: None where
+    the censoring leaves it open (a lower bound below ``need``, an upper bound above it,
+    a sweep that is not monotone)."""
+    if q is None or bound == "~":
+        return None
+    if bound == "=":
+        return q >= need
+    if bound == ">=":
+        return True if q >= need else None
+    return False if q < need else None
+
+
 def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every goal of issue 26 this bench measures, with met (None: not decidable) and why."""
     runs = d.get("runs") or []
@@ -408,13 +421,12 @@ def goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
             continue
         best, g = best_epd[w]
         q, bound = _ratio(g[best], g["plain-dp"])
-        met = None if q is None or bound == "~" else (q >= target if bound in ("=", ">=") else False
-                                                      if q < target else None)
+        met = judge(q, bound, target)
         out.append({"goal": name, "workload": w, "ratio": q, "bound": bound, "target": f">= {target}", "met": met,
                     "epd": best, "why": "" if met else why(d, w, best)})
     for w, (best, g) in best_epd.items():
         q, bound = _ratio(g[best], g["vllm-epd"])
-        met = None if q is None or bound == "~" else (q >= 1.0 if bound in ("=", ">=") else (False if q < 1 else None))
+        met = judge(q, bound, 1.0)
         out.append({"goal": f"{w}: EPD (ec-s3) / vllm-epd goodput", "workload": w, "ratio": q, "bound": bound,
                     "target": ">= 1.0", "met": met, "epd": best, "why": "" if met else why(d, w, best, "vllm-epd")})
     out += shared_goals(d)
@@ -447,7 +459,7 @@ def shared_goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
         q, bound = _ratio(g[SHARED], g["plain-dp"])
         bound_ratio = (pred.get(w) or {}).get("ratio")
         need = max(target, SHARED_BOUND_SHARE * bound_ratio) if bound_ratio else target
-        met = None if q is None or bound == "~" else (q >= need if bound in ("=", ">=") else (False if q < need else None))
+        met = judge(q, bound, need)
         because = "" if met else why_shared(d, w)
         target_s = f">= {target}" + (f" and >= {SHARED_BOUND_SHARE:.0%} of the model's {bound_ratio:.2f}x"
                                      if bound_ratio else "")
@@ -842,15 +854,16 @@ def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def shared_model(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """:func:`bench.costmodel.fit_shared` on this run, and its bound per workload."""
     try:
-        costs, record = cm.fit_shared(runs)
+        fits, record = cm.fit_shared(runs)
     except ValueError as exc:
         return {"error": str(exc)}
     pred = {}
     for w in sorted({r["workload"] for r in runs if r["topology"] == SHARED}):
         rs = [r for r in runs if r["workload"] == w and r["topology"] == SHARED]
         k, miss = rs[0]["images"], sum(r["miss_fraction"] for r in rs) / len(rs)
-        pred[w] = {"ratio": cm.shared_ratio(costs, k, miss), "miss": miss}
-    return {"costs_s": dataclasses.asdict(costs), "fit": record, "predicted": pred}
+        if k in fits:
+            pred[w] = {"ratio": cm.shared_ratio(fits[k], miss), "miss": miss}
+    return {"fits_s": {str(k): dataclasses.asdict(f) for k, f in fits.items()}, "fit": record, "predicted": pred}
 
 
 # --------------------------------------------------------------------------- output

@@ -286,54 +286,60 @@ def test_a_run_whose_new_images_skipped_the_encoder_is_an_error() -> None:
 
 
 # --------------------------------------------------------------------------- the shared fleet (issue 32)
-def _shared_run(w: str, topo: str, rate: float, good: float, k: int, miss: float, costs: cm.Costs,
-                n: int = 40) -> dict:
-    """A run whose servers' windows follow ``costs``: plain encodes every image, the shared
-    fleet only the misses (and GETs the repeats)."""
+def _shared_run(w: str, topo: str, rate: float, good: float, k: int, miss: float, n: int = 40,
+                plain_s: float = 2.8, base_s: float = 1.4, encode_s: float = 0.5) -> dict:
+    """A run whose servers' windows follow a known line: plain takes ``plain_s`` per
+    request, the shared fleet ``base_s + encode_s`` x the items it encoded."""
     r = _run(w, topo, rate, good, k)
     r["repeat_fraction"], r["miss_fraction"] = 1.0 - miss, miss
     if topo == "plain-dp":
-        r["deltas"] = {"plain": {"vllm:request_inference_time_seconds_sum": n * costs.plain_s(k),
+        r["deltas"] = {"plain": {"vllm:request_inference_time_seconds_sum": n * plain_s,
                                  "vllm:request_inference_time_seconds_count": n}}
     else:
-        r["deltas"] = {"shared": {"vllm:request_inference_time_seconds_sum": n * costs.shared_s(k, miss),
+        r["deltas"] = {"shared": {"vllm:request_inference_time_seconds_sum": n * (base_s + encode_s * k * miss),
                                   "vllm:request_inference_time_seconds_count": n,
-                                  "vllm:ec_s3_items_encoded_total": n * k * miss,
-                                  "vllm:ec_s3_download_seconds_sum": n * k * (1 - miss) * costs.G,
-                                  "vllm:ec_s3_download_seconds_count": n * k * (1 - miss)}}
+                                  "vllm:ec_s3_items_encoded_total": n * k * miss}}
     return r
 
 
-def test_the_shared_fleet_model_recovers_its_costs_and_bounds_hot4_near_1_6x() -> None:
-    true = cm.Costs(E=0.135, p=0.143, P0=0.05, G=0.004)
+def test_the_shared_fleet_fit_recovers_its_line_and_predicts_from_it() -> None:
     runs = []
-    for w, k, miss in (("hot-4", 4, 0.15), ("fresh-4", 4, 1.0), ("zipf-4", 4, 0.5), ("hot-1", 1, 0.15)):
-        runs += [_shared_run(w, "plain-dp", 1.0, 1.0, k, miss, true), _shared_run(w, gp.SHARED, 1.0, 1.0, k, miss, true)]
-    costs, _ = cm.fit_shared(runs)
-    assert costs.E == pytest.approx(true.E, rel=1e-6)
-    assert costs.p == pytest.approx(true.p, rel=1e-6)
-    assert costs.G == pytest.approx(true.G, rel=1e-6)
-    assert cm.shared_ratio(costs, 4, 0.15) == pytest.approx(1.6, abs=0.1)
-    assert cm.shared_ratio(costs, 4, 1.0) == pytest.approx(1.0)  # fresh images: nothing to save
+    for w, k, miss in (("hot-4", 4, 0.15), ("fresh-4", 4, 1.0), ("zipf-4", 4, 0.5)):
+        runs += [_shared_run(w, "plain-dp", 1.0, 1.0, k, miss), _shared_run(w, gp.SHARED, 1.0, 1.0, k, miss)]
+    fits, _ = cm.fit_shared(runs)
+    assert set(fits) == {4}
+    fit = fits[4]
+    assert (fit.plain_s, fit.encode_s, fit.base_s) == (pytest.approx(2.8), pytest.approx(0.5), pytest.approx(1.4))
+    assert cm.shared_ratio(fit, 0.15) == pytest.approx(2.8 / (1.4 + 0.5 * 4 * 0.15))
     with pytest.raises(ValueError, match="need plain-dp"):
-        cm.fit_shared([r for r in runs if r["topology"] == "plain-dp"])
+        cm.fit_shared([r for r in runs if r["workload"] == "hot-4"])  # one encoded share: no line
 
 
-def test_shared_goals_need_the_target_and_85_percent_of_the_bound() -> None:
-    true = cm.Costs(E=0.135, p=0.143, P0=0.05, G=0.004)
+def test_shared_goals_need_the_target_and_85_percent_of_the_model() -> None:
     runs = []
     for rate, plain, shared in ((1, 1.0, 1.0), (2, 0.5, 1.0), (4, 0.0, 0.5)):
         for w, k, miss in (("hot-4", 4, 0.15), ("fresh-4", 4, 1.0)):
-            runs += [_shared_run(w, "plain-dp", rate, plain, k, miss, true),
-                     _shared_run(w, gp.SHARED, rate, shared if w == "hot-4" else plain, k, miss, true)]
+            runs += [_shared_run(w, "plain-dp", rate, plain, k, miss),
+                     _shared_run(w, gp.SHARED, rate, shared if w == "hot-4" else plain, k, miss)]
     d = {"runs": runs}
     d["model"] = gp.model_section(runs)
     by = {g["goal"]: g for g in gp.goals(d)}
     hot = by["hot, 4 images: shared-dp / plain-dp goodput"]
-    # plain crosses 90% at 1 + 0.1/0.5 = 1.2/s, shared at 2 + 2 * 0.1/0.5 = 2.4/s: 2.0x
+    # plain crosses 90% at 1 + 0.1/0.5 = 1.2/s, shared at 2 + 2 * 0.1/0.5 = 2.4/s: 2.0x; the model: 2.8 / 1.7
     assert hot["ratio"] == pytest.approx(2.0) and hot["met"] is True
     fresh = by["fresh, 4 images: shared-dp / plain-dp goodput"]
-    assert fresh["ratio"] == pytest.approx(1.0) and fresh["met"] is True  # >= 0.95 and >= 85% of the model's 1.0
+    # fresh: 1.0x >= 0.95, but the model says 2.8 / 3.4 = 0.82, and 1.0 is not within 15% of it
+    assert fresh["ratio"] == pytest.approx(1.0) and fresh["met"] is True
+    assert by["fresh-4: measured shared-dp / plain-dp within 15% of the model"]["met"] is False
     assert by["zipf, 4 images: shared-dp / plain-dp goodput"]["met"] is None
     within = by["hot-4: measured shared-dp / plain-dp within 15% of the model"]
     assert within["met"] is False and "encoded 0.60 items" in within["why"]
+
+
+def test_a_censored_ratio_below_its_target_decides_nothing() -> None:
+    assert gp.judge(1.22, ">=", 1.5) is None  # the faster side met every swept rate: only a lower bound
+    assert gp.judge(1.6, ">=", 1.5) is True
+    assert gp.judge(1.22, "=", 1.5) is False
+    assert gp.judge(1.6, "<=", 1.5) is None
+    assert gp.judge(1.2, "<=", 1.5) is False
+    assert gp.judge(2.0, "~", 1.5) is None
