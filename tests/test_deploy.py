@@ -50,13 +50,28 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 #: manifests target (sidecar-free, batch/v1 CronJob, policy/v1 PDB), and the newest bundled.
 K8S_VERSIONS = ("1.29.0", "1.37.0")
 #: Every kustomization applied as is (the base and each overlay).
-TARGETS = ("", "overlays/minio", "overlays/prometheus-operator")
+TARGETS = ("", "overlays/minio", "overlays/prometheus-operator", "overlays/aggregated")
+#: The overlay of a fleet of aggregated servers (ec_both) on one bucket: no encoder.
+AGGREGATED = "overlays/aggregated"
 #: The optional components (components/*); each is rendered on top of the base alone, and
-#: all of them together ("+all"), and must pass every check a target passes.
+#: all of them together ("+all"), and must pass every check a target passes; so must the
+#: aggregated overlay with all of them ("overlays/aggregated+all": they compose with it).
 COMPONENTS = tuple(sorted(p.name for p in (KUSTOMIZE / "components").iterdir() if p.is_dir()))
-RENDERED = (*TARGETS, *(f"+{c}" for c in COMPONENTS), "+all")
-#: The GPU Deployments, the ones a rollout or a drain must not lose requests of.
-GPU_DEPLOYMENTS = ("ec-s3-encoder", "ec-s3-pd")
+RENDERED = (*TARGETS, *(f"+{c}" for c in COMPONENTS), "+all", f"{AGGREGATED}+all")
+#: The GPU Deployments, the ones a rollout or a drain must not lose requests of, and the
+#: ec_role each runs: an EPD fleet (every target but one) and an aggregated one.
+EPD_ROLES = {"ec-s3-encoder": "ec_producer", "ec-s3-pd": "ec_consumer"}
+AGGREGATED_ROLES = {"ec-s3-pd": "ec_both"}
+GPU_DEPLOYMENTS = tuple(EPD_ROLES)
+
+
+#: The kit's two fleets, for the checks that render one kustomization of each.
+FLEETS = ("", AGGREGATED)
+
+
+def gpu_roles(target: str) -> dict[str, str]:
+    """The GPU Deployments of a target of :data:`RENDERED` and their ec_roles."""
+    return AGGREGATED_ROLES if target.partition("+")[0] == AGGREGATED else EPD_ROLES
 #: Objects the operator creates before the first apply (docs/deploy.md); optional ones
 #: are referenced with ``optional: true``.
 EXTERNAL_SECRETS = {"ec-s3-encoder-credentials", "ec-s3-pd-credentials", "ec-s3-gc-credentials"}
@@ -127,12 +142,32 @@ def _json_pointer(doc: Any, path: str) -> tuple[Any, str | int]:
     return doc, last
 
 
-def _targets(objs: list[dict[str, Any]], target: dict[str, Any]) -> list[dict[str, Any]]:
-    unknown = set(target) - {"kind", "name"}
+#: The kind of what a ``$patch: delete`` leaves in place of an object until the outermost
+#: :func:`render` drops it: a later ``target:`` patch may name it (kustomize applies a
+#: selector patch to nothing without a word), while any other miss stays an error.
+DELETED = "$deleted"
+
+
+def _targets(objs: list[dict[str, Any]], target: dict[str, Any], selector: bool = False) -> list[dict[str, Any]]:
+    """The objects a patch applies to. A ``target:`` selector may match nothing where
+    kustomize allows it and the kit relies on it: a name deleted earlier, or a
+    ``labelSelector`` naming a variant (an aggregated server) that only some targets have;
+    any other miss is a typo."""
+    unknown = set(target) - {"kind", "name", "labelSelector"}
     assert not unknown, f"patch target fields this test does not render: {unknown}"
-    matched = [o for o in objs if o["kind"] == target["kind"]
-               and ("name" not in target or o["metadata"]["name"] == target["name"])]
-    assert matched, f"patch target {target} matches nothing"
+    wanted = {}
+    for term in filter(None, target.get("labelSelector", "").split(",")):
+        key, eq, value = term.partition("=")
+        assert eq and "!" not in key and "=" not in value, f"labelSelector {term!r}: only key=value is rendered here"
+        wanted[key.strip()] = value.strip()
+
+    def named(o: dict[str, Any]) -> bool:
+        return "name" not in target or o["metadata"]["name"] == target["name"]
+
+    matched = [o for o in objs if o["kind"] == target["kind"] and named(o)
+               and wanted.items() <= o["metadata"].get("labels", {}).items()]
+    deleted = [o for o in objs if o["kind"] == DELETED and o["deleted_kind"] == target["kind"] and named(o)]
+    assert matched or (selector and (deleted or wanted)), f"patch target {target} matches nothing"
     return matched
 
 
@@ -204,10 +239,18 @@ def _apply_patch(root: Path, objs: list[dict[str, Any]], patch: dict[str, Any]) 
     text = patch["patch"] if "patch" in patch else _inside(root, patch["path"]).read_text()
     body = yaml.safe_load(text)
     if isinstance(body, list):  # JSON 6902: needs a target
-        _apply_json6902(_targets(objs, patch["target"]), body)
+        _apply_json6902(_targets(objs, patch["target"], selector=True), body)
         return
     target = patch.get("target") or {"kind": body["kind"], "name": body["metadata"]["name"]}
-    for obj in _targets(objs, target):
+    matched = _targets(objs, target, selector="target" in patch)
+    if body.get("$patch") == "delete":  # the whole object goes (kustomize: a delete patch)
+        assert set(body) == {"apiVersion", "kind", "metadata", "$patch"}, f"a delete patch that also patches: {body}"
+        for obj in matched:
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            obj.clear()
+            obj.update({"kind": DELETED, "deleted_kind": kind, "metadata": {"name": name}})
+        return
+    for obj in matched:
         merged = strategic_merge(obj, {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")})
         merged["metadata"] = strategic_merge(obj["metadata"], {k: v for k, v in body.get("metadata", {}).items()
                                                                if k not in ("name", "namespace")})
@@ -280,6 +323,8 @@ def render(directory: Path, _visited: tuple[Path, ...] = (),
             for c in _containers(pod):
                 if c["image"].split(":")[0] == image["name"]:
                     c["image"] = f"{image.get('newName', image['name'])}:{image['newTag']}"
+    if not _visited:  # the outermost kustomization: what kubectl prints
+        objs = [o for o in objs if o["kind"] != DELETED]
     return objs
 
 
@@ -294,12 +339,18 @@ def overlay(directory: Path, components: tuple[str, ...] = (), base: str = "", *
     return directory
 
 
+def target_directory(target: str, tmp: Path) -> Path:
+    """The kustomization of a target of :data:`RENDERED`: one of the kit, or
+    ``[base]+component`` (``+all``: every component) written as an overlay in ``tmp``."""
+    base, plus, component = target.partition("+")
+    if not plus:
+        return KUSTOMIZE / target
+    components = COMPONENTS if component == "all" else (component,)
+    return overlay(tmp / target.replace("/", "_"), components, base=base)
+
+
 def render_target(target: str, tmp: Path) -> list[dict[str, Any]]:
-    """A target of :data:`RENDERED`: a kustomization of the kit, or ``+component`` on the base."""
-    if not target.startswith("+"):
-        return render(KUSTOMIZE / target)
-    components = COMPONENTS if target == "+all" else (target[1:],)
-    return render(overlay(tmp / target[1:], components))
+    return render(target_directory(target, tmp))
 
 
 @pytest.fixture(scope="module", params=RENDERED, ids=lambda t: t or "base")
@@ -349,8 +400,8 @@ def test_kustomize_builds_what_the_renderer_renders(target: str, tmp_path: Path)
     if cli is None:
         pytest.skip("no kustomize >= 5 here (kustomize, kubectl or $EC_S3_KUSTOMIZE_BIN): the renderer alone "
                     "checks the kustomizations")
-    ours = render_target(target, tmp_path)
-    directory = KUSTOMIZE / target if not target.startswith("+") else tmp_path / target[1:]
+    directory = target_directory(target, tmp_path)
+    ours = render(directory)
     proc = subprocess.run([*cli, str(directory)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{' '.join(cli)} rejects {target or 'the base'}:\n{proc.stderr}"
     text = json.dumps([d for d in yaml.safe_load_all(proc.stdout) if d])
@@ -556,7 +607,7 @@ def test_every_ec_s3_config_is_valid_where_it_runs(rendered: tuple[str, list[dic
         assert config.bucket == env["EC_S3_BUCKET"], name
         seen.add((obj["metadata"]["name"], transfer["ec_role"]))
         serves = obj["kind"] == "Deployment" and c in pod["containers"]
-        if transfer["ec_role"] == "ec_consumer" and serves:
+        if transfer["ec_role"] in ("ec_consumer", "ec_both") and serves:
             volume = _volume_at(pod, c, config.staging_dir)
             assert volume is not None and volume.get("emptyDir", {}).get("medium") == "Memory", (
                 f"{name}: staging_dir {config.staging_dir} is not on a Memory emptyDir (a container's /dev/shm is 64 MiB)")
@@ -566,12 +617,14 @@ def test_every_ec_s3_config_is_valid_where_it_runs(rendered: tuple[str, list[dic
             volume = _volume_at(pod, c, config.spool_dir)
             assert volume is not None and "emptyDir" in volume, f"{name}: spool_dir {config.spool_dir} is not a volume"
             assert _parse_quantity(volume["emptyDir"]["sizeLimit"]) >= config.spool_max_bytes, name
-    assert {("ec-s3-encoder", "ec_producer"), ("ec-s3-pd", "ec_consumer")} <= seen
+    assert set(gpu_roles(target).items()) <= seen
 
 
 def test_vllm_servers_take_the_config_from_the_configmap(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     target, objs = rendered
-    roles = {"ec-s3-encoder": "ec_producer", "ec-s3-pd": "ec_consumer"}
+    roles = gpu_roles(target)
+    assert not [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] not in roles
+                and o["metadata"]["name"].startswith("ec-s3-") and o["metadata"]["name"] != "ec-s3-proxy"]
     models = set()
     for name, role in roles.items():
         pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
@@ -593,15 +646,16 @@ def test_vllm_servers_take_the_config_from_the_configmap(rendered: tuple[str, li
         assert check["command"][:2] == ["ec-s3", "check"], name
         assert container_env(objs, check)["EC_TRANSFER_CONFIG"] == env["EC_TRANSFER_CONFIG"], name
         args_ns = build_cli_parser().parse_args(check["command"][1:])
+        # Only a pure consumer may be checked read-only: every other role writes.
         assert args_ns.read_only == (role == "ec_consumer"), name
-        if role == "ec_producer":
+        if role in ("ec_producer", "ec_both"):
             extra = ECS3Config.from_extra_config(
                 {**transfer["ec_connector_extra_config"], "access_key_id": None, "secret_access_key": None},
                 environ=env)
             timeout = next(float(a.split("=", 1)[1]) for a in args if a.startswith("--shutdown-timeout="))
             assert timeout > extra.shutdown_timeout_s, "vLLM must wait for pending uploads on SIGTERM"
             assert pod["terminationGracePeriodSeconds"] > timeout
-    assert len(models) == 1, "encoders and prefill/decode must load the same model string"
+    assert len(models) == 1, "every vLLM server of a fleet must load the same model string"
 
 
 def test_vllm_accepts_the_transfer_configs() -> None:
@@ -614,12 +668,33 @@ def test_vllm_accepts_the_transfer_configs() -> None:
         assert config.ec_connector == "ECS3Connector", path
 
 
-def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers() -> None:
-    objs = render(KUSTOMIZE)
+def _proxy_knows_route() -> bool:
+    return "--route" in build_proxy_parser()._option_string_actions
+
+
+def parse_proxy_args(args: list[str]) -> Any:
+    """The proxy's ProxyConfig from a container's args, by the proxy's own parser.
+    ``--route`` comes with the proxy's affinity routing (branch h/affinity); a checkout whose
+    proxy lacks it parses the other args without it, and the callers check it only where the
+    proxy has it."""
+    if not _proxy_knows_route():
+        args = [a for a in args if not a.startswith("--route=")]
+    return proxy_config_from_args(build_proxy_parser().parse_args(args))
+
+
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
+def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers(fleet: str) -> None:
+    objs = render(KUSTOMIZE / fleet)
     proxy = _find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"]["containers"][0]
     assert proxy["command"] == ["ec-s3", "proxy"]
-    config = proxy_config_from_args(build_proxy_parser().parse_args(proxy["args"]))
-    assert config.encoder_urls == ("http://ec-s3-encoder:8000",) and config.pd_urls == ("http://ec-s3-pd:8000",)
+    config = parse_proxy_args(proxy["args"])
+    # Every --encoder-url names a Service there is; an aggregated fleet has none to call.
+    encoders = () if fleet == AGGREGATED else ("http://ec-s3-encoder:8000",)
+    assert config.encoder_urls == encoders and config.pd_urls == ("http://ec-s3-pd:8000",)
+    for url in (*config.encoder_urls, *config.pd_urls):
+        _find(objs, "Service", url.split("//")[1].split(":")[0])
+    if fleet == AGGREGATED and _proxy_knows_route():
+        assert config.route == "affinity", "repeats of an image to the server that has it"
     assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
     # A proxy is not restarted because prefill/decode is down: liveness is not /health.
     assert "httpGet" not in proxy["livenessProbe"]
@@ -633,7 +708,7 @@ def check_proxy_drain(pod: dict[str, Any], pd_shutdown_timeout_s: float, where: 
     then requests in flight get as long as prefill/decode gives them, all within the pod's
     grace period (default 30 s), so a proxy rollout never cuts a generation p/d would finish."""
     (proxy,) = [c for c in pod["containers"] if c.get("command") == ["ec-s3", "proxy"]]
-    config = proxy_config_from_args(build_proxy_parser().parse_args(proxy["args"]))
+    config = parse_proxy_args(proxy["args"])
     pre_stop = _pre_stop_seconds(proxy)
     grace = pod.get("terminationGracePeriodSeconds", 30)
     assert pre_stop >= 5, f"{where}: the endpoints need a moment to drop the proxy before SIGTERM"
@@ -644,8 +719,9 @@ def check_proxy_drain(pod: dict[str, Any], pd_shutdown_timeout_s: float, where: 
         f"({config.shutdown_timeout_s:g} s) are over")
 
 
-def test_the_proxy_drains_as_long_as_prefill_decode() -> None:
-    objs = render(KUSTOMIZE)
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
+def test_the_proxy_drains_as_long_as_prefill_decode(fleet: str) -> None:
+    objs = render(KUSTOMIZE / fleet)
     pd = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]
     vllm = next(c for c in pd["containers"] if c["name"] == "vllm")
     check_proxy_drain(_find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"],
@@ -774,6 +850,31 @@ def test_minio_overlay_is_self_contained() -> None:
         assert (ini["default"]["aws_access_key_id"], ini["default"]["aws_secret_access_key"]) == (root["user"], root["password"])
 
 
+# --------------------------------------------------------------------------- aggregated overlay (issue 32)
+#: The keys an ec_both server uses as a consumer and as a producer: its config sets each
+#: one, so that none silently falls back to a default sized for another role.
+CONSUMER_KEYS = {"lookup", "staging_dir", "staging_bytes"}
+PRODUCER_KEYS = {"max_inflight_bytes", "backpressure", "shutdown_timeout_s", "spool_dir", "spool_max_bytes"}
+
+
+def test_aggregated_overlay_is_a_fleet_of_ec_both_servers_on_one_bucket() -> None:
+    """No encoder anywhere (objects, Service URLs, its Secret), prefill/decode runs the
+    ec_both config with both roles' keys, and the pods publish (checked read/write)."""
+    objs = render(KUSTOMIZE / AGGREGATED)
+    assert not [o for o in objs if "encoder" in o["metadata"]["name"]], "the encoder's objects are deleted"
+    text = json.dumps([o for o in objs if o["kind"] != "ConfigMap"])
+    assert "ec-s3-encoder" not in text, "something still names the encoder (a URL, its Secret, its account)"
+    pod = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]
+    for c in _containers(pod):
+        transfer = json.loads(container_env(objs, c)["EC_TRANSFER_CONFIG"])
+        assert transfer["ec_role"] == "ec_both", c["name"]
+        extra = transfer["ec_connector_extra_config"]
+        assert CONSUMER_KEYS | PRODUCER_KEYS <= set(extra), sorted(CONSUMER_KEYS | PRODUCER_KEYS - set(extra))
+        assert extra["lookup"] == "always", "an ec_both server loads what another one encoded"
+    # The EPD configs stay in the ConfigMap (the base generates them), used by no pod.
+    assert {"producer.json", "consumer.json", "aggregated.json"} == set(_config_map_data(objs, "ec-s3-config"))
+
+
 # --------------------------------------------------------------------------- the commands, run
 def _run_as_in_the_pod(objs: list[dict[str, Any]], c: dict[str, Any], s3_endpoint: Any, bucket: str,
                        secrets_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -808,16 +909,20 @@ def _write_credentials_file(path: Path, key_id: str, secret: str) -> None:
     path.write_text(f"[default]\naws_access_key_id = {key_id}\naws_secret_access_key = {secret}\n")
 
 
-def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(s3_endpoint: Any, bucket: str, tmp_path: Path) -> None:
-    objs = render(KUSTOMIZE)
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
+def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(fleet: str, s3_endpoint: Any, bucket: str,
+                                                                    tmp_path: Path) -> None:
+    objs = render(KUSTOMIZE / fleet)
     good, bad = tmp_path / "good", tmp_path / "bad"
     for d, secret in ((good, s3_endpoint.credentials.secret_access_key), (bad, "not-the-secret")):
         d.mkdir()
         _write_credentials_file(d / "credentials", s3_endpoint.credentials.access_key_id, secret)
-    for name in ("ec-s3-encoder", "ec-s3-pd"):
+    for name, role in gpu_roles(fleet).items():
         check = _find(objs, "Deployment", name)["spec"]["template"]["spec"]["initContainers"][0]
         ok = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, good)
         assert ok.returncode == 0 and "PASS" in ok.stdout, f"{name}:\n{ok.stdout}\n{ok.stderr}"
+        if role != "ec_consumer":  # a server that publishes proves its writes before it starts
+            assert "PASS: read/write access" in ok.stdout and re.search(r"ok\s+put ", ok.stdout), f"{name}: {ok.stdout}"
         # Exit status 1 fails the init container, so the pod (and the rollout) stops here,
         # and its output, the termination message, says why and what to do.
         failed = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, bad)
@@ -898,14 +1003,15 @@ def _pre_stop_seconds(c: dict[str, Any]) -> float:
     return float(command[1])
 
 
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_gpu_rollout_loses_no_request(strategy: str, tmp_path: Path) -> None:
+def test_a_gpu_rollout_loses_no_request(strategy: str, fleet: str, tmp_path: Path) -> None:
     """Each strategy, rendered: it progresses on the GPUs it says it needs (the default on
     a pool with none to spare), and an old pod drains: out of the endpoints first
     (preStop), then vLLM finishes in-flight requests (--shutdown-timeout > 0), all within
     the grace period."""
-    objs = render(overlay(tmp_path / strategy, STRATEGIES[strategy]))
-    for name in GPU_DEPLOYMENTS:
+    objs = render(overlay(tmp_path / strategy, STRATEGIES[strategy], base=fleet))
+    for name in gpu_roles(fleet):
         deployment = _find(objs, "Deployment", name)
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(copy.deepcopy(deployment), version, strict=True)
@@ -935,15 +1041,16 @@ def test_a_gpu_rollout_loses_no_request(strategy: str, tmp_path: Path) -> None:
             assert timeout >= 60, "prefill/decode: a long generation needs its minute"
 
 
-def test_vllm_parses_the_drain_flags() -> None:
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
+def test_vllm_parses_the_drain_flags(fleet: str) -> None:
     """The GPU containers' args, as vLLM's own `vllm serve` parser reads them."""
     pytest.importorskip("vllm")
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    objs = render(KUSTOMIZE)
+    objs = render(KUSTOMIZE / fleet)
     parser = make_arg_parser(FlexibleArgumentParser())
-    for name in GPU_DEPLOYMENTS:
+    for name in gpu_roles(fleet):
         vllm = next(c for c in _find(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
                     if c["name"] == "vllm")
         env = container_env(objs, vllm)
@@ -965,7 +1072,7 @@ def test_every_pdb_lets_a_drain_through_at_every_replica_count(rendered: tuple[s
     target renders, and any an operator scales to."""
     target, objs = rendered
     budgets = [o for o in objs if o["kind"] == "PodDisruptionBudget"]
-    assert {b["metadata"]["name"] for b in budgets} >= {"ec-s3-proxy", *GPU_DEPLOYMENTS}
+    assert {b["metadata"]["name"] for b in budgets} >= {"ec-s3-proxy", *gpu_roles(target)}
     for pdb in budgets:
         selector = pdb["spec"]["selector"]["matchLabels"]
         selected = [o for o in objs if o["kind"] == "Deployment"
@@ -996,6 +1103,10 @@ ROLES = {
     "gc": ({"ec-s3-gc", "ec-s3-abort-stale-uploads"},
            {"s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListBucket", "s3:ListBucketMultipartUploads"}),
 }
+#: overlays/aggregated: each identity it keeps, and the role whose policy it needs. No
+#: encoder identity; its prefill/decode pods publish what they encode, so the pd identity
+#: needs the encoder's rights (its kustomization.yaml and docs/deploy.md say so).
+AGGREGATED_POLICIES = {"pd": "encoder", "gc": "gc"}
 
 
 def _s3_secrets(objs: list[dict[str, Any]], pod: dict[str, Any]) -> set[str]:
@@ -1011,8 +1122,16 @@ def test_each_role_has_its_own_identity_and_only_its_rights(rendered: tuple[str,
     target, objs = rendered
     env = _config_map_data(objs, "ec-s3-env")
     prefix = ECS3Config.from_extra_config({}, environ=env).prefix
-    irsa = target in ("+irsa", "+all")
-    for role, (workloads, actions) in ROLES.items():
+    irsa = target.endswith(("+irsa", "+all"))
+    aggregated = target.partition("+")[0] == AGGREGATED
+    policies = AGGREGATED_POLICIES if aggregated else {r: r for r in ROLES}
+    accounts = {o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"}
+    assert accounts == {"ec-s3-proxy", *(f"ec-s3-{r}" for r in policies)}, f"{target or 'base'}: {sorted(accounts)}"
+    if aggregated:
+        documented = (KUSTOMIZE / AGGREGATED / "kustomization.yaml").read_text()
+        assert "deploy/iam/encoder-policy.json" in documented, "the pd keys must be an encoder's: say so"
+    for role, needs in policies.items():
+        workloads, actions = ROLES[role][0], ROLES[needs][1]
         account = _find(objs, "ServiceAccount", f"ec-s3-{role}")
         assert account["automountServiceAccountToken"] is False, role
         for obj, pod in pod_specs(objs):
@@ -1020,7 +1139,7 @@ def test_each_role_has_its_own_identity_and_only_its_rights(rendered: tuple[str,
                 assert pod["serviceAccountName"] == f"ec-s3-{role}", obj["metadata"]["name"]
                 assert _s3_secrets(objs, pod) == (set() if irsa else {f"ec-s3-{role}-credentials"}), (
                     f"{obj['metadata']['name']} reads another role's keys")
-        policy = json.loads((IAM / f"{role}-policy.json").read_text())
+        policy = json.loads((IAM / f"{needs}-policy.json").read_text())
         granted: set[str] = set()
         for statement in policy["Statement"]:
             assert statement["Effect"] == "Allow"
@@ -1037,7 +1156,7 @@ def test_each_role_has_its_own_identity_and_only_its_rights(rendered: tuple[str,
     assert proxy["serviceAccountName"] == "ec-s3-proxy" and not _s3_secrets(objs, proxy)
     # One role's Secret, one role's pods: no Secret is shared.
     used = [s for _, pod in pod_specs(objs) for s in _s3_secrets(objs, pod)]
-    assert len(set(used)) == (0 if irsa else 3)
+    assert len(set(used)) == (0 if irsa else len(policies))
 
 
 def test_irsa_leaves_no_secret_behind(tmp_path: Path) -> None:
@@ -1127,17 +1246,18 @@ def test_probes_resources_and_disks_are_bounded(rendered: tuple[str, list[dict[s
             f"{name}: ephemeral-storage requests below its emptyDirs' sizeLimits")
 
 
-def test_the_proxy_spreads_and_the_gpu_pods_reach_gpu_nodes(tmp_path: Path) -> None:
-    objs = render(KUSTOMIZE)
+@pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
+def test_the_proxy_spreads_and_the_gpu_pods_reach_gpu_nodes(fleet: str, tmp_path: Path) -> None:
+    objs = render(KUSTOMIZE / fleet)
     proxy = _find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]
     spread = {t["topologyKey"]: t for t in proxy["spec"]["topologySpreadConstraints"]}
     assert {"kubernetes.io/hostname", "topology.kubernetes.io/zone"} <= set(spread)
     for t in spread.values():
         assert t["labelSelector"]["matchLabels"].items() <= proxy["metadata"]["labels"].items()
-    objs = render(overlay(tmp_path / "gpu", ("gpu-nodes", "model-pvc")))
+    objs = render(overlay(tmp_path / "gpu", ("gpu-nodes", "model-pvc"), base=fleet))
     claim = _find(objs, "PersistentVolumeClaim", "ec-s3-models")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every GPU pod mounts the one claim"
-    for name in GPU_DEPLOYMENTS:
+    for name in gpu_roles(fleet):
         pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"], name
         assert pod["nodeSelector"] and pod["runtimeClassName"] == "nvidia", name
@@ -1148,7 +1268,7 @@ def test_the_proxy_spreads_and_the_gpu_pods_reach_gpu_nodes(tmp_path: Path) -> N
         assert _volume_at(pod, vllm, env["HF_HOME"]) is cache, f"{name}: HF_HOME is not on the claim"
     # The proxy and gc stay off GPU nodes: no toleration for them.
     for obj, pod in pod_specs(objs):
-        if obj["metadata"]["name"] not in GPU_DEPLOYMENTS:
+        if obj["metadata"]["name"] not in gpu_roles(fleet):
             assert "tolerations" not in pod, obj["metadata"]["name"]
 
 
@@ -1165,15 +1285,16 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return True
 
 
-def test_vllm_pods_are_reachable_only_through_the_proxy(tmp_path: Path) -> None:
-    objs = render(overlay(tmp_path, ("network-policy",), base="overlays/minio"))
+@pytest.mark.parametrize("base", ["overlays/minio", AGGREGATED])
+def test_vllm_pods_are_reachable_only_through_the_proxy(base: str, tmp_path: Path) -> None:
+    objs = render(overlay(tmp_path, ("network-policy",), base=base))
     policies = [o for o in objs if o["kind"] == "NetworkPolicy"]
     assert policies
     pods = {obj["metadata"]["name"]: (obj["spec"]["jobTemplate"]["spec"] if obj["kind"] == "CronJob" else obj["spec"])
             ["template"].get("metadata", {}).get("labels", {}) for obj, _ in pod_specs(objs)}
     for name, labels in pods.items():
         applying = [p for p in policies if _selects(p["spec"]["podSelector"], labels)]
-        if name not in GPU_DEPLOYMENTS:
+        if name not in gpu_roles(base):
             continue
         assert applying and all("Ingress" in p["spec"]["policyTypes"] for p in applying), f"{name} is open"
         for policy in applying:
