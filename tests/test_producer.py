@@ -14,6 +14,7 @@ import safetensors.torch
 import torch
 
 from ec_s3.blob.codec import BlobMeta, encode_blob
+from ec_s3.blob.format import PRESENT_MARK
 from ec_s3.store.client import S3Store
 from support.ec_harness import blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
@@ -208,13 +209,14 @@ def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callab
     try:
         keyspace = second.scheduler_connector._scheduler._model.keyspace  # type: ignore[union-attr]
         promise = _promise(keyspace, "img-a")
-        promise["img-a"]["present"] = True
+        promise["img-a"][PRESENT_MARK] = True
         second.driver.add("r1", ["img-a"], ec_transfer_params=promise)
         drive(second.driver)
         assert second.sim.encoded == []
         assert torch.equal(second.sim.encoder_cache.get("img-a", fake_encoder_output("img-a", 16)), fake_encoder_output("img-a", 16))
         assert ("r1", "img-a") in second.sim.gathered
         assert second.worker.counters.get("upload_started") == 0
+        assert second.scheduler_connector.counters.get("items_encoded") == 0
     finally:
         second.close()
 
