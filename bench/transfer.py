@@ -158,6 +158,31 @@ class ObstoreClient(Client):
         await obstore.delete_async(self.store, key)
 
 
+# --------------------------------------------------------------------------- measurement
+
+
+async def _run_ops(client: Client, op: str, keys: list[str], body: Any, conc: int) -> int:
+    if not client.concurrent:
+        conc = 1
+    sem = asyncio.Semaphore(conc)
+    moved = 0
+
+    async def one(key: str) -> None:
+        nonlocal moved
+        async with sem:
+            if op == "put":
+                await client.put(key, body)
+                moved += len(memoryview(body)) if body is not None else 0
+            elif op == "get":
+                n = await client.get(key)  # not `moved += await ...`: that reads moved before awaiting
+                moved += n
+            else:
+                await client.delete(key)
+
+    await asyncio.gather(*(one(k) for k in keys))
+    return moved
+
+
 def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_obj: int, body: Any, tag: str) -> dict[str, Any]:
     keys = [f"bench/{client.name}/{tag}/{i:04d}" for i in range(n_obj)]
     out: dict[str, Any] = {}
