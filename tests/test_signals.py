@@ -52,7 +52,11 @@ def test_sigterm_flushes_pending_uploads(
                         log_path=tmp_path / "producer.log")
     with server:
         server.wait_ready(300)
-        fault_proxy.set_latency(3.0, methods=["PUT"])  # uploads now take > 3 s each
+        # Uploads now take > 6 s each: still pending when the worker closes, however long
+        # vLLM's own shutdown takes first (3 s was not always enough on a loaded 2-core CI
+        # host: the uploads had finished, and nothing was pending to log); within
+        # shutdown_timeout_s (8 s) of the close.
+        fault_proxy.set_latency(6.0, methods=["PUT"])
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(lambda s: _chat(server.url, s), range(6)))
         keys = [entry["key"] for r in replies for entry in r["ec_transfer_params"].values()]
