@@ -52,23 +52,29 @@ def test_sigterm_flushes_pending_uploads(
                         log_path=tmp_path / "producer.log")
     with server:
         server.wait_ready(300)
-        # Uploads now take > 6 s each: still pending when the worker closes, however long
-        # vLLM's own shutdown takes first (3 s was not always enough on a loaded 2-core CI
-        # host: the uploads had finished, and nothing was pending to log); within
-        # shutdown_timeout_s (8 s) of the close.
-        fault_proxy.set_latency(6.0, methods=["PUT"])
+        # Every upload is held at the proxy until the worker says it is flushing: pending
+        # when it closes however long vLLM's own shutdown takes first (a fixed PUT latency
+        # raced it on a loaded CI host: the uploads finished first, nothing was pending).
+        fault_proxy.set_stall(True, methods=["PUT"])
         with ThreadPoolExecutor(6) as pool:
             replies = list(pool.map(lambda s: _chat(server.url, s), range(6)))
         keys = [entry["key"] for r in replies for entry in r["ec_transfer_params"].values()]
         assert len(set(keys)) == 6
-        fault_proxy.wait_until(lambda c: c.latency >= 1, timeout_s=10)
+        fault_proxy.wait_until(lambda c: c.held_now >= 1, timeout_s=10)
         store = make_store()
         assert not any(store.run(store.head_async(k)) for k in keys), "uploads must still be pending"
+        log_path = tmp_path / "producer.log"
         started = time.monotonic()
-        code = server.stop(timeout=60)
+        with ThreadPoolExecutor(1) as pool:
+            stopping = pool.submit(server.stop, 60)
+            while "pending uploads before exit" not in log_path.read_text() and not stopping.done():
+                time.sleep(0.1)
+            fault_proxy.set_stall(False)  # released inside shutdown_timeout_s (8 s)
+            code = stopping.result()
         stopped_after = time.monotonic() - started
     present = [k for k in keys if store.run(store.head_async(k)) is not None]
-    log = (tmp_path / "producer.log").read_text()
+    log = log_path.read_text()
     print(f"\nSIGTERM: exit {code} after {stopped_after:.1f}s, {len(present)}/6 blobs present")
     assert present == keys, log[-3000:]
-    assert "uploads were pending at shutdown" in log
+    assert "flushing 6 pending uploads before exit" in log
+    assert "6 uploads were pending at shutdown: 0 abandoned" in log

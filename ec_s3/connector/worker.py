@@ -291,6 +291,10 @@ class ECS3Worker:
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         if self._publisher is not None:
+            if self._publisher.pending:
+                # Said before the wait, so an operator sees why the worker's exit is slow.
+                logger.info("ec-s3: flushing %d pending uploads before exit (up to %.0f s, shutdown_timeout_s)",
+                            self._publisher.pending, self._config.shutdown_timeout_s)
             pending, abandoned = self._publisher.shutdown(self._config.shutdown_timeout_s)
             if pending:
                 logger.info(
