@@ -785,9 +785,15 @@ def test_cli_flags() -> None:
 
 
 @contextlib.asynccontextmanager
-async def proxy_process(pd: FakePD, *args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+async def proxy_process(
+    pd: FakePD, *args: str
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str, bytearray]]:
     """``python -m ec_s3.proxy`` in front of ``pd`` (and a dead encoder), once /health
-    answers: (the process, its URL); killed afterwards if it still runs."""
+    answers: (the process, its URL, its output so far); killed afterwards if it still runs.
+
+    Its output is read all along: a pipe nobody reads fills at 64 KiB, and the proxy's
+    next log line then blocks its event loop (a thousand requests' worth of lines wedged
+    it on a loaded CI host)."""
     runner, pd.url = await serve(pd.app())
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -796,6 +802,14 @@ async def proxy_process(pd: FakePD, *args: str) -> AsyncIterator[tuple[asyncio.s
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
+    output = bytearray()
+
+    async def drain() -> None:
+        assert proc.stdout is not None
+        while chunk := await proc.stdout.read(65536):
+            output.extend(chunk)
+
+    drainer = asyncio.create_task(drain())
     try:
         async with aiohttp.ClientSession() as s:
             for _ in range(200):
@@ -806,25 +820,25 @@ async def proxy_process(pd: FakePD, *args: str) -> AsyncIterator[tuple[asyncio.s
                 await asyncio.sleep(0.05)
             else:
                 raise AssertionError("proxy did not come up")
-        yield proc, url
+        yield proc, url, output
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+        await drainer  # EOF once the process is gone
         await runner.cleanup()
 
 
 def test_python_m_ec_s3_proxy_serves_and_stops_on_sigterm() -> None:
     async def scenario() -> None:
-        async with proxy_process(FakePD("pd0")) as (proc, url):
+        async with proxy_process(FakePD("pd0")) as (proc, url, output):
             async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/chat/completions", json=chat(image(1))) as resp:
                 assert resp.status == 200
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 10) == 0
-            assert proc.stdout is not None
-            log = (await proc.stdout.read()).decode()
-            assert f"listening on {url}" in log
-            assert "failed" in log  # the dead encoder was logged, not raised
+        log = output.decode()  # whole: the context waited for the output's end
+        assert f"listening on {url}" in log
+        assert "failed" in log  # the dead encoder was logged, not raised
 
     run(scenario())
 
@@ -836,7 +850,7 @@ def test_sigterm_lets_requests_in_flight_finish_for_shutdown_timeout(shutdown_ti
     cut past it, when the proxy exits 0 without waiting for it."""
     async def scenario() -> None:
         pd = FakePD("pd0", delay=5.0)
-        async with proxy_process(pd, "--shutdown-timeout", str(shutdown_timeout)) as (proc, url):
+        async with proxy_process(pd, "--shutdown-timeout", str(shutdown_timeout)) as (proc, url, _output):
             async with aiohttp.ClientSession() as s:
                 async def ask() -> int:
                     async with s.post(f"{url}/v1/chat/completions", json=chat(image(1))) as resp:

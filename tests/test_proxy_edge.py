@@ -467,7 +467,7 @@ def test_a_thousand_concurrent_requests_are_answered_and_leave_nothing_behind() 
         enc_runner, enc.url = await serve(enc.app())
         try:
             async with proxy_process(pd, "--encoder-url", enc.url, "--max-connections-per-upstream", "1100",
-                                     "--encode-timeout", "4") as (proc, url):
+                                     "--encode-timeout", "4") as (proc, url, output):
                 async def wave(numbers: range) -> list[bool]:
                     """One client per request, all at once; their connections closed at the end."""
                     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
@@ -508,6 +508,7 @@ def test_a_thousand_concurrent_requests_are_answered_and_leave_nothing_behind() 
         finally:
             await enc_runner.cleanup()
         n_health, median_ms, worst_ms = out.split()
+        print(f"\nproxy output: {len(output)} bytes, {output.count(b'WARNING')} warnings")
         print(f"\n1000 requests in {elapsed:.1f} s; /health x{n_health.decode()}: median {float(median_ms):.0f} ms, "
               f"worst {float(worst_ms):.0f} ms; proxy RSS {base_rss >> 20} -> {peak_rss >> 20} -> {wave1_rss >> 20} "
               f"-> (second wave) {end_rss >> 20} MiB; fds {base_fds} -> {peak_fds} -> {wave1_fds} -> {end_fds}")
@@ -533,7 +534,7 @@ def test_big_bodies_at_once_stay_within_the_byte_budget() -> None:
     body = json.dumps(chat(image("big", extra="x" * (59 * 10**6)))).encode()
 
     async def scenario() -> None:
-        async with proxy_process(FakePD("pd0"), "--body-budget", "512MiB", "--max-body-bytes", "64MiB") as (proc, url):
+        async with proxy_process(FakePD("pd0"), "--body-budget", "512MiB", "--max-body-bytes", "64MiB") as (proc, url, _output):
             base_rss, _ = _proc_rss_fds(proc.pid)
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=100)) as session:
                 async def one() -> int:
