@@ -756,18 +756,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for w in (workload_name(k, i) for k in KINDS for i in IMAGES):
                 seen[w] = {t: set(hot) if w.startswith("hot") else set() for t in topologies}
             step = 0
+            missed: dict[str, set[str]] = {}  # workload -> topologies that missed the SLO at a lower rate
             for ri in range(max(len(rates[1]), len(rates[4]))):
                 for kind in kinds:
                     for k in args.images:
-                        if ri >= len(rates[k]):
+                        if ri >= len(rates[k]) or (args.workloads and workload_name(kind, k) not in args.workloads):
                             continue
                         w, rate = workload_name(kind, k), rates[k][ri]
+                        # Past its first miss a topology's SLO-90 rate is decided (slo90_rate
+                        # interpolates to the first miss): a higher rate only queues, for minutes.
+                        left = [t for t in topologies if args.full_sweep or t not in missed.get(w, set())]
+                        if not left:
+                            continue
                         n = max(args.min_requests, int(round(rate * args.seconds)))
                         stream = draw_stream(kind, k, n, rng[w], cache_images=cache,
                                              counter=fresh_ids.setdefault(w, {}))
                         paths = write_segment(work, f"{w}-r{ri}", stream, work / "images", served.image_px,
                                               topologies, served.photo)
-                        order = topologies[step % len(topologies):] + topologies[:step % len(topologies)]
+                        order = left[step % len(left):] + left[:step % len(left)]
                         step += 1
                         for t in order:
                             rep = repeat_fraction(stream, seen[w][t])
@@ -797,6 +803,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                          "encoded_fraction": encoded / enc_n if enc_n and t != "vllm-epd" else None,
                                          "vllm": res, "deltas": dd, "counts": run_counts,
                                          "command": ["vllm", "bench", "serve", *argv]})
+                            if (res["good_fraction"] or 0.0) < SLO_FRACTION:
+                                missed.setdefault(w, set()).add(t)
                             bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
                                    f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "
                                    f"TTFT p50/p99 {res['p50_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms")
@@ -817,6 +825,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     d: dict[str, Any] = {
         "params": {"quick": args.quick, "rates": rates, "slo_ttft_ms": slo, "output_len": args.output_len,
                    "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": kinds,
+                   "workloads": args.workloads, "full_sweep": args.full_sweep,
                    "model": dataclasses.asdict(served), "topologies": list(topologies),
                    "shared_proxy_args": list(args.shared_proxy_args), "image_tokens": served.image_tokens,
                    "encoder_cache_images": cache, "zipf_set": ZIPF_SET_FACTOR * cache,
@@ -986,6 +995,10 @@ def main() -> int:
     parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS), help="fresh,zipf,hot")
     parser.add_argument("--images", type=lambda s: [int(x) for x in s.split(",")], default=list(IMAGES),
                         help="images per request to run (default 1,4)")
+    parser.add_argument("--workloads", type=lambda s: s.split(","), default=None,
+                        help="only these of --kinds x --images, e.g. hot-4,zipf-4,fresh-4,hot-1")
+    parser.add_argument("--full-sweep", action="store_true",
+                        help="run every rate for every topology (default: a topology stops at its first SLO miss)")
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
                         help="the tiny Qwen2.5-VL with 1024x1024 photos (default) or the tiny LLaVA")
     parser.add_argument("--topologies", type=lambda s: s.split(","), default=list(TOPOLOGIES),
@@ -1022,6 +1035,11 @@ def main() -> int:
     if unknown or not args.topologies or "plain-dp" not in args.topologies:
         parser.error(f"--topologies: {unknown or args.topologies} (need plain-dp, the baseline, and names from "
                      f"{', '.join(TOPOLOGIES)})")
+    if args.workloads:
+        if bad := [w for w in args.workloads if w not in {workload_name(k, i) for k in KINDS for i in IMAGES}]:
+            parser.error(f"--workloads: {bad} (names are kind-images, e.g. hot-4)")
+        args.kinds = [k for k in KINDS if any(w.startswith(f"{k}-") for w in args.workloads)]
+        args.images = sorted({int(w.split("-")[1]) for w in args.workloads})
     if not set(args.images) <= set(IMAGES):
         parser.error(f"--images: {args.images} is not a subset of {IMAGES}")
     qwen = args.model == "qwen"
