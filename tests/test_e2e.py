@@ -17,7 +17,8 @@ One module-scoped stack serves (a) and (b):
 
 (c) runs ``ec-s3 demo`` as a subprocess against the session's S3 server; it proves
 the command a user runs first works, and it has no weight swap, so it does not
-replace (a).
+replace (a). (d) runs ``ec-s3 demo --topology aggregated`` the same way: two ``ec_both``
+servers behind the proxy encode each distinct image once between them.
 """
 
 from __future__ import annotations
@@ -205,6 +206,43 @@ def test_demo_command_against_session_s3(s3_endpoint: Any, tmp_path: Path) -> No
     # Fresh images and the two the encoder published for another front, against the plain server.
     assert "fresh images    : EPD median" in out and "fleet repeats   : EPD median" in out
     assert "items sent without params 0" in out
+    assert creds.secret_access_key not in out + proc.stderr
+
+
+# --------------------------------------------------------------------------- (d)
+@pytest.mark.slow
+@pytest.mark.timeout(E2E_TIMEOUT_S)
+def test_demo_aggregated_against_session_s3(s3_endpoint: Any, tiny_qwen_dir: Path, tmp_path: Path) -> None:
+    """``ec-s3 demo --topology aggregated`` exits 0 with every answer equal to its
+    baseline, and the two ec_both servers' items encoded (each server's
+    ``vllm:ec_s3_items_encoded_total``, as the summary prints it) sum to the distinct
+    images sent: an image one server encoded was never encoded by the other."""
+    import re
+
+    creds = s3_endpoint.credentials
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": creds.access_key_id, "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
+    cmd = [sys.executable, "-m", "ec_s3.cli", "demo", "--topology", "aggregated", "--endpoint-url", s3_endpoint.url,
+           "--bucket", f"demo-{secrets.token_hex(6)}", "--tiny-model-dir", str(tiny_qwen_dir),
+           "--log-dir", str(tmp_path / "logs"), "--load-timeout", str(LOAD_TIMEOUT_S)]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1400, check=False)
+    wall = time.monotonic() - started
+    print(f"\n--- ec-s3 demo --topology aggregated ({wall:.0f} s, exit {proc.returncode}):\n{proc.stdout}",
+          file=sys.stderr)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr (end):\n{proc.stderr[-3000:]}"
+    out = proc.stdout
+    assert "PASS: the aggregated fleet's answers equal the baseline's" in out
+    assert "outputs     : 8/8 answers equal to the plain server's" in out
+    encoded = {name: int(n) for name, n in re.findall(r"^  server ([AB])    : .*?; encoded (\d+) items", out, re.M)}
+    assert set(encoded) == {"A", "B"}, out
+    from ec_s3.demo.run import FLEET_SEEDS
+
+    distinct = len({r.image_seed for step in default_schedule(fleet_seeds=FLEET_SEEDS) for r in step})
+    assert sum(encoded.values()) == distinct == 6, (encoded, out)
+    assert f"for {distinct} distinct images sent: each encoded once" in out
+    assert f"bucket      : {distinct} new blobs" in out  # one per distinct image
+    # Single-request steps never spill: each repeat (2 again, 2 fleet) goes to its image's server.
+    assert "repeats     : 4 requests of an image sent or published before: 4 went to the server holding it" in out
     assert creds.secret_access_key not in out + proc.stderr
 
 

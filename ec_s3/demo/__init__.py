@@ -1,3 +1,4 @@
-"""``ec-s3 demo``: an EPD stack on one host (embedded S3, tiny model, producer,
-consumer, proxy) that proves answers equal a plain server's. ``run`` is the command,
-``chat`` the requests, ``report`` the summary. Never imported by the connector."""
+"""``ec-s3 demo``: an EPD stack (or, with ``--topology aggregated``, two ``ec_both``
+servers) on one host with embedded S3 and a tiny model, that proves answers equal a
+plain server's. ``run`` is the command, ``chat`` the requests, ``report`` the EPD
+summary, ``fleet_report`` the aggregated one. Never imported by the connector."""

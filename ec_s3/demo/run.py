@@ -18,6 +18,17 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    bucket, new to this prefill/decode server), the others "fresh" or "again" (this
    server had them). On a CPU host each server's worker runs on cores of its own
    (printed; see :mod:`ec_s3.sandbox.cpus` for why).
+
+   ``--topology aggregated`` replaces this phase with a fleet of aggregated servers: two
+   ``ec_both`` servers (each encodes, publishes what it encodes and loads what the other
+   published) on one bucket and prefix, each with a private staging dir (as on two
+   hosts), behind the proxy with no encoder (``--route affinity``: rendezvous hashing on
+   the first image). The same requests; the fleet images are published before them
+   through the server that ranks first for them, as another front of this fleet (the
+   same servers, the same ranking) would have: published through the *other* server, an
+   ``ec_both`` server that is sent them encodes them again, since it encodes every item
+   nobody promised first (:class:`ec_s3.connector.admission.AggregatedAdmission`) and a
+   proxy without encoders promises nothing.
 5. Summary: per request the latency next to the baseline's and where it went
    (encoder, upload, wait, fetch, prefill + decode: the servers' ``/metrics``, read
    before and after each step), where prefill/decode took the image from, fresh vs
@@ -25,13 +36,16 @@ What it does (about two minutes on a 2-core CPU host, nothing to download):
    connector's lookups / fallbacks, and whether every answer equals the baseline's
    (token ids equal, logprobs within ``--logprob-tolerance``: batching noise, see
    :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
+   Aggregated (:mod:`ec_s3.demo.fleet_report`): per request the server the proxy picked
+   and whether it encoded, loaded or had the image cached; per server items encoded,
+   loaded from the bucket and uploaded; whether each distinct image was encoded once.
 
 The tiny Qwen's encoder costs what prefilling its image costs (as in Qwen2.5-VL-3B; the
 tiny LLaVA's encoder, even with :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`, is nearly
 free next to prefill), so the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
 the plain server, fresh images at most 1.3x) as met or MISSED.
 
-Why the baseline runs on its own server, before the EPD servers: the consumer looks
+Why the baseline runs on its own server, before the EPD (or aggregated) servers: the consumer looks
 every image up in the bucket (``lookup: always``), so it can never produce a
 "non-disaggregated" answer once the encoder has published; a server without any
 ``ec_transfer_config`` can. Running it in its own phase keeps at most two engines
@@ -39,11 +53,11 @@ alive at once (memory on a CPU host, GPU memory with ``--model``) for one extra
 engine load, and running it first means a broken model fails fast and
 ``--keep-running`` can leave the EPD stack up at the end.
 
-Owns the command line and the phases (S3, model, baseline, EPD, summary, teardown:
-everything it starts is stopped on every exit, Ctrl-C and SIGTERM included). Does not
-own the chat requests (:mod:`ec_s3.demo.chat`), the summary
-(:mod:`ec_s3.demo.report`), nor the servers it starts (:mod:`ec_s3.sandbox`, the
-proxy).
+Owns the command line and the phases (S3, model, baseline, EPD or aggregated, summary,
+teardown: everything it starts is stopped on every exit, Ctrl-C and SIGTERM included).
+Does not own the chat requests (:mod:`ec_s3.demo.chat`), the summaries
+(:mod:`ec_s3.demo.report`, :mod:`ec_s3.demo.fleet_report`), nor the servers it starts
+(:mod:`ec_s3.sandbox`, the proxy).
 """
 
 from __future__ import annotations
@@ -73,6 +87,7 @@ from ec_s3.demo.chat import (
     post_chat,
     run_schedule,
 )
+from ec_s3.demo.fleet_report import FleetSnapshot, FleetWindows, print_fleet_summary, settle_fleet
 from ec_s3.demo.report import Out, Windows, print_summary, run_blobs, settle, settle_answered
 from ec_s3.demo.timing import Snapshot
 from ec_s3.sandbox.env import CPU_OFFLINE_ENV
@@ -93,6 +108,7 @@ __all__ = ["build_parser", "main"]
 DEFAULT_BUCKET = "ec-s3-demo"
 WARMUP_SEED = 0  # the image of each phase's warm-up request (not in the schedule)
 FLEET_SEEDS = (5, 6)  # published by the encoder before the schedule, as if for another front
+EPD, AGGREGATED = "epd", "aggregated"  # --topology
 
 
 # --------------------------------------------------------------------------- CLI
@@ -106,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
             "them instead of encoding, the ec-s3 proxy routes between them; every answer is\n"
             "compared with a plain (non-disaggregated) vLLM server. Exit 0 only if all match.\n"
             "\n"
+            "--topology aggregated: instead of encoder + prefill/decode, two ec_both servers\n"
+            "(each encodes, publishes what it encodes, loads what the other published) behind\n"
+            "the proxy with affinity routing; the summary shows what each server encoded and\n"
+            "loaded, and that each distinct image was encoded once across the fleet.\n"
+            "\n"
             "Without options everything is local: an embedded SeaweedFS S3 server and a tiny\n"
             "offline Qwen2.5-VL with random weights (a few minutes on a 2-core CPU)."
         ),
@@ -115,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
             "servers through the environment, never on a command line. Each run writes under a\n"
             "fresh prefix and deletes its blobs at the end (--keep-blobs keeps them).\n"
             "\n"
-            "--model: the encoder and prefill/decode servers run at the same time, so on one GPU\n"
-            "give each a share, e.g. --vllm-arg=--gpu-memory-utilization=0.4 (use the = form, or\n"
+            "--model: the encoder and prefill/decode servers (or the two aggregated servers) run at\n"
+            "the same time, so on one GPU give each a share, e.g.\n"
+            "--vllm-arg=--gpu-memory-utilization=0.4 (use the = form, or\n"
             "quote several: --vllm-arg='--max-model-len 4096 --enforce-eager')."
         ),
     )
@@ -138,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the model family EPD serves; default), or a tiny LLaVA-1.5 with small fixed-size images")
     m.add_argument("--tiny-model-dir", type=Path, default=None,
                    help="where the tiny model is built/reused (default $XDG_CACHE_HOME/ec-s3/tiny-qwen, /tiny-llava with --tiny-model llava)")
+    m.add_argument("--topology", choices=[EPD, AGGREGATED], default=EPD,
+                   help="epd (default): an encoder (ec_producer), a prefill/decode server (ec_consumer) and the "
+                        "proxy; aggregated: two ec_both servers on one bucket (each its own staging dir) behind the "
+                        "proxy with affinity routing and no encoder")
     m.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                    help="extra argument(s) for every vLLM server (repeatable, shell-split)")
     m.add_argument("--load-timeout", type=float, default=600.0, metavar="S",
@@ -151,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {BATCHING_TOLERANCE:g}: batching noise; 0: identical)")
     r.add_argument("--request-timeout", type=float, default=180.0, metavar="S", help="per request (default 180)")
     p.add_argument("--keep-running", action="store_true",
-                   help="leave the encoder, prefill/decode and proxy running after the summary (Ctrl-C stops)")
+                   help="leave the phase-4 servers and the proxy running after the summary (Ctrl-C stops)")
     return p
 
 
@@ -196,7 +222,10 @@ class _Demo:
     # ------------------------------------------------------------------ phases
     def run(self) -> int:
         out, args = self.out, self.args
-        out("ec-s3 demo: encoder -> S3 -> prefill/decode, checked against a plain vLLM server")
+        if args.topology == AGGREGATED:
+            out("ec-s3 demo: two aggregated servers (ec_both) sharing S3, checked against a plain vLLM server")
+        else:
+            out("ec-s3 demo: encoder -> S3 -> prefill/decode, checked against a plain vLLM server")
         with contextlib.ExitStack() as stack:
             log_dir = self._log_dir()
             try:
@@ -206,17 +235,18 @@ class _Demo:
                 baseline = self._baseline(model, server_args, env, log_dir)
                 if baseline is None:
                     return self._fail(log_dir)
-                results, windows, servers, proxy = self._epd(
-                    stack, store, model, server_args, env, extra_config, log_dir)
-                blobs = run_blobs(store, extra_config["prefix"], self.out)
-                if not args.keep_running:
-                    t = time.monotonic()
-                    stop_all(servers)
-                    proxy.stop()
-                    self.timings["shutdown"] = time.monotonic() - t
-                self._step(5, "summary")
-                ok = print_summary(out, self.schedule, baseline, results, windows, blobs,
-                                   extra_config["prefix"], self.timings, args.logprob_tolerance, parallel=True)
+                if args.topology == AGGREGATED:
+                    ok, servers, proxy = self._aggregated(
+                        stack, store, model, server_args, env, extra_config, log_dir, baseline)
+                else:
+                    results, windows, servers, proxy = self._epd(
+                        stack, store, model, server_args, env, extra_config, log_dir)
+                    blobs = run_blobs(store, extra_config["prefix"], self.out)
+                    if not args.keep_running:
+                        self._stop(servers, proxy)
+                    self._step(5, "summary")
+                    ok = print_summary(out, self.schedule, baseline, results, windows, blobs,
+                                       extra_config["prefix"], self.timings, args.logprob_tolerance, parallel=True)
                 if args.keep_running and all(s.is_running() for s in servers):
                     self._keep_running(servers, proxy, model)
                 if not args.keep_blobs:
@@ -241,6 +271,12 @@ class _Demo:
             elif not ok:
                 out(f"  server logs: {log_dir}")
             return 0 if ok else 1
+
+    def _stop(self, servers: list[VllmServer], proxy: Any) -> None:
+        t = time.monotonic()
+        stop_all(servers)
+        proxy.stop()
+        self.timings["shutdown"] = time.monotonic() - t
 
     def _fail(self, log_dir: Path) -> int:
         if any(log_dir.iterdir()):
@@ -457,6 +493,118 @@ class _Demo:
         self.out(f"      the encoder published img-{', img-'.join(map(str, FLEET_SEEDS))} for another front "
                  "(in the bucket; new to prefill/decode)")
 
+    def _aggregated(self, stack: contextlib.ExitStack, store: Any, model: str, server_args: list[str],
+                    env: dict[str, str], extra_config: dict[str, Any], log_dir: Path,
+                    baseline: dict[int, ChatResult]) -> tuple[bool, list[VllmServer], Any]:
+        """Phase 4 and the summary of ``--topology aggregated``: (every answer equal to the
+        baseline's, the two servers, the proxy)."""
+        from ec_s3.proxy.server import ProxyConfig, ProxyThread
+
+        out, args, prefix = self.out, self.args, extra_config["prefix"]
+        t = time.monotonic()
+        self._step(4, "aggregated: two ec_both servers on one bucket + ec-s3 proxy (affinity routing, no encoder)")
+        servers: dict[str, VllmServer] = {}
+        for name in ("A", "B"):
+            # A private staging area each (mkdtemp makes it 0o700), as on two hosts: the
+            # default (/dev/shm) is one host's, and both servers would share it.
+            staging = tempfile.mkdtemp(prefix=f"ec-s3-demo-staging-{name.lower()}-")
+            stack.callback(shutil.rmtree, staging, True)  # registered first: runs after the stop
+            config = ec_transfer_config("ec_both", {**extra_config, "staging_dir": staging})
+            servers[name] = VllmServer(model, name=f"server-{name.lower()}", args=server_args, env=env,
+                                       ec_transfer_config=config, log_path=log_dir / f"server-{name.lower()}.log")
+            stack.callback(servers[name].stop)
+        fleet = list(servers.values())
+        start_all(fleet)
+        out(f"      server A: {servers['A'].placement}; server B: {servers['B'].placement}")
+        wait_all_ready(fleet, args.load_timeout, progress=LoadProgress())
+        proxy_config = ProxyConfig(encoder_urls=[], pd_urls=[s.url for s in fleet], port=0)
+        urls = dict(zip(servers, proxy_config.pd_urls))  # as the proxy spells them: its metrics' labels
+        proxy = ProxyThread(proxy_config)
+        stack.callback(proxy.stop)
+        proxy.start()
+        out(f"      server A {urls['A']}, server B {urls['B']}, proxy {proxy.url}")
+        # Each server directly (the proxy would warm one): a fresh server's first image
+        # request is seconds slower. Both encode img-0; it is outside the counted window.
+        warm = [self._warm_up(s.url, model) for s in fleet]
+
+        def scrape() -> FleetSnapshot:
+            return FleetSnapshot({n: s.metrics() for n, s in servers.items()}, scrape_metrics(f"{proxy.url}/metrics"))
+
+        def flush() -> FleetSnapshot:
+            for s in fleet:  # a server reports its uploads with its next engine step: give each one
+                self._nudge(s.url, model)
+            return settle_fleet(scrape)
+
+        start = flush()
+        listed = run_blobs(store, prefix, out)
+        start.blobs = None if listed is None else frozenset(o.key for o in listed)
+        published = self._publish_through_holders(servers, urls, model, store, prefix)
+        windows = FleetWindows(start, flush())
+
+        def after_step(step: int, reqs: list[DemoRequest]) -> None:
+            windows.steps[step] = flush()
+
+        t_req = time.monotonic()
+        results = run_schedule(proxy.url, model, self.schedule, max_tokens=args.max_tokens,
+                               timeout=args.request_timeout, id_prefix="fleet", after_step=after_step,
+                               photo=self.photo)
+        self.timings["aggregated_requests"] = time.monotonic() - t_req
+        self.timings["aggregated"] = time.monotonic() - t
+        out(f"      warm-up requests {warm[0].latency_s:.1f} s (A), {warm[1].latency_s:.1f} s (B); {len(results)} "
+            f"requests in {self.timings['aggregated_requests']:.2f} s (metric scrapes between steps included)")
+        blobs = run_blobs(store, prefix, out)
+        if not args.keep_running:
+            self._stop(fleet, proxy)
+        self._step(5, "summary")
+        ok = print_fleet_summary(out, self.schedule, baseline, results, windows, urls, published, blobs, prefix,
+                                 self.timings, args.logprob_tolerance)
+        return ok, fleet, proxy
+
+    def _publish_through_holders(self, servers: dict[str, VllmServer], urls: dict[str, str], model: str,
+                                 store: Any, prefix: str) -> dict[int, str]:
+        """Each image of :data:`FLEET_SEEDS` is sent to the server that ranks first for it
+        (the proxy's rendezvous order over the same URLs), as another front of this fleet
+        would have routed it: that server encodes and publishes it. Waits until the blobs
+        are listed; returns seed -> server name. Not through a fixed server: the other one,
+        sent the image later, would encode it again (module docstring)."""
+        from ec_s3.proxy.media import find_media_items
+        from ec_s3.proxy.naming import name_media
+        from ec_s3.proxy.routing import rendezvous_order, route_key
+
+        names = list(urls)
+        before = len(run_blobs(store, prefix, self.out) or [])
+        published: dict[int, str] = {}
+        for seed in FLEET_SEEDS:
+            # Named as the proxy names it (content uuids): the same identifier, hence blob key.
+            body = name_media(chat_body(model, seed, QUESTIONS[0], max_tokens=self.args.max_tokens, photo=self.photo),
+                              give_uuids=True)
+            key = route_key(find_media_items(body))
+            if key is None:
+                raise ServerError(f"img-{seed}: the request has no media item to route by")
+            name = names[rendezvous_order(key, [urls[n] for n in names])[0]]
+            r = post_chat(servers[name].url, body, timeout=self.args.request_timeout,
+                          request_id=f"other-front-{seed}-{secrets.token_hex(3)}")
+            if not r.ok:
+                raise ServerError(f"server {name} failed img-{seed} for another front: HTTP {r.status}: {r.error}")
+            published[seed] = name
+        self._wait_listed(list(servers.values()), model, store, prefix, before + len(FLEET_SEEDS),
+                          f"the blobs of the {len(FLEET_SEEDS)} images published for another front")
+        self.out("      published " + ", ".join(f"img-{s} through server {n}" for s, n in published.items())
+                 + " for another front of this fleet (each through the server that ranks first for it)")
+        return published
+
+    def _wait_listed(self, servers: list[VllmServer], model: str, store: Any, prefix: str, count: int,
+                     what: str, timeout_s: float = 60.0) -> None:
+        """Until the run's prefix lists ``count`` blobs, giving each server engine steps
+        (uploads are reported and finished with them)."""
+        deadline = time.monotonic() + timeout_s
+        while len(run_blobs(store, prefix, self.out) or []) < count:
+            if time.monotonic() > deadline:
+                raise ServerError(f"{what} were not in the bucket after {timeout_s:.0f} s")
+            for s in servers:
+                self._nudge(s.url, model)
+            time.sleep(0.2)
+
     def _delete_blobs(self, store: Any, prefix: str) -> None:
         try:
             keys = [o.key for o in store.run(list_objects_async(store, key_root(prefix)), timeout=60)]
@@ -470,8 +618,9 @@ class _Demo:
     # ------------------------------------------------------------------ keep running
     def _keep_running(self, servers: list[VllmServer], proxy: Any, model: str) -> None:
         out = self.out
+        roles = ("server A", "server B") if self.args.topology == AGGREGATED else ("encoder", "prefill/decode")
         out("")
-        out(f"--keep-running: proxy {proxy.url} (encoder {servers[0].url}, prefill/decode {servers[1].url})")
+        out(f"--keep-running: proxy {proxy.url} ({roles[0]} {servers[0].url}, {roles[1]} {servers[1].url})")
         out(f"  try: curl -s {proxy.url}/v1/chat/completions -H 'Content-Type: application/json' \\")
         out(f"         -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": [{{\"type\": "
             f"\"image_url\", \"image_url\": {{\"url\": \"<data: or http URL>\"}}}}]}}]}}'")
