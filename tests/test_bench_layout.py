@@ -18,10 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 HELPERS = {"__init__", "benchlib", "run_all", "epd_stack", "costmodel"}  # epd_stack: goodput.py's proxies;
 # costmodel: goodput.py's model
-# Results not re-run on the code of this commit: affinity (10 min on this host), run on
-# the code of issue 32's merges. strict: once one is current, this test fails until its
-# name leaves the set.
-PENDING_RERUN = {"affinity"}
+# Results not re-run on the code of this commit, by name (none now). strict: once one is
+# current, this test fails until its name leaves the set.
+PENDING_RERUN: set[str] = set()
 
 
 def _run_all_names() -> list[str]:
