@@ -26,7 +26,7 @@ from typing import Any
 
 from ec_s3.cli.common import format_bytes
 from ec_s3.demo.chat import AGAIN, FLEET, FRESH, ChatResult, DemoRequest, compare_results
-from ec_s3.demo.report import Out
+from ec_s3.demo.report import Out, print_verdict
 from ec_s3.sandbox.metrics import MetricSamples
 
 __all__ = ["FleetSnapshot", "FleetWindows", "ServerCounts", "print_fleet_summary", "server_counts", "settle_fleet"]
@@ -276,16 +276,7 @@ def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], bas
                 f, b = statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
                 out(f"    {kind:<9} : fleet median {1000 * f:.0f} ms vs plain {1000 * b:.0f} ms "
                     f"({f / b:.2f}x, {len(pairs)} requests)")
-    ok_all = matches == len(requests)
-    out(f"  outputs     : {matches}/{len(requests)} answers equal to the plain server's "
-        f"(token ids, and logprobs {'identical' if not tolerance else f'within {tolerance:g}'}, temperature 0)")
-    t = timings
-    parts = [f"S3 {t.get('s3', 0):.1f} s", f"model {t.get('model', 0):.1f} s",
-             f"baseline phase {t.get('baseline', 0):.0f} s", f"aggregated phase {t.get('aggregated', 0):.0f} s"]
-    if "shutdown" in t:
-        parts.append(f"shutdown {t['shutdown']:.0f} s")
-    out(f"  wall time   : {out.elapsed():.0f} s ({', '.join(parts)})")
-    out("")
-    out("PASS: the aggregated fleet's answers equal the baseline's" if ok_all
-        else "FAIL: some of the aggregated fleet's answers differ from the baseline's")
-    return ok_all
+    return print_verdict(out, matches, len(requests), tolerance, timings, against="the plain server's",
+                         phase=("aggregated", "aggregated"),
+                         verdicts=("the aggregated fleet's answers equal the baseline's",
+                                   "some of the aggregated fleet's answers differ from the baseline's"))

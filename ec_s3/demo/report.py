@@ -310,19 +310,27 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         f"{dx0(P + 'encoder_skips_total', source='answer')} from its encoder's answers, "
         f"{dx0(P + 'encoder_skips_total', source='bucket')} found by a HEAD; "
         f"forgotten as missing {dx0(P + 'known_forgotten_total', reason='missing')}")
-    ok_all = matches == len(requests)
-    out(f"  outputs     : {matches}/{len(requests)} answers equal to the non-disaggregated run "
+    return print_verdict(out, matches, len(requests), tolerance, timings, against="the non-disaggregated run",
+                         phase=("EPD", "epd"), verdicts=("the disaggregated answers equal the baseline's",
+                                                         "some disaggregated answers differ from the baseline's"))
+
+
+def print_verdict(out: Out, matches: int, total: int, tolerance: float, timings: Mapping[str, float], *,
+                  against: str, phase: tuple[str, str], verdicts: tuple[str, str]) -> bool:
+    """The summary's last lines (answers matched, wall time, PASS/FAIL), shared by the
+    EPD and the aggregated summaries; ``phase`` is (its name, its key in ``timings``),
+    ``verdicts`` the (PASS, FAIL) texts. True if every answer matched."""
+    ok_all = matches == total
+    out(f"  outputs     : {matches}/{total} answers equal to {against} "
         f"(token ids, and logprobs {'identical' if not tolerance else f'within {tolerance:g}'}, temperature 0)")
     t = timings
-    wall = out.elapsed()
     parts = [f"S3 {t.get('s3', 0):.1f} s", f"model {t.get('model', 0):.1f} s",
-             f"baseline phase {t.get('baseline', 0):.0f} s", f"EPD phase {t.get('epd', 0):.0f} s"]
+             f"baseline phase {t.get('baseline', 0):.0f} s", f"{phase[0]} phase {t.get(phase[1], 0):.0f} s"]
     if "shutdown" in t:
         parts.append(f"shutdown {t['shutdown']:.0f} s")
-    out(f"  wall time   : {wall:.0f} s ({', '.join(parts)})")
+    out(f"  wall time   : {out.elapsed():.0f} s ({', '.join(parts)})")
     out("")
-    out("PASS: the disaggregated answers equal the baseline's" if ok_all
-        else "FAIL: some disaggregated answers differ from the baseline's")
+    out(f"PASS: {verdicts[0]}" if ok_all else f"FAIL: {verdicts[1]}")
     return ok_all
 
 

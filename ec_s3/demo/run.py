@@ -72,6 +72,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -458,15 +459,24 @@ class _Demo:
             windows.answered[step] = settle_answered(scrape, windows.flushed[step - 1], len(reqs))
             windows.flushed[step] = flush()
 
-        t_req = time.monotonic()
-        results = run_schedule(proxy.url, model, self.schedule, max_tokens=args.max_tokens,
-                               timeout=args.request_timeout, id_prefix="epd", after_step=after_step,
-                               photo=self.photo)
-        self.timings["epd_requests"] = time.monotonic() - t_req
-        self.timings["epd"] = time.monotonic() - t
-        out(f"      warm-up request {warm.latency_s:.1f} s; {len(results)} requests in "
-            f"{self.timings['epd_requests']:.2f} s (metric scrapes between steps included)")
+        results = self._run_phase_schedule(proxy.url, model, "epd", after_step, t,
+                                           f"warm-up request {warm.latency_s:.1f} s")
         return results, windows, servers, proxy
+
+    def _run_phase_schedule(self, url: str, model: str, phase: str,
+                            after_step: Callable[[int, list[DemoRequest]], None], started: float, warm_up: str,
+                            id_prefix: str | None = None) -> dict[int, ChatResult]:
+        """The schedule through ``url`` (the phase's proxy); records the phase's timings
+        under ``phase`` and prints them after ``warm_up`` (what its warm-up took)."""
+        t_req = time.monotonic()
+        results = run_schedule(url, model, self.schedule, max_tokens=self.args.max_tokens,
+                               timeout=self.args.request_timeout, id_prefix=id_prefix or phase,
+                               after_step=after_step, photo=self.photo)
+        self.timings[f"{phase}_requests"] = time.monotonic() - t_req
+        self.timings[phase] = time.monotonic() - started
+        self.out(f"      {warm_up}; {len(results)} requests in {self.timings[f'{phase}_requests']:.2f} s "
+                 "(metric scrapes between steps included)")
+        return results
 
     def _publish_for_another_front(self, encoder_url: str, model: str, store: Any, prefix: str) -> None:
         """The encoder encodes and publishes :data:`FLEET_SEEDS` as the proxy of another
@@ -483,13 +493,8 @@ class _Demo:
                               request_id=f"other-front-{seed}-{secrets.token_hex(3)}")
                 if not r.ok:
                     raise ServerError(f"the encoder failed img-{seed} for the other front: HTTP {r.status}: {r.error}")
-        deadline = time.monotonic() + 60
-        while len(run_blobs(store, prefix, self.out) or []) < before + len(FLEET_SEEDS):
-            if time.monotonic() > deadline:
-                raise ServerError(f"the encoder's blobs of {len(FLEET_SEEDS)} images for another front were not "
-                                  "in the bucket after 60 s")
-            self._nudge(encoder_url, model)  # uploads are reported and finished with engine steps
-            time.sleep(0.2)
+        self._wait_listed([encoder_url], model, store, prefix, before + len(FLEET_SEEDS),
+                          f"the encoder's blobs of {len(FLEET_SEEDS)} images for another front")
         self.out(f"      the encoder published img-{', img-'.join(map(str, FLEET_SEEDS))} for another front "
                  "(in the bucket; new to prefill/decode)")
 
@@ -544,14 +549,9 @@ class _Demo:
         def after_step(step: int, reqs: list[DemoRequest]) -> None:
             windows.steps[step] = flush()
 
-        t_req = time.monotonic()
-        results = run_schedule(proxy.url, model, self.schedule, max_tokens=args.max_tokens,
-                               timeout=args.request_timeout, id_prefix="fleet", after_step=after_step,
-                               photo=self.photo)
-        self.timings["aggregated_requests"] = time.monotonic() - t_req
-        self.timings["aggregated"] = time.monotonic() - t
-        out(f"      warm-up requests {warm[0].latency_s:.1f} s (A), {warm[1].latency_s:.1f} s (B); {len(results)} "
-            f"requests in {self.timings['aggregated_requests']:.2f} s (metric scrapes between steps included)")
+        results = self._run_phase_schedule(proxy.url, model, "aggregated", after_step, t,
+                                           f"warm-up requests {warm[0].latency_s:.1f} s (A), "
+                                           f"{warm[1].latency_s:.1f} s (B)", id_prefix="fleet")
         blobs = run_blobs(store, prefix, out)
         if not args.keep_running:
             self._stop(fleet, proxy)
@@ -587,22 +587,22 @@ class _Demo:
             if not r.ok:
                 raise ServerError(f"server {name} failed img-{seed} for another front: HTTP {r.status}: {r.error}")
             published[seed] = name
-        self._wait_listed(list(servers.values()), model, store, prefix, before + len(FLEET_SEEDS),
+        self._wait_listed([s.url for s in servers.values()], model, store, prefix, before + len(FLEET_SEEDS),
                           f"the blobs of the {len(FLEET_SEEDS)} images published for another front")
         self.out("      published " + ", ".join(f"img-{s} through server {n}" for s, n in published.items())
                  + " for another front of this fleet (each through the server that ranks first for it)")
         return published
 
-    def _wait_listed(self, servers: list[VllmServer], model: str, store: Any, prefix: str, count: int,
+    def _wait_listed(self, urls: list[str], model: str, store: Any, prefix: str, count: int,
                      what: str, timeout_s: float = 60.0) -> None:
-        """Until the run's prefix lists ``count`` blobs, giving each server engine steps
-        (uploads are reported and finished with them)."""
+        """Until the run's prefix lists ``count`` blobs, giving the servers at ``urls``
+        engine steps (uploads are reported and finished with them)."""
         deadline = time.monotonic() + timeout_s
         while len(run_blobs(store, prefix, self.out) or []) < count:
             if time.monotonic() > deadline:
                 raise ServerError(f"{what} were not in the bucket after {timeout_s:.0f} s")
-            for s in servers:
-                self._nudge(s.url, model)
+            for url in urls:
+                self._nudge(url, model)
             time.sleep(0.2)
 
     def _delete_blobs(self, store: Any, prefix: str) -> None:
