@@ -54,7 +54,8 @@ from typing import Any
 
 from bench import benchlib as bl
 
-bl.setup_env()
+if __name__ == "__main__":  # a run, before vLLM is imported; imported for run_all's rows, os.environ stays
+    bl.setup_env()
 
 import torch  # noqa: E402
 

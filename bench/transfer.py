@@ -37,7 +37,8 @@ from typing import Any
 
 from bench import benchlib as bl
 
-bl.setup_env()
+if __name__ == "__main__":  # a run, before vLLM is imported; imported for run_all's rows, os.environ stays
+    bl.setup_env()
 
 import torch  # noqa: E402
 
@@ -316,19 +317,11 @@ def print_tables(summ: dict[str, Any]) -> None:
         for cell, r in summ.items():
             e = r[op]
             c = e["clients"]
-            rows.append([
-                cell,
-                c.get("ec-s3", {}).get("mib_per_s"),
-                e.get("best_raw"),
-                c.get(e.get("best_raw") or "", {}).get("mib_per_s"),
-                e.get("ec_s3_vs_best_raw"),
-                e.get("ec_s3_vs_boto-default"),
-                e.get("ec_s3_vs_ec-s3-botocore"),
-                c.get("ec-s3", {}).get("client_cpu_s_per_gib"),
-                c.get("ec-s3-botocore", {}).get("client_cpu_s_per_gib"),
-                c.get(e.get("best_raw") or "", {}).get("client_cpu_s_per_gib"),
-                c.get("ec-s3", {}).get("server_cpu_s_per_gib"),
-            ])
+            raw = e.get("best_raw") or ""
+            rows.append([cell, c.get("ec-s3", {}).get("mib_per_s"), e.get("best_raw"), c.get(raw, {}).get("mib_per_s"),
+                         e.get("ec_s3_vs_best_raw"), e.get("ec_s3_vs_boto-default"), e.get("ec_s3_vs_ec-s3-botocore"),
+                         *(c.get(n, {}).get("client_cpu_s_per_gib") for n in ("ec-s3", "ec-s3-botocore", raw)),
+                         c.get("ec-s3", {}).get("server_cpu_s_per_gib")])
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def",
              "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],

@@ -5,6 +5,7 @@ leaves out, names and fails on any result whose files have changed since."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +52,21 @@ def test_a_result_without_hashes_or_whose_file_is_gone_is_stale() -> None:
                                       "recorded them)"]
     assert run_all.stale("x", {"sources": {"ec_s3/gone.py": "0" * 16}}) == [
         "stale: x.json measured ec_s3/gone.py, which is gone"]
+
+
+def test_importing_every_bench_leaves_the_environment_alone() -> None:
+    """run_all's render imports each bench for its rows; a bench that set its env at
+    import (VLLM_LOGGING_LEVEL=WARNING) changed the test process's environment, and
+    every vLLM server a later test started lost its INFO lines (test_signals failed on
+    CI for a log line it waits for). Failed before: VLLM_LOGGING_LEVEL was set."""
+    code = ("import importlib, os\n"
+            "before = dict(os.environ)\n"
+            "from bench import run_all\n"
+            "for name in run_all.BENCHES:\n"
+            "    importlib.import_module(f'bench.{name}')\n"
+            "after = dict(os.environ)\n"
+            "print(sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k)))\n")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
