@@ -48,7 +48,9 @@ def test_sigterm_flushes_pending_uploads(
     creds = {"AWS_ACCESS_KEY_ID": extra.pop("access_key_id"), "AWS_SECRET_ACCESS_KEY": extra.pop("secret_access_key")}
     server = VllmServer(tiny_model_dir, name="producer", ec_transfer_config=ec_transfer_config("ec_producer", extra),
                         args=[*TINY_MODEL_ARGS, "--served-model-name", "tiny", "--shutdown-timeout", "10"],
-                        env={**CPU_OFFLINE_ENV, **creds, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "10"},
+                        # INFO: the test waits for the worker's INFO line, whatever the caller's env says.
+                        env={**CPU_OFFLINE_ENV, **creds, "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": "10",
+                             "VLLM_LOGGING_LEVEL": "INFO"},
                         log_path=tmp_path / "producer.log")
     with server:
         server.wait_ready(300)
