@@ -19,14 +19,13 @@ the EPD summary (:mod:`ec_s3.demo.report`) nor the metrics themselves
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ec_s3.cli.common import format_bytes
 from ec_s3.demo.chat import AGAIN, FLEET, FRESH, ChatResult, DemoRequest, compare_results
-from ec_s3.demo.report import Out, print_verdict
+from ec_s3.demo.report import Out, fmt_bytes, fmt_num, metric_delta, print_verdict, settle
 from ec_s3.sandbox.metrics import MetricSamples
 
 __all__ = ["FleetSnapshot", "FleetWindows", "ServerCounts", "print_fleet_summary", "server_counts", "settle_fleet"]
@@ -76,13 +75,6 @@ class ServerCounts:
     fallbacks: float | None
 
 
-def _delta(after: MetricSamples, before: MetricSamples, name: str, **labels: str) -> float | None:
-    a = after.get(name, **labels)
-    if a is None:
-        return None
-    return a - (before.get(name, **labels) or 0.0)
-
-
 def worker_reported(final: MetricSamples) -> bool:
     """Whether a server's worker-side counters (uploads, loads) reach its /metrics at all
     (:mod:`ec_s3.connector.metrics`): one of them moved in the run. Each server published
@@ -93,7 +85,7 @@ def worker_reported(final: MetricSamples) -> bool:
 
 def server_counts(before: MetricSamples, after: MetricSamples, *, loads_reported: bool = True) -> ServerCounts:
     def d(name: str, **labels: str) -> float | None:
-        return _delta(after, before, name, **labels)
+        return metric_delta(after, before, name, **labels)
 
     return ServerCounts(d(M_ENCODED), d(M_LOADED) if loads_reported else None, d(M_DOWNLOADED), d(M_UPLOADED),
                         d(M_UPLOADED_BYTES), d(M_LOOKUPS, outcome="hit"), d(M_LOOKUPS, outcome="miss"),
@@ -105,22 +97,9 @@ def _counters(m: MetricSamples) -> tuple[Any, ...]:
     return tuple(s for s in m.samples if s[0].startswith(M) and s[0].endswith("_total"))
 
 
-def settle_fleet(scrape: Callable[[], FleetSnapshot], wait_s: float = 1.5, every_s: float = 0.25) -> FleetSnapshot:
-    """Scrape until two reads of every server's connector counters agree (stats reach
-    /metrics with an engine's next output); after ``wait_s`` the last read."""
-    deadline = time.monotonic() + wait_s
-    snap = scrape()
-    while time.monotonic() < deadline:
-        time.sleep(every_s)
-        nxt = scrape()
-        if all(_counters(nxt.servers[n]) == _counters(snap.servers[n]) for n in snap.servers):
-            return nxt
-        snap = nxt
-    return snap
-
-
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:g}"
+def settle_fleet(scrape: Callable[[], FleetSnapshot]) -> FleetSnapshot:
+    """Scrape until two reads of every server's connector counters agree (:func:`settle`)."""
+    return settle(scrape, key=lambda snap: tuple(_counters(m) for m in snap.servers.values()))
 
 
 def _picks(before: FleetSnapshot, after: FleetSnapshot, urls: Mapping[str, str]) -> dict[str, dict[str, float]]:
@@ -128,7 +107,7 @@ def _picks(before: FleetSnapshot, after: FleetSnapshot, urls: Mapping[str, str])
     out: dict[str, dict[str, float]] = {}
     for name, url in urls.items():
         for outcome in ("affinity", "spill", "no_media"):
-            v = _delta(after.proxy, before.proxy, PICKS, upstream=url, outcome=outcome)
+            v = metric_delta(after.proxy, before.proxy, PICKS, upstream=url, outcome=outcome)
             if v:
                 out.setdefault(name, {})[outcome] = v
     return out
@@ -235,22 +214,22 @@ def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], bas
         for key, total in totals.items():
             v = getattr(c, key)
             totals[key] = None if v is None or total is None else total + v  # n/a if any server's is
-        out(f"  server {name}    : {_num(sum(picks.values()))} requests routed here "
-            f"(affinity {_num(picks.get('affinity', 0.0))}, spill {_num(picks.get('spill', 0.0))}); "
-            f"encoded {_num(c.encoded)} items, loaded {_num(c.loaded)} from the bucket")
-        out(f"                ({_num(c.downloaded)} GETs; lookups hit {_num(c.lookup_hits)} / miss "
-            f"{_num(c.lookup_misses)}), uploaded {_num(c.uploaded)} blobs / "
-            f"{'n/a' if c.uploaded_bytes is None else format_bytes(c.uploaded_bytes)}; local fallbacks "
-            f"{_num(c.fallbacks)}; {urls[name]}")
+        out(f"  server {name}    : {fmt_num(sum(picks.values()))} requests routed here "
+            f"(affinity {fmt_num(picks.get('affinity', 0.0))}, spill {fmt_num(picks.get('spill', 0.0))}); "
+            f"encoded {fmt_num(c.encoded)} items, loaded {fmt_num(c.loaded)} from the bucket")
+        out(f"                ({fmt_num(c.downloaded)} GETs; lookups hit {fmt_num(c.lookup_hits)} / miss "
+            f"{fmt_num(c.lookup_misses)}), uploaded {fmt_num(c.uploaded)} blobs / "
+            f"{fmt_bytes(c.uploaded_bytes)}; local fallbacks "
+            f"{fmt_num(c.fallbacks)}; {urls[name]}")
     distinct = len({r.image_seed for r in requests})
     encoded = totals["encoded"]
     verdict = ("each encoded once" if encoded == distinct
                else "n/a: a server exports no ec-s3 counters" if encoded is None
                else f"<-- expected {distinct}: one encode per distinct image")
-    out(f"  encoded     : {_num(encoded)} items across the {len(names)} servers for {distinct} distinct images "
+    out(f"  encoded     : {fmt_num(encoded)} items across the {len(names)} servers for {distinct} distinct images "
         f"sent: {verdict}")
-    out(f"                and {_num(totals['loaded'])} loaded from the bucket ({_num(totals['downloaded'])} GETs), "
-        f"{_num(totals['uploaded'])} blobs published (both servers)")
+    out(f"                and {fmt_num(totals['loaded'])} loaded from the bucket ({fmt_num(totals['downloaded'])} GETs), "
+        f"{fmt_num(totals['uploaded'])} blobs published (both servers)")
     n_rep = sum(repeats.values())
     out(f"  repeats     : {n_rep} requests of an image sent or published before: {repeats['holder']} went to the "
         f"server holding it, {repeats['other']} to the other"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import format_bytes
@@ -24,8 +24,10 @@ from ec_s3.demo.chat import AGAIN, FLEET, FRESH, ChatResult, DemoRequest, compar
 from ec_s3.demo.timing import H_E2E, Part, Snapshot, StepTimes, step_times
 from ec_s3.sandbox.metrics import MetricSamples
 
-__all__ = ["Out", "Snapshot", "Windows", "print_summary", "run_blobs", "settle", "settle_answered",
-           "image_source", "kind_lines", "uploads_unreported"]
+S = TypeVar("S")  # a snapshot of the servers' /metrics (EPD or aggregated)
+
+__all__ = ["Out", "Snapshot", "Windows", "fmt_bytes", "fmt_num", "metric_delta", "print_summary", "print_verdict",
+           "run_blobs", "settle", "settle_answered", "image_source", "kind_lines", "uploads_unreported"]
 
 # Metric families of the connector (vLLM prefixes them with "vllm:"). Absent ones print n/a.
 M = "vllm:ec_s3_"
@@ -39,30 +41,35 @@ P = "ec_s3_proxy_"
 
 
 # --------------------------------------------------------------------------- metrics
-def _delta(after: MetricSamples, before: MetricSamples, name: str, **labels: str) -> float | None:
+def metric_delta(after: MetricSamples, before: MetricSamples, name: str, **labels: str) -> float | None:
     a = after.get(name, **labels)
     if a is None:
         return None
     return a - (before.get(name, **labels) or 0.0)
 
 
-def _fmt_num(v: float | None) -> str:
+def fmt_num(v: float | None) -> str:
     return "n/a" if v is None else f"{v:g}"
 
 
-def _fmt_bytes(v: float | None) -> str:
+def fmt_bytes(v: float | None) -> str:
     return "n/a" if v is None else format_bytes(v)
 
 
-def settle(scrape: Callable[[], Snapshot], wait_s: float = 1.5, every_s: float = 0.25) -> Snapshot:
-    """Scrape until two reads agree (stats reach /metrics with the engine's next output)."""
+def _epd_counters(snap: Snapshot) -> tuple[Any, ...]:
+    return tuple(_only_counters(getattr(snap, r)).samples for r in ("producer", "consumer"))
+
+
+def settle(scrape: Callable[[], S], key: Callable[[S], Any] = _epd_counters, wait_s: float = 1.5,
+           every_s: float = 0.25) -> S:
+    """Scrape until two reads agree on ``key`` (the connector's counters: stats reach
+    /metrics with the engine's next output); after ``wait_s`` the last read."""
     deadline = time.monotonic() + wait_s
     snap = scrape()
     while time.monotonic() < deadline:
         time.sleep(every_s)
         nxt = scrape()
-        if all(_only_counters(getattr(nxt, r)).samples == _only_counters(getattr(snap, r)).samples
-               for r in ("producer", "consumer")):
+        if key(nxt) == key(snap):
             return nxt
         snap = nxt
     return snap
@@ -76,7 +83,7 @@ def settle_answered(scrape: Callable[[], Snapshot], start: Snapshot, n: int, wai
     deadline = time.monotonic() + wait_s
     while True:
         snap = scrape()
-        counted = [_delta(getattr(snap, r), getattr(start, r), H_E2E + "_count") for r in ("producer", "consumer")]
+        counted = [metric_delta(getattr(snap, r), getattr(start, r), H_E2E + "_count") for r in ("producer", "consumer")]
         if all(c is None or c >= n for c in counted) or time.monotonic() >= deadline:
             return snap
         time.sleep(every_s)
@@ -250,16 +257,16 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
     bp, bc, bx = base.producer, base.consumer, base.proxy
 
     def dp(name: str, **labels: str) -> float | None:
-        return _delta(p, bp, name, **labels)
+        return metric_delta(p, bp, name, **labels)
 
     def dc(name: str, **labels: str) -> float | None:
-        return _delta(c, bc, name, **labels)
+        return metric_delta(c, bc, name, **labels)
 
     def dx(name: str, **labels: str) -> float | None:
-        return _delta(x, bx, name, **labels)
+        return metric_delta(x, bx, name, **labels)
 
     def mean_ms(after: MetricSamples, before: MetricSamples, name: str) -> str:
-        total, count = _delta(after, before, name + "_sum"), _delta(after, before, name + "_count")
+        total, count = metric_delta(after, before, name + "_sum"), metric_delta(after, before, name + "_count")
         return "n/a" if total is None or not count else f"{1000 * total / count:.1f} ms"
 
     out(f"  totals of the {len(requests)} requests (the warm-up request excluded):")
@@ -271,38 +278,38 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
         fresh = [o for o in blobs if o.key not in known]
         new_blobs = len(fresh)
         flag = "" if new_blobs == distinct else "   <-- expected one per distinct image"
-        out(f"  bucket      : {new_blobs} new blobs, {_fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
+        out(f"  bucket      : {new_blobs} new blobs, {fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
             f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up"
             f"{' and the other front' if any(r.kind == FLEET for r in requests) else ''})")
     if no_uploads is None:
-        out(f"  encoder     : uploaded {_fmt_num(dp(M_UPLOADED))} blobs / {_fmt_bytes(dp(M_UPLOADED_BYTES))}"
-            f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {_fmt_num(dp(M_UPLOAD_FAILURES))}"
-            f", retries {_fmt_num(dp(M_RETRIES))}")
+        out(f"  encoder     : uploaded {fmt_num(dp(M_UPLOADED))} blobs / {fmt_bytes(dp(M_UPLOADED_BYTES))}"
+            f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {fmt_num(dp(M_UPLOAD_FAILURES))}"
+            f", retries {fmt_num(dp(M_RETRIES))}")
     else:
         out("  encoder     : uploads n/a (why: see upload above)")
     loaded, downloaded = dc(M_LOADED), dc(M_DOWNLOADED)
     hit, miss, tmo = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout"))
-    out(f"  prefill/dec : lookups hit {_fmt_num(hit)} / miss {_fmt_num(miss)} (polls while waiting included)"
-        f" / timeout {_fmt_num(tmo)}; downloaded {_fmt_num(downloaded)} blobs / "
-        f"{_fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
+    out(f"  prefill/dec : lookups hit {fmt_num(hit)} / miss {fmt_num(miss)} (polls while waiting included)"
+        f" / timeout {fmt_num(tmo)}; downloaded {fmt_num(downloaded)} blobs / "
+        f"{fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
     if loaded is not None and downloaded and not c.get(M_LOADED):
         loaded_text = (f"loaded n/a: the consumer's {M_LOADED} stayed 0 for the whole run while it downloaded "
-                       f"{_fmt_num(downloaded)} blobs: ec-s3's worker-side metrics are not reported by this "
+                       f"{fmt_num(downloaded)} blobs: ec-s3's worker-side metrics are not reported by this "
                        "vLLM executor")
     else:
-        loaded_text = f"loaded {_fmt_num(loaded)} encoder outputs instead of encoding"
+        loaded_text = f"loaded {fmt_num(loaded)} encoder outputs instead of encoding"
     out(f"                {loaded_text}")
-    out(f"                local fallbacks {_fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
-        f"{_fmt_num(dc(M_UNAVAILABLE))}; invalid blobs {_fmt_num(dc(M_INVALID))}")
+    out(f"                local fallbacks {fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
+        f"{fmt_num(dc(M_UNAVAILABLE))}; invalid blobs {fmt_num(dc(M_INVALID))}")
     without = dx(P + "items_without_params_total")
-    out(f"  proxy       : {_fmt_num(dx(P + 'requests_total'))} requests, "
-        f"{_fmt_num(dx(P + 'mm_items_total'))} media items; encoder answers ok "
-        f"{_fmt_num(dx(P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
-        f"{_fmt_num(without if without is not None else (0.0 if x.ok else None))}")
+    out(f"  proxy       : {fmt_num(dx(P + 'requests_total'))} requests, "
+        f"{fmt_num(dx(P + 'mm_items_total'))} media items; encoder answers ok "
+        f"{fmt_num(dx(P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
+        f"{fmt_num(without if without is not None else (0.0 if x.ok else None))}")
 
     def dx0(name: str, **labels: str) -> str:  # a series not created yet is 0 on a proxy that answered
         v = dx(name, **labels)
-        return _fmt_num(v if v is not None else (0.0 if x.ok else None))
+        return fmt_num(v if v is not None else (0.0 if x.ok else None))
 
     out(f"                metadata-only items sent to prefill/decode (no image to decode or process there): "
         f"{dx0(P + 'metadata_only_items_total')}")
@@ -362,15 +369,15 @@ def image_source(reqs: Sequence[DemoRequest], before: Snapshot, after: Snapshot)
     proxy's and the consumer's /metrics: fetched from S3, encoded locally (a promise
     not kept, or no params), or neither: still in its own encoder cache."""
     n = len(reqs)
-    without = _delta(after.proxy, before.proxy, P + "items_without_params_total") or 0.0
+    without = metric_delta(after.proxy, before.proxy, P + "items_without_params_total") or 0.0
     # Downloaded (scheduler side, always reported), or loaded where the worker's
     # counter is reported.
-    fetched_src = [v for v in (_delta(after.consumer, before.consumer, M_LOADED),
-                               _delta(after.consumer, before.consumer, M_DOWNLOADED)) if v is not None]
+    fetched_src = [v for v in (metric_delta(after.consumer, before.consumer, M_LOADED),
+                               metric_delta(after.consumer, before.consumer, M_DOWNLOADED)) if v is not None]
     if not fetched_src:
         return "n/a: the consumer exports no ec-s3 counters"
     fetched = int(max(fetched_src))
-    local = int((_delta(after.consumer, before.consumer, M_FALLBACKS) or 0.0) + without)
+    local = int((metric_delta(after.consumer, before.consumer, M_FALLBACKS) or 0.0) + without)
     cached = max(0, n - fetched - local)
 
     def count(k: int) -> str:
