@@ -94,6 +94,7 @@ ZIPF_S = 1.1
 HOT_SET_FACTOR = 8
 HOT_REPEAT = 0.85
 SLO_FRACTION = 0.9
+PREFIX = "bench-goodput"  # the servers' key prefix in the bench's bucket
 PROMPT = "What is in this picture?"
 # Image ids: disjoint ranges per kind and, within one, per images-per-request (so that
 # fresh-1 never repeats fresh-4's images, nor zipf-1 zipf-4's set), except the hot set,
@@ -629,7 +630,7 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
     c0, c1 = [cores[0]], [cores[-1]]
     env = {**CPU_OFFLINE_ENV, **bl.BENCH_ENV, "AWS_ACCESS_KEY_ID": ep.access_key_id,
            "AWS_SECRET_ACCESS_KEY": ep.secret_access_key}
-    s3 = {"bucket": bucket, "endpoint_url": ep.url, "prefix": "bench-goodput"}
+    s3 = {"bucket": bucket, "endpoint_url": ep.url, "prefix": PREFIX}
     peer = {"shared_storage_path": str(work / "peer")}
     args = served.server_args()
     logs = work / "logs"
@@ -690,20 +691,48 @@ def _private_dir(path: Path) -> Path:
     return path
 
 
+# A topology's servers: {role in the windows: name in start_stack's servers}.
+SERVERS = {"plain-dp": {"plain A": "plain A", "plain B": "plain B"},
+           SHARED: {"shared A": "shared A", "shared B": "shared B"},
+           "vllm-epd": {"producer": "peer E", "consumer": "peer PD"}}
+EC_S3_SERVERS = {"producer": "ec-s3 E", "consumer": "ec-s3 PD"}
+
+
 def scrape(s: Mapping[str, Any], urls: Mapping[str, str], topo: str) -> dict[str, Any]:
     """One scrape of a topology's servers and proxy, by role."""
     from ec_s3.sandbox.metrics import scrape_metrics
 
-    if topo == "plain-dp":
-        out = {"plain A": s["plain A"].metrics(), "plain B": s["plain B"].metrics()}
-    elif topo == SHARED:
-        out = {"shared A": s["shared A"].metrics(), "shared B": s["shared B"].metrics()}
-    elif topo == "vllm-epd":
-        out = {"producer": s["peer E"].metrics(), "consumer": s["peer PD"].metrics()}
-    else:
-        out = {"producer": s["ec-s3 E"].metrics(), "consumer": s["ec-s3 PD"].metrics()}
+    out = {role: s[name].metrics() for role, name in SERVERS.get(topo, EC_S3_SERVERS).items()}
     out["proxy"] = scrape_metrics(f"{urls[topo]}/metrics")
     return out
+
+
+def settle_uploads(store: Any, s: Mapping[str, Any], topo: str, model: str, timeout_s: float = 60.0) -> int:
+    """Lets a run's uploads land in its own window, not the next run's (issue 32): waits
+    until the bucket's object count holds still for a second, then sends each of the
+    topology's ec-s3 servers a 1-token text request. That request is an engine step, and
+    vLLM collects a connector's counters only in a step: an idle server's ``/metrics``
+    would hold the worker's uploads back until the next run. Returns the object count."""
+    import urllib.request
+
+    async def count() -> int:
+        return sum([1 async for _ in store.list_async(store.config.prefix)])
+
+    last, still_since, deadline = -1, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        n = store.run(count(), timeout=30)
+        if n != last:
+            last, still_since = n, time.monotonic()
+        elif time.monotonic() - still_since >= 1.0:
+            break
+        time.sleep(0.25)
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 1}).encode()
+    for name in SERVERS.get(topo, EC_S3_SERVERS).values():
+        req = urllib.request.Request(f"{s[name].url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+    return last
 
 
 def deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dict[str, float]]:
@@ -717,125 +746,199 @@ def deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava
     from ec_s3.sandbox.tiny_qwen import build_tiny_qwen
-    from ec_s3.sandbox.vllm_server import stop_all
 
     served = SERVED[args.model]
-    topologies = args.topologies
     assert HEAVY_VISION.num_image_tokens == IMAGE_TOKENS, "IMAGE_TOKENS follows HEAVY_VISION"
     work = Path(tempfile.mkdtemp(prefix="ecb-goodput-"))
     (work / "logs").mkdir()
     (work / "peer").mkdir()
     model = str(build_tiny_qwen(work / "model") if served.name == "qwen"
                 else build_tiny_llava(work / "model", shape=HEAVY_VISION))
-    cache = served.cache_images
-    kinds = args.kinds
-    rates = {1: args.rates_1, 4: args.rates_4}
-    slo = {1: args.slo_ms_1, 4: args.slo_ms_4}
-    rng = {w: random.Random(f"goodput-{w}") for w in (workload_name(k, i) for k in KINDS for i in IMAGES)}
-    fresh_ids: dict[str, dict[str, int]] = {}
-    seen: dict[str, dict[str, set[int]]] = {}
-    runs: list[dict[str, Any]] = []
-    errors: list[str] = []
-    s: dict[str, Any] = {}
-    t_start = time.monotonic()
+    sweep = Sweep(args=args, served=served, model=model, work=work, t_start=time.monotonic())
+    load_s: list[float] = []
     try:
         with bl.s3_endpoint("goodput") as ep:
             bucket = bl.create_bucket(ep)
-            s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
-            load_s = time.monotonic() - t_start
-            hot = hot_set(cache)
-            if "hot" in kinds:
-                # Publish the hot set: one earlier request per 4 images through every topology.
-                paths = write_segment(work, "hot-warm", [hot[i:i + 4] for i in range(0, len(hot), 4)],
-                                      work / "images", served.image_px, topologies, served.photo)
-                for t in topologies:
-                    run_bench_serve(bench_serve_argv(base_url=urls[t], model=model, dataset=paths[t], rate=math.inf,
-                                                     n=len(hot) // 4, slo_ms=1e6, result_dir=work / "warm",
-                                                     result_file=f"warm-{t}.json", output_len=1, seed=0))
-                time.sleep(args.gap_s)
-            for w in (workload_name(k, i) for k in KINDS for i in IMAGES):
-                seen[w] = {t: set(hot) if w.startswith("hot") else set() for t in topologies}
-            step = 0
-            missed: dict[str, set[str]] = {}  # workload -> topologies that missed the SLO at a lower rate
-            for ri in range(max(len(rates[1]), len(rates[4]))):
-                for kind in kinds:
-                    for k in args.images:
-                        if ri >= len(rates[k]) or (args.workloads and workload_name(kind, k) not in args.workloads):
-                            continue
-                        w, rate = workload_name(kind, k), rates[k][ri]
-                        # Past its first miss a topology's SLO-90 rate is decided (slo90_rate
-                        # interpolates to the first miss): a higher rate only queues, for minutes.
-                        left = [t for t in topologies if args.full_sweep or t not in missed.get(w, set())]
-                        if not left:
-                            continue
-                        n = max(args.min_requests, int(round(rate * args.seconds)))
-                        stream = draw_stream(kind, k, n, rng[w], cache_images=cache,
-                                             counter=fresh_ids.setdefault(w, {}))
-                        paths = write_segment(work, f"{w}-r{ri}", stream, work / "images", served.image_px,
-                                              topologies, served.photo)
-                        order = left[step % len(left):] + left[:step % len(left)]
-                        step += 1
-                        for t in order:
-                            rep = repeat_fraction(stream, seen[w][t])
-                            before = scrape(s, urls, t)
-                            fname = f"{w}-{t}-{rate:g}.json"
-                            argv = bench_serve_argv(base_url=urls[t], model=model, dataset=paths[t], rate=rate, n=n,
-                                                    slo_ms=slo[k], result_dir=work / "results", result_file=fname,
-                                                    output_len=args.output_len, seed=ri)
-                            try:
-                                run_bench_serve(argv)
-                                res = parse_result(json.loads((work / "results" / fname).read_text()))
-                            except Exception as exc:  # noqa: BLE001 - one run failing must not lose the sweep
-                                errors.append(f"{w} {t} {rate:g}: {type(exc).__name__}: {exc}")
-                                bl.log(f"goodput: {errors[-1]}")
-                                continue
-                            time.sleep(args.gap_s)  # a worker spins ~1 s after its last step
-                            dd = deltas(before, scrape(s, urls, t))
-                            prod = dd.get("producer") or {}
-                            enc_n = prod.get("vllm:request_success_total") or 0.0
-                            encoded = (prod.get("vllm:ec_s3_blobs_uploaded_total") or 0.0) + (
-                                prod.get("vllm:ec_s3_uploads_already_present_total") or 0.0)
-                            run_counts = counts(t, dd)
-                            check_new_images_were_encoded(w, t, rate, stream, rep, run_counts, errors)
-                            runs.append({"workload": w, "kind": kind, "images": k, "topology": t, "rate": rate,
-                                         "n": n, "slo_ttft_ms": slo[k], "repeat_fraction": rep,
-                                         "miss_fraction": 1.0 - rep,
-                                         "encoded_fraction": encoded / enc_n if enc_n and t != "vllm-epd" else None,
-                                         "vllm": res, "deltas": dd, "counts": run_counts,
-                                         "command": ["vllm", "bench", "serve", *argv]})
-                            if (res["good_fraction"] or 0.0) < SLO_FRACTION:
-                                missed.setdefault(w, set()).add(t)
-                            bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
-                                   f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "
-                                   f"TTFT p50/p99 {res['p50_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms")
-                        if args.max_minutes and time.monotonic() - t_start > args.max_minutes * 60:
-                            raise TimeoutError(f"--max-minutes {args.max_minutes} reached")
+            from ec_s3.store.client import S3Store
+
+            sweep.store = S3Store(ep.config(bucket, prefix=PREFIX))
+            for pass_no, topologies in enumerate(args.passes):
+                t0 = time.monotonic()
+                s: dict[str, Any] = {}
+                try:
+                    s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
+                    load_s.append(time.monotonic() - t0)
+                    sweep.run_pass(pass_no, topologies, s, urls)
+                finally:
+                    stop_stack(s)
     except TimeoutError as exc:
-        errors.append(str(exc))
+        sweep.errors.append(str(exc))
     finally:
-        for p in s.get("_proxies", []):
-            p.stop()
-        stop_all([v for k, v in s.items() if not k.startswith("_")])
+        if sweep.store is not None:
+            sweep.store.close()
         if os.environ.get("EC_S3_BENCH_KEEP_LOGS"):
             keep = (args.out_dir or bl.RESULTS_DIR) / "logs" / "goodput"
             shutil.copytree(work / "logs", keep, dirs_exist_ok=True)
             if (work / "results").exists():  # vLLM's own result files
                 shutil.copytree(work / "results", keep / "vllm-results", dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
+    cache = served.cache_images
     d: dict[str, Any] = {
-        "params": {"quick": args.quick, "rates": rates, "slo_ttft_ms": slo, "output_len": args.output_len,
-                   "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": kinds,
-                   "workloads": args.workloads, "full_sweep": args.full_sweep,
-                   "model": dataclasses.asdict(served), "topologies": list(topologies),
+        "params": {"quick": args.quick, "rates": sweep.rates, "slo_ttft_ms": sweep.slo, "output_len": args.output_len,
+                   "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": args.kinds,
+                   "workloads": args.workloads, "full_sweep": args.full_sweep, "refine": args.refine,
+                   "model": dataclasses.asdict(served), "passes": [list(p) for p in args.passes],
+                   "topologies": [t for p in args.passes for t in p],
                    "shared_proxy_args": list(args.shared_proxy_args), "image_tokens": served.image_tokens,
                    "encoder_cache_images": cache, "zipf_set": ZIPF_SET_FACTOR * cache,
                    "zipf_s": ZIPF_S, "hot_set": HOT_SET_FACTOR * cache, "hot_repeat": HOT_REPEAT,
                    "slo_fraction": SLO_FRACTION},
-        "load_s": load_s if s else None, "elapsed_s": time.monotonic() - t_start, "runs": runs, "errors": errors,
+        "load_s": load_s, "elapsed_s": time.monotonic() - sweep.t_start, "runs": sweep.runs, "errors": sweep.errors,
     }
-    d["model"] = model_section(runs)
+    d["model"] = model_section(sweep.runs)
     d["goals"] = goals(d)
     return d
+
+
+def stop_stack(s: Mapping[str, Any]) -> None:
+    from ec_s3.sandbox.vllm_server import stop_all
+
+    for p in s.get("_proxies", []):
+        p.stop()
+    stop_all([v for k, v in s.items() if not k.startswith("_")])
+
+
+@dataclasses.dataclass
+class Sweep:
+    """The runs of one bench: per pass (a set of topologies up at once), the hot set
+    published, then the rate sweep interleaved across topologies, then ``--refine``
+    rounds of bisection. Every topology of a pass gets the same draws per (workload, rate)."""
+
+    args: argparse.Namespace
+    served: Served
+    model: str
+    work: Path
+    t_start: float
+    store: Any = None  # the bucket's S3Store, to wait for uploads (settle_uploads)
+    uploads: tuple[str, ...] = (SHARED, *EPD_TOPOLOGIES)  # the topologies that upload to it
+    runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.rates = {1: self.args.rates_1, 4: self.args.rates_4}
+        self.slo = {1: self.args.slo_ms_1, 4: self.args.slo_ms_4}
+        self.rng = {w: random.Random(f"goodput-{w}") for w, _, _ in self.workloads()}
+        self.fresh_ids: dict[str, dict[str, int]] = {}
+        self.streams: dict[tuple[str, float, int], list[list[int]]] = {}
+
+    def workloads(self) -> list[tuple[str, str, int]]:
+        """(name, kind, images) of every workload this bench runs, in sweep order."""
+        a = self.args
+        return [(workload_name(kind, k), kind, k) for kind in a.kinds for k in a.images
+                if not a.workloads or workload_name(kind, k) in a.workloads]
+
+    def run_pass(self, pass_no: int, topologies: Sequence[str], s: Mapping[str, Any], urls: Mapping[str, str]) -> None:
+        hot = hot_set(self.served.cache_images)
+        if "hot" in self.args.kinds:
+            # Publish the hot set: one earlier request per 4 images through every topology.
+            paths = write_segment(self.work, f"hot-warm-p{pass_no}", [hot[i:i + 4] for i in range(0, len(hot), 4)],
+                                  self.work / "images", self.served.image_px, topologies, self.served.photo)
+            for t in topologies:
+                run_bench_serve(bench_serve_argv(base_url=urls[t], model=self.model, dataset=paths[t], rate=math.inf,
+                                                 n=len(hot) // 4, slo_ms=1e6, result_dir=self.work / "warm",
+                                                 result_file=f"warm-{t}.json", output_len=1, seed=0))
+                if t in self.uploads:
+                    settle_uploads(self.store, s, t, self.model)
+            time.sleep(self.args.gap_s)
+        seen = {w: {t: set(hot) if kind == "hot" else set() for t in topologies} for w, kind, _ in self.workloads()}
+        missed: dict[str, set[str]] = {}  # workload -> topologies that missed the SLO at a lower rate
+        ctx = (pass_no, s, urls, seen)
+        for ri in range(max(len(self.rates[1]), len(self.rates[4]))):
+            for w, kind, k in self.workloads():
+                if ri >= len(self.rates[k]):
+                    continue
+                # Past its first miss a topology's SLO-90 rate is decided (slo90_rate
+                # interpolates to the first miss): a higher rate only queues, for minutes.
+                left = [t for t in topologies if self.args.full_sweep or t not in missed.get(w, set())]
+                for t, res in self.segment(ctx, w, kind, k, {t: self.rates[k][ri] for t in left}, seed=ri):
+                    if (res["good_fraction"] or 0.0) < SLO_FRACTION:
+                        missed.setdefault(w, set()).add(t)
+        for round_no in range(self.args.refine):
+            for w, kind, k in self.workloads():
+                mids = {t: r for t in topologies if (r := self.midpoint(w, t)) is not None}
+                self.segment(ctx, w, kind, k, mids, seed=100 + round_no)
+
+    def midpoint(self, w: str, t: str) -> float | None:
+        """The rate between a topology's highest met and its first missed rate (geometric
+        mean, 2 digits), where that bracket is wider than 20%; None where there is none."""
+        pts = sorted((r["rate"], r["vllm"]["good_fraction"]) for r in self.runs
+                     if r["workload"] == w and r["topology"] == t and r["vllm"].get("good_fraction") is not None)
+        first_miss = next((i for i, (_, f) in enumerate(pts) if f < SLO_FRACTION), None)
+        if not first_miss:  # none missed, or the lowest rate did: no bracket
+            return None
+        lo, hi = pts[first_miss - 1][0], pts[first_miss][0]
+        return float(f"{math.sqrt(lo * hi):.2g}") if hi / lo > 1.2 else None
+
+    def segment(self, ctx: tuple[Any, ...], w: str, kind: str, k: int, rate_of: Mapping[str, float],
+                seed: int) -> list[tuple[str, dict[str, Any]]]:
+        """One run per topology of ``rate_of`` at its rate, interleaved (the order rotated
+        each segment); topologies at one rate share one draw, in every pass."""
+        pass_no, s, urls, seen = ctx
+        for rate in sorted(set(rate_of.values())):
+            if (w, rate, seed) not in self.streams:  # a later pass gets the same draws
+                n = max(self.args.min_requests, int(round(rate * self.args.seconds)))
+                self.streams[w, rate, seed] = draw_stream(kind, k, n, self.rng[w], cache_images=self.served.cache_images,
+                                                          counter=self.fresh_ids.setdefault(w, {}))
+        order = list(rate_of)
+        order = order[self.step % len(order):] + order[:self.step % len(order)] if order else []
+        self.step += 1
+        out = []
+        for t in order:
+            rate = rate_of[t]
+            stream = self.streams[w, rate, seed]
+            path = write_segment(self.work, f"{w}-{rate:g}-s{seed}", stream, self.work / "images",
+                                 self.served.image_px, [t], self.served.photo)[t]
+            rep = repeat_fraction(stream, seen[w][t])
+            before = scrape(s, urls, t)
+            fname = f"{w}-{t}-{rate:g}-s{seed}.json"
+            argv = bench_serve_argv(base_url=urls[t], model=self.model, dataset=path, rate=rate, n=len(stream),
+                                    slo_ms=self.slo[k], result_dir=self.work / "results", result_file=fname,
+                                    output_len=self.args.output_len, seed=seed)
+            try:
+                run_bench_serve(argv)
+                res = parse_result(json.loads((self.work / "results" / fname).read_text()))
+            except Exception as exc:  # noqa: BLE001 - one run failing must not lose the sweep
+                self.errors.append(f"{w} {t} {rate:g}: {type(exc).__name__}: {exc}")
+                bl.log(f"goodput: {self.errors[-1]}")
+                continue
+            time.sleep(self.args.gap_s)  # a worker spins ~1 s after its last step
+            dd = deltas(before, scrape(s, urls, t))
+            if t in self.uploads:
+                # vLLM's own request metrics from the scrape above (the settle step adds a
+                # request), ec-s3's counters once the run's uploads have landed.
+                settle_uploads(self.store, s, t, self.model)
+                for role, after in deltas(before, scrape(s, urls, t)).items():
+                    dd[role].update({m: v for m, v in after.items() if m.startswith("vllm:ec_s3")})
+            prod = dd.get("producer") or {}
+            enc_n = prod.get("vllm:request_success_total") or 0.0
+            encoded = (prod.get("vllm:ec_s3_blobs_uploaded_total") or 0.0) + (
+                prod.get("vllm:ec_s3_uploads_already_present_total") or 0.0)
+            run_counts = counts(t, dd)
+            check_new_images_were_encoded(w, t, rate, stream, rep, run_counts, self.errors)
+            self.runs.append({"workload": w, "kind": kind, "images": k, "topology": t, "rate": rate, "pass": pass_no,
+                              "n": len(stream), "slo_ttft_ms": self.slo[k], "repeat_fraction": rep,
+                              "miss_fraction": 1.0 - rep,
+                              "encoded_fraction": encoded / enc_n if enc_n and t != "vllm-epd" else None,
+                              "vllm": res, "deltas": dd, "counts": run_counts,
+                              "command": ["vllm", "bench", "serve", *argv]})
+            out.append((t, res))
+            bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
+                   f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "
+                   f"TTFT p50/p99 {res['p50_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms")
+            if self.args.max_minutes and time.monotonic() - self.t_start > self.args.max_minutes * 60:
+                raise TimeoutError(f"--max-minutes {self.args.max_minutes} reached")
+        return out
 
 
 def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -1001,8 +1104,13 @@ def main() -> int:
                         help="run every rate for every topology (default: a topology stops at its first SLO miss)")
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
                         help="the tiny Qwen2.5-VL with 1024x1024 photos (default) or the tiny LLaVA")
-    parser.add_argument("--topologies", type=lambda s: s.split(","), default=list(TOPOLOGIES),
-                        help=f"a subset of {','.join(TOPOLOGIES)} (default all)")
+    parser.add_argument("--topologies", type=lambda s: [p.split(",") for p in s.split("/")],
+                        default=[list(TOPOLOGIES)],
+                        help=f"a subset of {','.join(TOPOLOGIES)} (default all, up at once); '/' splits them "
+                             "into passes that run one after the other, e.g. plain-dp,shared-dp/epd-parallel,vllm-epd")
+    parser.add_argument("--refine", type=int, default=None,
+                        help="rounds of bisection between each topology's last met and first missed rate "
+                             "(default 1, quick 0)")
     parser.add_argument("--shared-proxy-args", type=lambda s: s.split(), default=[],
                         help="extra ec-s3 proxy arguments for shared-dp (its default routing is --route affinity)")
     parser.add_argument("--seconds", type=float, default=None, help="arrivals per run (default 20, quick 5)")
@@ -1031,10 +1139,12 @@ def main() -> int:
         write_fleet(args.out_dir, not args.no_plot)
         return 0
     bl.setup_env()
-    unknown = [t for t in args.topologies if t not in TOPOLOGIES]
-    if unknown or not args.topologies or "plain-dp" not in args.topologies:
-        parser.error(f"--topologies: {unknown or args.topologies} (need plain-dp, the baseline, and names from "
-                     f"{', '.join(TOPOLOGIES)})")
+    args.passes = args.topologies
+    flat = [t for p in args.passes for t in p]
+    unknown = [t for t in flat if t not in TOPOLOGIES]
+    if unknown or not all(args.passes) or len(set(flat)) < len(flat) or "plain-dp" not in flat:
+        parser.error(f"--topologies: {unknown or args.passes} (need plain-dp, the baseline, and names from "
+                     f"{', '.join(TOPOLOGIES)}, each in one pass)")
     if args.workloads:
         if bad := [w for w in args.workloads if w not in {workload_name(k, i) for k in KINDS for i in IMAGES}]:
             parser.error(f"--workloads: {bad} (names are kind-images, e.g. hot-4)")
@@ -1053,6 +1163,7 @@ def main() -> int:
     args.seconds = args.seconds or (5.0 if args.quick else 20.0)
     args.min_requests = args.min_requests or (8 if args.quick else 24)
     args.max_minutes = args.max_minutes or (12.5 if args.quick else None)
+    args.refine = args.refine if args.refine is not None else (0 if args.quick else 1)
     d = run(args)
     print_tables(d)
     bl.write_json("goodput", d, args.out_dir)

@@ -343,3 +343,63 @@ def test_a_censored_ratio_below_its_target_decides_nothing() -> None:
     assert gp.judge(1.6, "<=", 1.5) is None
     assert gp.judge(1.2, "<=", 1.5) is False
     assert gp.judge(2.0, "~", 1.5) is None
+
+
+# --------------------------------------------------------------------------- refinement
+def _sweep_with(points: dict[str, list[tuple[float, float]]]) -> gp.Sweep:
+    import argparse
+
+    args = argparse.Namespace(rates_1=[1.0], rates_4=[0.5], slo_ms_1=1500.0, slo_ms_4=4000.0, kinds=["hot"],
+                              images=[1], workloads=None)
+    sw = gp.Sweep(args=args, served=gp.SERVED["qwen"], model="m", work=Path("."), t_start=0.0)
+    sw.runs = [{"workload": "hot-1", "topology": t, "rate": r, "vllm": {"good_fraction": f}}
+               for t, pts in points.items() for r, f in pts]
+    return sw
+
+
+def test_refinement_bisects_between_the_last_met_and_the_first_missed_rate() -> None:
+    sw = _sweep_with({"plain-dp": [(0.75, 1.0), (1.5, 0.6)], "shared-dp": [(0.75, 1.0), (1.5, 0.95), (2.5, 0.2)],
+                      "epd-serial": [(0.75, 0.5)], "vllm-epd": [(0.75, 1.0), (1.5, 1.0)],
+                      "epd-parallel": [(1.0, 1.0), (1.1, 0.5)]})
+    assert sw.midpoint("hot-1", "plain-dp") == 1.1  # sqrt(0.75 x 1.5) = 1.06, 2 digits
+    assert sw.midpoint("hot-1", "shared-dp") == 1.9  # between 1.5 (met) and 2.5 (missed)
+    assert sw.midpoint("hot-1", "epd-serial") is None  # missed at its lowest rate: nothing to bisect
+    assert sw.midpoint("hot-1", "vllm-epd") is None  # never missed: censored above
+    assert sw.midpoint("hot-1", "epd-parallel") is None  # bracket already within 20%
+    sw.runs.append({"workload": "hot-1", "topology": "plain-dp", "rate": 1.1, "vllm": {"good_fraction": 0.95}})
+    assert sw.midpoint("hot-1", "plain-dp") == 1.3  # the next round: between 1.1 and 1.5
+
+
+# --------------------------------------------------------------------------- the bench, run
+@pytest.mark.slow
+@pytest.mark.engine
+def test_a_one_rate_smoke_of_the_bench_in_two_passes(tmp_path: Path) -> None:
+    """CI's goodput smoke (issue 32): the bench itself, end to end, at one rate on the tiny
+    LLaVA, plain-dp and shared-dp in two passes (each pass its own servers): every run has
+    vLLM's numbers and its servers' windows, the shared fleet counted what it encoded, and
+    the goal rows were judged from them."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "bench.goodput", "--model", "llava", "--workloads", "hot-1",
+           "--topologies", "plain-dp/shared-dp", "--rates-1", "2", "--seconds", "3", "--min-requests", "6",
+           "--gap-s", "1", "--refine", "0", "--no-plot", "--out-dir", str(out)]
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=420,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    d = json.loads((out / "goodput.json").read_text())
+    assert d["errors"] == [] and d["params"]["passes"] == [["plain-dp"], ["shared-dp"]] and len(d["load_s"]) == 2
+    runs = {r["topology"]: r for r in d["runs"]}
+    assert set(runs) == {"plain-dp", "shared-dp"} and {r["pass"] for r in d["runs"]} == {0, 1}
+    for r in runs.values():
+        assert r["vllm"]["completed"] == r["n"] == 6 and r["vllm"]["good_fraction"] is not None
+        assert r["repeat_fraction"] > 0.5  # hot: most images were published before the sweep
+    fleet = runs["shared-dp"]["deltas"]["shared"]
+    assert fleet["vllm:request_success_total"] == 6
+    # The fleet's own counters were scraped: what it encoded and what it loaded instead.
+    assert "vllm:ec_s3_items_encoded_total" in fleet and "vllm:ec_s3_blobs_loaded_total" in fleet
+    assert 0 < fleet["vllm:ec_s3_items_encoded_total"] + fleet["vllm:ec_s3_blobs_loaded_total"] <= 6
+    assert any(g["workload"] == "hot-1" and g["ratio"] is not None for g in d["goals"])
