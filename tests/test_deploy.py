@@ -2,12 +2,12 @@
 
 No cluster here, so :func:`render` builds each kustomization the way kustomize does for
 the features these files use (resources, components applied to what their parent
-accumulated, generators with ``behavior: merge``, namespace, labels, images, JSON 6902
-and strategic merge patches, and the rule that a kustomization reads files only below its
-own directory); it refuses any other field, so a kustomization cannot use something this
-test does not understand, and where a kustomize >= 5 is installed (kubectl's) every
-target and component must render the same there. Every rendered object
-is then validated against the Kubernetes schemas of a pinned version
+accumulated, generators with ``behavior: merge``, namespace, labels, images, replicas,
+JSON 6902 and strategic merge patches (with ``allowKindChange``), and the rule that a
+kustomization reads files only below its own directory); it refuses any other field, so
+a kustomization cannot use something this test does not understand, and where a
+kustomize >= 5 is installed (kubectl's) every target and component must render the same
+there. Every rendered object is then validated against the Kubernetes schemas of a pinned version
 (``kubernetes-validate``, bundled schemas, no network), and checked the way ec-s3 needs
 it: every ConfigMap's ec-s3 config passes ``ECS3Config.from_extra_config`` in the
 container's own environment, every ``file:`` it names is a mounted Secret key and every
@@ -30,6 +30,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,8 +59,10 @@ AGGREGATED = "overlays/aggregated"
 #: aggregated overlay with all of them ("overlays/aggregated+all": they compose with it).
 COMPONENTS = tuple(sorted(p.name for p in (KUSTOMIZE / "components").iterdir() if p.is_dir()))
 RENDERED = (*TARGETS, *(f"+{c}" for c in COMPONENTS), "+all", f"{AGGREGATED}+all")
-#: The GPU Deployments, the ones a rollout or a drain must not lose requests of, and the
-#: ec_role each runs: an EPD fleet (every target but one) and an aggregated one.
+#: The GPU workloads, the ones a rollout or a drain must not lose requests of, and the
+#: ec_role each runs: an EPD fleet (every target but one) and an aggregated one. Each is a
+#: Deployment, but for the aggregated fleet's servers: a StatefulSet (its proxy lists
+#: each pod by its stable name).
 EPD_ROLES = {"ec-s3-encoder": "ec_producer", "ec-s3-pd": "ec_consumer"}
 AGGREGATED_ROLES = {"ec-s3-pd": "ec_both"}
 GPU_DEPLOYMENTS = tuple(EPD_ROLES)
@@ -70,15 +73,29 @@ FLEETS = ("", AGGREGATED)
 
 
 def gpu_roles(target: str) -> dict[str, str]:
-    """The GPU Deployments of a target of :data:`RENDERED` and their ec_roles."""
+    """The GPU workloads of a target of :data:`RENDERED` and their ec_roles."""
     return AGGREGATED_ROLES if target.partition("+")[0] == AGGREGATED else EPD_ROLES
+
+
+#: The kinds of the kit's long-running pods.
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+
+
+def workload(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The one Deployment or StatefulSet called ``name``."""
+    found = [o for o in objs if o["kind"] in WORKLOAD_KINDS and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one Deployment or StatefulSet {name}, found {len(found)}"
+    return found[0]
+
 #: Objects the operator creates before the first apply (docs/deploy.md); optional ones
 #: are referenced with ``optional: true``.
 EXTERNAL_SECRETS = {"ec-s3-encoder-credentials", "ec-s3-pd-credentials", "ec-s3-gc-credentials"}
 CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 CLUSTER_SCOPED = {"Namespace"}
 _KNOWN_FIELDS = {"apiVersion", "kind", "namespace", "labels", "resources", "components", "images",
-                 "configMapGenerator", "secretGenerator", "patches"}
+                 "configMapGenerator", "secretGenerator", "patches", "replicas"}
+#: The kinds kustomize's ``replicas:`` sets ``spec.replicas`` of.
+_SCALED_KINDS = {"Deployment", "StatefulSet", "ReplicaSet", "ReplicationController"}
 
 
 # --------------------------------------------------------------------------- the renderer
@@ -142,9 +159,10 @@ def _json_pointer(doc: Any, path: str) -> tuple[Any, str | int]:
     return doc, last
 
 
-#: The kind of what a ``$patch: delete`` leaves in place of an object until the outermost
-#: :func:`render` drops it: a later ``target:`` patch may name it (kustomize applies a
-#: selector patch to nothing without a word), while any other miss stays an error.
+#: The kind of what a ``$patch: delete`` (or a patch that changes an object's kind) leaves
+#: in place of an object (of its old kind) until the outermost :func:`render` drops it: a
+#: later ``target:`` patch may name it (kustomize applies a selector patch to nothing
+#: without a word), while any other miss stays an error.
 DELETED = "$deleted"
 
 
@@ -152,7 +170,8 @@ def _targets(objs: list[dict[str, Any]], target: dict[str, Any], selector: bool 
     """The objects a patch applies to. A ``target:`` selector may match nothing where
     kustomize allows it and the kit relies on it: a name deleted earlier, or a
     ``labelSelector`` naming a variant (an aggregated server) that only some targets have;
-    any other miss is a typo."""
+    any other miss is a typo. A target's kind is a regular expression, as in kustomize
+    (``Deployment|StatefulSet``); its name is matched as it is."""
     unknown = set(target) - {"kind", "name", "labelSelector"}
     assert not unknown, f"patch target fields this test does not render: {unknown}"
     wanted = {}
@@ -164,9 +183,12 @@ def _targets(objs: list[dict[str, Any]], target: dict[str, Any], selector: bool 
     def named(o: dict[str, Any]) -> bool:
         return "name" not in target or o["metadata"]["name"] == target["name"]
 
-    matched = [o for o in objs if o["kind"] == target["kind"] and named(o)
+    def kind(k: str) -> bool:
+        return re.fullmatch(target["kind"], k) is not None
+
+    matched = [o for o in objs if kind(o["kind"]) and named(o)
                and wanted.items() <= o["metadata"].get("labels", {}).items()]
-    deleted = [o for o in objs if o["kind"] == DELETED and o["deleted_kind"] == target["kind"] and named(o)]
+    deleted = [o for o in objs if o["kind"] == DELETED and kind(o["deleted_kind"]) and named(o)]
     assert matched or (selector and (deleted or wanted)), f"patch target {target} matches nothing"
     return matched
 
@@ -234,8 +256,10 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
 
 
 def _apply_patch(root: Path, objs: list[dict[str, Any]], patch: dict[str, Any]) -> None:
-    unknown = set(patch) - {"target", "patch", "path"}
+    unknown = set(patch) - {"target", "patch", "path", "options"}
     assert not unknown, f"patch fields this test does not render: {unknown}"
+    options = patch.get("options", {})
+    assert set(options) <= {"allowKindChange"}, f"patch options this test does not render: {options}"
     text = patch["patch"] if "patch" in patch else _inside(root, patch["path"]).read_text()
     body = yaml.safe_load(text)
     if isinstance(body, list):  # JSON 6902: needs a target
@@ -254,6 +278,11 @@ def _apply_patch(root: Path, objs: list[dict[str, Any]], patch: dict[str, Any]) 
         merged = strategic_merge(obj, {k: v for k, v in body.items() if k not in ("apiVersion", "kind", "metadata")})
         merged["metadata"] = strategic_merge(obj["metadata"], {k: v for k, v in body.get("metadata", {}).items()
                                                                if k not in ("name", "namespace")})
+        if options.get("allowKindChange") and body["kind"] != obj["kind"]:
+            # The patch's kind replaces the target's (a selector patch is applied as the
+            # target's kind otherwise); the old kind and name now match nothing.
+            objs.append({"kind": DELETED, "deleted_kind": obj["kind"], "metadata": {"name": obj["metadata"]["name"]}})
+            merged["apiVersion"], merged["kind"] = body["apiVersion"], body["kind"]
         obj.clear()
         obj.update(merged)
 
@@ -311,6 +340,12 @@ def render(directory: Path, _visited: tuple[Path, ...] = (),
                 objs.append(new)
     for patch in spec.get("patches", []):
         _apply_patch(directory, objs, patch)
+    for entry in spec.get("replicas", []):
+        assert set(entry) == {"name", "count"}, f"{directory}: replicas entry {entry}"
+        scaled = [o for o in objs if o["kind"] in _SCALED_KINDS and o["metadata"]["name"] == entry["name"]]
+        assert scaled, f"{directory}: replicas names {entry['name']}, which is no workload"
+        for obj in scaled:
+            obj["spec"]["replicas"] = entry["count"]
     if spec.get("namespace"):
         for obj in objs:
             if obj["kind"] not in CLUSTER_SCOPED:
@@ -433,7 +468,7 @@ def test_the_renderer_refuses_what_kustomize_refuses(tmp_path: Path) -> None:
     (tmp_path / "k" / "o" / "kustomization.yaml").write_text(yaml.safe_dump({"resources": [".."]}))
     with pytest.raises(AssertionError, match="cycle"):
         render(tmp_path / "k" / "o")
-    (tmp_path / "k" / "kustomization.yaml").write_text(yaml.safe_dump({"replicas": [{"name": "x", "count": 2}]}))
+    (tmp_path / "k" / "kustomization.yaml").write_text(yaml.safe_dump({"namePrefix": "x-"}))
     with pytest.raises(AssertionError, match="does not render"):
         render(tmp_path / "k")
 
@@ -529,12 +564,18 @@ def test_references_resolve(rendered: tuple[str, list[dict[str, Any]]]) -> None:
                 port = (handler.get("httpGet") or handler.get("tcpSocket") or {}).get("port")
                 assert port is None or isinstance(port, int) or port in ports, f"{name}: {probe} port {port}"
     for svc in (o for o in objs if o["kind"] == "Service"):
-        matching = [(obj, pod) for obj, pod in pod_specs(objs) if obj["kind"] == "Deployment"
+        matching = [(obj, pod) for obj, pod in pod_specs(objs) if obj["kind"] in WORKLOAD_KINDS
                     and svc["spec"]["selector"].items() <= obj["spec"]["template"]["metadata"]["labels"].items()]
-        assert len(matching) == 1, f"Service {svc['metadata']['name']} selects {len(matching)} Deployments"
+        assert len(matching) == 1, f"Service {svc['metadata']['name']} selects {len(matching)} workloads"
         ports = {p.get("name") for c in matching[0][1]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in ports, f"Service {svc['metadata']['name']}: no container port {port['targetPort']}"
+    for sts in (o for o in objs if o["kind"] == "StatefulSet"):
+        # The Service that names its pods: headless, and selecting them.
+        svc = _find(objs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"].get("clusterIP") == "None", (
+            f"StatefulSet {sts['metadata']['name']}: its Service is not headless")
+        assert svc["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_every_image_is_pinned(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -606,7 +647,7 @@ def test_every_ec_s3_config_is_valid_where_it_runs(rendered: tuple[str, list[dic
         config = ECS3Config.from_extra_config(extra, environ=env)
         assert config.bucket == env["EC_S3_BUCKET"], name
         seen.add((obj["metadata"]["name"], transfer["ec_role"]))
-        serves = obj["kind"] == "Deployment" and c in pod["containers"]
+        serves = obj["kind"] in WORKLOAD_KINDS and c in pod["containers"]
         if transfer["ec_role"] in ("ec_consumer", "ec_both") and serves:
             volume = _volume_at(pod, c, config.staging_dir)
             assert volume is not None and volume.get("emptyDir", {}).get("medium") == "Memory", (
@@ -623,11 +664,11 @@ def test_every_ec_s3_config_is_valid_where_it_runs(rendered: tuple[str, list[dic
 def test_vllm_servers_take_the_config_from_the_configmap(rendered: tuple[str, list[dict[str, Any]]]) -> None:
     target, objs = rendered
     roles = gpu_roles(target)
-    assert not [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] not in roles
+    assert not [o for o in objs if o["kind"] in WORKLOAD_KINDS and o["metadata"]["name"] not in roles
                 and o["metadata"]["name"].startswith("ec-s3-") and o["metadata"]["name"] != "ec-s3-proxy"]
     models = set()
     for name, role in roles.items():
-        pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
+        pod = workload(objs, name)["spec"]["template"]["spec"]
         vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
         env = container_env(objs, vllm)
         args = vllm["args"]
@@ -638,7 +679,7 @@ def test_vllm_servers_take_the_config_from_the_configmap(rendered: tuple[str, li
         models.add(env["MODEL"])
         for probe in ("readinessProbe", "startupProbe"):
             assert vllm[probe]["httpGet"]["path"] == "/health", name
-        annotations = _find(objs, "Deployment", name)["spec"]["template"]["metadata"]["annotations"]
+        annotations = workload(objs, name)["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert int(annotations["prometheus.io/port"]) == vllm["ports"][0]["containerPort"]
         # The pre-flight check runs first, with the same config, and stops the pod.
@@ -688,17 +729,19 @@ def test_proxy_and_cronjobs_parse_with_ec_s3s_own_parsers(fleet: str) -> None:
     proxy = _find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"]["containers"][0]
     assert proxy["command"] == ["ec-s3", "proxy"]
     config = parse_proxy_args(proxy["args"])
-    # Every --encoder-url names a Service there is; an aggregated fleet has none to call.
-    encoders = () if fleet == AGGREGATED else ("http://ec-s3-encoder:8000",)
-    assert config.encoder_urls == encoders and config.pd_urls == ("http://ec-s3-pd:8000",)
-    for url in (*config.encoder_urls, *config.pd_urls):
-        _find(objs, "Service", url.split("//")[1].split(":")[0])
-    if fleet == AGGREGATED and _proxy_knows_route():
-        assert config.route == "affinity", "repeats of an image to the server that has it"
+    # Every URL names a Service there is; an aggregated fleet has no encoder to call, and
+    # lists each of its servers by the pod's own name.
+    if fleet == AGGREGATED:
+        assert config.encoder_urls == ()
+        check_the_proxy_names_each_aggregated_server(objs, fleet)
+    else:
+        assert config.encoder_urls == ("http://ec-s3-encoder:8000",) and config.pd_urls == ("http://ec-s3-pd:8000",)
+        for url in (*config.encoder_urls, *config.pd_urls):
+            _find(objs, "Service", url.split("//")[1].split(":")[0])
     assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
     # A proxy is not restarted because prefill/decode is down: liveness is not /health.
     assert "httpGet" not in proxy["livenessProbe"]
-    pd = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]["containers"][0]
+    pd = workload(objs, "ec-s3-pd")["spec"]["template"]["spec"]["containers"][0]
     keepalive = float(next(v["value"] for v in pd["env"] if v["name"] == "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"))
     assert config.keepalive_timeout_s < keepalive
 
@@ -722,7 +765,7 @@ def check_proxy_drain(pod: dict[str, Any], pd_shutdown_timeout_s: float, where: 
 @pytest.mark.parametrize("fleet", FLEETS, ids=lambda t: t or "base")
 def test_the_proxy_drains_as_long_as_prefill_decode(fleet: str) -> None:
     objs = render(KUSTOMIZE / fleet)
-    pd = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]
+    pd = workload(objs, "ec-s3-pd")["spec"]["template"]["spec"]
     vllm = next(c for c in pd["containers"] if c["name"] == "vllm")
     check_proxy_drain(_find(objs, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"],
                       float(_arg(vllm["args"], "--shutdown-timeout")), "kustomize")
@@ -864,7 +907,7 @@ def test_aggregated_overlay_is_a_fleet_of_ec_both_servers_on_one_bucket() -> Non
     assert not [o for o in objs if "encoder" in o["metadata"]["name"]], "the encoder's objects are deleted"
     text = json.dumps([o for o in objs if o["kind"] != "ConfigMap"])
     assert "ec-s3-encoder" not in text, "something still names the encoder (a URL, its Secret, its account)"
-    pod = _find(objs, "Deployment", "ec-s3-pd")["spec"]["template"]["spec"]
+    pod = _find(objs, "StatefulSet", "ec-s3-pd")["spec"]["template"]["spec"]
     for c in _containers(pod):
         transfer = json.loads(container_env(objs, c)["EC_TRANSFER_CONFIG"])
         assert transfer["ec_role"] == "ec_both", c["name"]
@@ -873,6 +916,100 @@ def test_aggregated_overlay_is_a_fleet_of_ec_both_servers_on_one_bucket() -> Non
         assert extra["lookup"] == "always", "an ec_both server loads what another one encoded"
     # The EPD configs stay in the ConfigMap (the base generates them), used by no pod.
     assert {"producer.json", "consumer.json", "aggregated.json"} == set(_config_map_data(objs, "ec-s3-config"))
+
+
+def check_the_proxy_names_each_aggregated_server(objs: list[dict[str, Any]], where: str) -> list[str]:
+    """The aggregated servers are a StatefulSet behind a headless Service, and the proxy
+    lists each of its pods by the stable name they get: one ``--pd-url`` per replica,
+    ``http://<statefulset>-<i>.<service>:<container port>`` (the namespace may follow),
+    every one derived here from the rendered objects. Affinity routing hashes an image
+    over the proxy's URLs: through one Service URL it would have a single upstream and
+    route nothing. Returns the pods' URLs."""
+    assert not [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "ec-s3-pd"], (
+        f"{where}: prefill/decode is still a Deployment: its pods have no stable names to list")
+    servers = [o for o in objs if o["kind"] == "StatefulSet"
+               and o["metadata"].get("labels", {}).get("ec-s3/ec-role") == "ec_both"]
+    assert len(servers) == 1, f"{where}: {len(servers)} StatefulSets labelled ec-s3/ec-role: ec_both"
+    sts = servers[0]
+    spec, namespace = sts["spec"], sts["metadata"]["namespace"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert _selects(spec["selector"], labels), f"{where}: the StatefulSet's selector misses its own pods"
+    svc = _find(objs, "Service", spec["serviceName"])
+    assert svc["metadata"]["namespace"] == namespace
+    assert svc["spec"].get("clusterIP") == "None", f"{where}: pod DNS names need a headless Service (clusterIP: None)"
+    # The only Service of those pods: a second one would make the ServiceMonitor scrape each
+    # pod twice (and double every sum the alerts take).
+    selecting = [s["metadata"]["name"] for s in objs if s["kind"] == "Service"
+                 and s["spec"].get("selector") and s["spec"]["selector"].items() <= labels.items()]
+    assert selecting == [svc["metadata"]["name"]], f"{where}: Services {selecting} select the aggregated servers"
+    assert spec["podManagementPolicy"] == "Parallel", f"{where}: the servers start together, not one by one"
+    assert spec.get("updateStrategy", {}).get("type", "RollingUpdate") == "RollingUpdate", where
+    assert not spec.get("volumeClaimTemplates"), f"{where}: the pods keep the base's volumes"
+    replicas = spec.get("replicas", 1)
+    assert replicas >= 2, f"{where}: affinity over one server routes nothing"
+    vllm = next(c for c in spec["template"]["spec"]["containers"] if c["name"] == "vllm")
+    (port,) = [p["containerPort"] for p in vllm["ports"]
+               if p.get("name") in [sp["targetPort"] for sp in svc["spec"]["ports"]]]
+    assert int(_arg(vllm["args"], "--port")) == port, f"{where}: vLLM does not listen on its container port"
+    proxy = _find(objs, "Deployment", "ec-s3-proxy")
+    (container,) = proxy["spec"]["template"]["spec"]["containers"]
+    config = parse_proxy_args(container["args"])
+    if _proxy_knows_route():
+        assert config.route == "affinity", where
+    got = []
+    for url in config.pd_urls:
+        parts = urllib.parse.urlsplit(url)
+        assert parts.scheme == "http" and parts.path in ("", "/") and parts.hostname, f"{where}: --pd-url={url}"
+        pod, _, rest = parts.hostname.partition(".")
+        service, _, domain = rest.partition(".")
+        # <pod>.<service> resolves through the proxy pod's search path, in its own namespace;
+        # <pod>.<service>.<namespace>[.svc[.cluster.local]] anywhere.
+        ns, _, suffix = domain.partition(".")
+        assert suffix in ("", "svc", "svc.cluster.local"), f"{where}: --pd-url={url}"
+        assert (ns or proxy["metadata"]["namespace"]) == namespace, (
+            f"{where}: --pd-url={url} names a pod outside the namespace {namespace}")
+        got.append(f"http://{pod}.{service}:{parts.port}")
+    want = [f"http://{sts['metadata']['name']}-{i}.{svc['metadata']['name']}:{port}" for i in range(replicas)]
+    assert len(set(got)) == len(got), f"{where}: a server listed twice: {config.pd_urls}"
+    assert sorted(got) == sorted(want), (
+        f"{where}: the proxy's --pd-url list {list(config.pd_urls)} is not the {replicas} pods of StatefulSet "
+        f"{sts['metadata']['name']} ({want}): scale the StatefulSet and the list together")
+    return want
+
+
+@pytest.mark.parametrize("target", [AGGREGATED, f"{AGGREGATED}+all"])
+def test_the_aggregated_proxy_names_each_server(target: str, tmp_path: Path) -> None:
+    """With every component too: they keep composing with the StatefulSet."""
+    check_the_proxy_names_each_aggregated_server(render_target(target, tmp_path), target)
+
+
+def test_the_guides_aggregated_scaling_overlay_builds(tmp_path: Path) -> None:
+    """docs/deploy.md's way to scale the aggregated fleet (a ``replicas:`` entry and the
+    proxy's args with one URL per pod) renders, scales the StatefulSet, lists every pod,
+    and keeps every other arg of the overlay's proxy."""
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```yaml\n(# my-aggregated-fleet/kustomization.yaml.*?)```", guide, re.S)
+    assert block, "docs/deploy.md lost its example of scaling the aggregated fleet"
+    fleet = tmp_path / "my-aggregated-fleet"
+    fleet.mkdir()
+    (fleet / "kustomization.yaml").write_text(block.group(1).replace("../deploy/kubernetes",
+                                                                     os.path.relpath(KUSTOMIZE, fleet)))
+    objs = render(fleet)
+    (count,) = [r["count"] for r in yaml.safe_load(block.group(1))["replicas"] if r["name"] == "ec-s3-pd"]
+    assert _find(objs, "StatefulSet", "ec-s3-pd")["spec"]["replicas"] == count != 2, "the example scales"
+    assert len(check_the_proxy_names_each_aggregated_server(objs, "docs/deploy.md")) == count
+
+    def other_args(o: list[dict[str, Any]]) -> list[str]:
+        (proxy,) = _find(o, "Deployment", "ec-s3-proxy")["spec"]["template"]["spec"]["containers"]
+        return [a for a in proxy["args"] if not a.startswith("--pd-url=")]
+
+    assert other_args(objs) == other_args(render(KUSTOMIZE / AGGREGATED)), "the example drops or changes a proxy arg"
+    cli = _kustomize_cli()
+    if cli is not None:
+        proc = subprocess.run([*cli, str(fleet)], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        (sts,) = [d for d in yaml.safe_load_all(proc.stdout) if d and d["kind"] == "StatefulSet"]
+        assert sts["spec"]["replicas"] == count
 
 
 # --------------------------------------------------------------------------- the commands, run
@@ -918,7 +1055,7 @@ def test_preflight_check_passes_or_stops_the_pod_with_its_diagnosis(fleet: str, 
         d.mkdir()
         _write_credentials_file(d / "credentials", s3_endpoint.credentials.access_key_id, secret)
     for name, role in gpu_roles(fleet).items():
-        check = _find(objs, "Deployment", name)["spec"]["template"]["spec"]["initContainers"][0]
+        check = workload(objs, name)["spec"]["template"]["spec"]["initContainers"][0]
         ok = _run_as_in_the_pod(objs, check, s3_endpoint, bucket, good)
         assert ok.returncode == 0 and "PASS" in ok.stdout, f"{name}:\n{ok.stdout}\n{ok.stderr}"
         if role != "ec_consumer":  # a server that publishes proves its writes before it starts
@@ -1009,14 +1146,22 @@ def test_a_gpu_rollout_loses_no_request(strategy: str, fleet: str, tmp_path: Pat
     """Each strategy, rendered: it progresses on the GPUs it says it needs (the default on
     a pool with none to spare), and an old pod drains: out of the endpoints first
     (preStop), then vLLM finishes in-flight requests (--shutdown-timeout > 0), all within
-    the grace period."""
+    the grace period. A StatefulSet (the aggregated fleet's servers) has no surge: under
+    either strategy it replaces one pod at a time, each stopped before its successor starts."""
     objs = render(overlay(tmp_path / strategy, STRATEGIES[strategy], base=fleet))
     for name in gpu_roles(fleet):
-        deployment = _find(objs, "Deployment", name)
+        deployment = workload(objs, name)
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(copy.deepcopy(deployment), version, strict=True)
         replicas = deployment["spec"]["replicas"]
-        rolling = deployment["spec"]["strategy"]["rollingUpdate"]
+        stateful = deployment["kind"] == "StatefulSet"
+        if stateful:
+            update = deployment["spec"].get("updateStrategy", {})
+            assert update.get("type", "RollingUpdate") == "RollingUpdate", f"{name}: OnDelete never rolls"
+            assert not update.get("rollingUpdate", {}).get("partition"), f"{name}: a partition holds pods back"
+            rolling = {"maxSurge": 0, "maxUnavailable": update.get("rollingUpdate", {}).get("maxUnavailable", 1)}
+        else:
+            rolling = deployment["spec"]["strategy"]["rollingUpdate"]
         pod = deployment["spec"]["template"]["spec"]
         vllm = next(c for c in pod["containers"] if c["name"] == "vllm")
         gpus = int(vllm["resources"]["requests"]["nvidia.com/gpu"])
@@ -1024,7 +1169,7 @@ def test_a_gpu_rollout_loses_no_request(strategy: str, fleet: str, tmp_path: Pat
             surge = _count(rolling["maxSurge"], count, round_up=True)
             unavailable = _count(rolling["maxUnavailable"], count, round_up=False)
             assert surge + unavailable >= 1, f"{name}: a rollout of {count} replicas cannot progress"
-            if strategy == "full-pool":
+            if strategy == "full-pool" or stateful:
                 # Nothing beyond the replicas' own GPUs: never a Pending surge pod.
                 assert surge == 0 and unavailable == 1, f"{name} ({count} replicas): needs {surge * gpus} spare GPUs"
             else:
@@ -1051,7 +1196,7 @@ def test_vllm_parses_the_drain_flags(fleet: str) -> None:
     objs = render(KUSTOMIZE / fleet)
     parser = make_arg_parser(FlexibleArgumentParser())
     for name in gpu_roles(fleet):
-        vllm = next(c for c in _find(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        vllm = next(c for c in workload(objs, name)["spec"]["template"]["spec"]["containers"]
                     if c["name"] == "vllm")
         env = container_env(objs, vllm)
         args = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a) for a in vllm["args"]]
@@ -1075,9 +1220,9 @@ def test_every_pdb_lets_a_drain_through_at_every_replica_count(rendered: tuple[s
     assert {b["metadata"]["name"] for b in budgets} >= {"ec-s3-proxy", *gpu_roles(target)}
     for pdb in budgets:
         selector = pdb["spec"]["selector"]["matchLabels"]
-        selected = [o for o in objs if o["kind"] == "Deployment"
+        selected = [o for o in objs if o["kind"] in WORKLOAD_KINDS
                     and selector.items() <= o["spec"]["template"]["metadata"]["labels"].items()]
-        assert len(selected) == 1, f"PDB {pdb['metadata']['name']} selects {len(selected)} Deployments"
+        assert len(selected) == 1, f"PDB {pdb['metadata']['name']} selects {len(selected)} workloads"
         for replicas in sorted({selected[0]["spec"]["replicas"], *range(1, 9)}):
             assert _allowed_disruptions(pdb, replicas) >= 1, (
                 f"{target or 'base'}: PDB {pdb['metadata']['name']} allows no eviction at {replicas} replica(s): "
@@ -1258,7 +1403,7 @@ def test_the_proxy_spreads_and_the_gpu_pods_reach_gpu_nodes(fleet: str, tmp_path
     claim = _find(objs, "PersistentVolumeClaim", "ec-s3-models")
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"], "every GPU pod mounts the one claim"
     for name in gpu_roles(fleet):
-        pod = _find(objs, "Deployment", name)["spec"]["template"]["spec"]
+        pod = workload(objs, name)["spec"]["template"]["spec"]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"], name
         assert pod["nodeSelector"] and pod["runtimeClassName"] == "nvidia", name
         cache = next(v for v in pod["volumes"] if v["name"] == "hf-cache")
