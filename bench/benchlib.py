@@ -282,16 +282,6 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
-    """Ratio of medians, plus the spread of per-repeat ratios when paired."""
-    out = {"ratio": statistics.median(num) / statistics.median(den) if num and den else float("nan")}
-    if len(num) == len(den) and num:
-        per = [a / b for a, b in zip(num, den) if b]
-        if per:
-            out["ratio_min"], out["ratio_max"] = min(per), max(per)
-    return out
-
-
 # --------------------------------------------------------------------------- results
 
 
