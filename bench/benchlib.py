@@ -138,8 +138,7 @@ def create_bucket(ep: Endpoint, bucket: str | None = None) -> str:
 class ProxyProcess:
     """tests/faultproxy.FaultProxy in a child process, so that its event loop does not
     compete with the measured process for the GIL and its buffered request bodies do
-    not count in our RSS. Commands: ``latency(s)``, ``stall_put()``, ``release()``,
-    ``counters()``."""
+    not count in our RSS. Commands: ``latency(s)``, ``counters()``."""
 
     def __init__(self, upstream: str) -> None:
         self.proc = subprocess.Popen(
@@ -159,12 +158,6 @@ class ProxyProcess:
 
     def latency(self, seconds: float) -> None:
         self.cmd(f"latency {seconds}")
-
-    def stall_put(self) -> None:
-        self.cmd("stall-put")
-
-    def release(self) -> None:
-        self.cmd("release")
 
     def counters(self) -> dict[str, Any]:
         return self.cmd("counters")
@@ -190,10 +183,6 @@ def _proxy_child(upstream: str) -> int:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "latency":
             proxy.set_latency(float(arg))
-        elif cmd == "stall-put":
-            proxy.set_stall(True, methods=["PUT"])
-        elif cmd == "release":
-            proxy.clear()
         elif cmd == "quit":
             break
         c = proxy.counters
