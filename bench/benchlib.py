@@ -55,12 +55,6 @@ def setup_env(extra: dict[str, str] | None = None) -> None:
     apply_offline_env({**BENCH_ENV, **(extra or {})})
 
 
-def module_command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``module`` (e.g. ``bench.gil``) in a child process; start
-    it with ``cwd=REPO`` so that ``bench`` and ``tests.support`` import as they do here."""
-    return [sys.executable, "-m", module, *args]
-
-
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -78,14 +72,8 @@ class Endpoint:
 
     def extra(self, bucket: str, **overrides: Any) -> dict[str, Any]:
         """An ``ec_connector_extra_config`` for ``bucket`` on this endpoint."""
-        out: dict[str, Any] = {
-            "bucket": bucket,
-            "endpoint_url": self.url,
-            "access_key_id": self.access_key_id,
-            "secret_access_key": self.secret_access_key,
-        }
-        out.update(overrides)
-        return out
+        return {"bucket": bucket, "endpoint_url": self.url, "access_key_id": self.access_key_id,
+                "secret_access_key": self.secret_access_key, **overrides}
 
     def config(self, bucket: str, **overrides: Any):
         from ec_s3.config import ECS3Config
@@ -141,8 +129,8 @@ class ProxyProcess:
     not count in our RSS. Commands: ``latency(s)``, ``counters()``."""
 
     def __init__(self, upstream: str) -> None:
-        self.proc = subprocess.Popen(
-            module_command("bench.benchlib", "--proxy-child", upstream), cwd=REPO,
+        self.proc = subprocess.Popen(  # cwd=REPO: bench and tests.support import as they do here
+            [sys.executable, "-m", "bench.benchlib", "--proxy-child", upstream], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.proc.stdout is not None
