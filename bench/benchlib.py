@@ -1,19 +1,12 @@
 """Shared helpers for the ec-s3 benchmarks (``bench/*.py``, run as ``python -m bench.<name>``
 from the repository root, which puts ``bench``, ``tests.support`` and ``ec_s3`` on the path).
 
-Machines here are small (2 cores), shared and noisy, so every benchmark measures its
-subject and its baseline in the same run, interleaved, and reports ratios of medians
-with their spread. This module holds what they share: an S3 endpoint (a fresh
-SeaweedFS per use, or one named by the environment), CPU and RSS meters that include
-the server process, summary statistics, result files (with the hashes of the code they
-measured) and plots.
-
-Environment (all optional):
-
-* ``EC_S3_BENCH_ENDPOINT_URL`` + ``EC_S3_BENCH_ACCESS_KEY_ID`` +
-  ``EC_S3_BENCH_SECRET_ACCESS_KEY``: run against that S3 endpoint instead of starting
-  SeaweedFS (server CPU/RSS are then not measured);
-* ``EC_S3_BENCH_RESULTS``: where JSON and PNG files go (default ``bench/results``).
+The machines are small and shared, so every benchmark measures its baseline in the same
+run and reports ratios (bench/README.md). What they share: an S3 endpoint (a fresh
+SeaweedFS per use, or ``EC_S3_BENCH_ENDPOINT_URL``'s: server CPU/RSS are then not
+measured), CPU and RSS meters that include the server process, summary statistics,
+result files (with the hashes of the code they measured; in ``EC_S3_BENCH_RESULTS``,
+default ``bench/results``) and plots.
 """
 
 from __future__ import annotations
