@@ -61,7 +61,6 @@ class Endpoint:
     access_key_id: str
     secret_access_key: str
     pid: int | None = None  # the server process, when we started it
-    data_dir: Path | None = None
 
     def extra(self, bucket: str, **overrides: Any) -> dict[str, Any]:
         """An ``ec_connector_extra_config`` for ``bucket`` on this endpoint."""
@@ -92,10 +91,8 @@ def s3_endpoint(label: str = "bench") -> Iterator[Endpoint]:
     data_dir = Path(tempfile.mkdtemp(prefix=f"ecb-{label[:8]}-"))
     server = EmbeddedS3Server(data_dir=data_dir).start()
     try:
-        yield Endpoint(
-            server.endpoint_url, server.credentials.access_key_id, server.credentials.secret_access_key,
-            pid=server.pid, data_dir=data_dir,
-        )
+        yield Endpoint(server.endpoint_url, server.credentials.access_key_id, server.credentials.secret_access_key,
+                       pid=server.pid)
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
