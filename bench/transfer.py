@@ -53,7 +53,6 @@ WIDTH = 4096  # bf16 rows of 8 KiB
 
 class Client:
     name = "?"
-    concurrent = True  # False: the caller runs operations one at a time
 
     async def setup(self) -> None: ...
 
@@ -163,8 +162,6 @@ class ObstoreClient(Client):
 
 
 async def _run_ops(client: Client, op: str, keys: list[str], body: Any, conc: int) -> int:
-    if not client.concurrent:
-        conc = 1
     sem = asyncio.Semaphore(conc)
     moved = 0
 
@@ -205,7 +202,7 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
     return out
 
 
-def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list[str]) -> list[Client]:
+def make_clients(ep: bl.Endpoint, bucket: str, names: list[str]) -> list[Client]:
     makers = {
         "ec-s3": lambda: EcS3Client(ep, bucket),
         "ec-s3-botocore": lambda: EcS3Client(ep, bucket, "botocore"),
@@ -234,7 +231,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
     with bl.s3_endpoint(f"xfer{size_mib}") as ep:
         bucket = bl.create_bucket(ep)
         bg = shared_loop()
-        clients = make_clients(ep, bucket, tensor, args.clients)
+        clients = make_clients(ep, bucket, args.clients)
         for c in clients:
             bg.run(c.setup(), timeout=120)
             # warm-up: connections, credentials, code paths
@@ -251,8 +248,6 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
             for rep in range(args.repeats):
                 order = clients[rep % len(clients):] + clients[: rep % len(clients)]
                 for c in order:
-                    if not c.concurrent and conc != concs[0]:
-                        continue  # synchronous baseline: measured once, at the first concurrency
                     body = blob if c.name.startswith("ec-s3") else body_bytes
                     r = run_cell(bg, ep, c, size, conc, n_obj, body, f"{conc}-{rep}")
                     cell.setdefault(c.name, []).append(r)
