@@ -8,19 +8,14 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
 * ``ec-s3-botocore`` (opt-in, ``--clients``): the same with ``data_path: botocore``, every
   request through aiobotocore (what ec-s3 did before its direct data path);
-* ``boto-default``: raw aioboto3 with botocore defaults (``put_object``,
-  ``get_object`` + ``read``);
-* ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``
-  and a 64-connection pool;
+* ``boto-default``: raw aioboto3 with botocore defaults (``put_object``, ``get_object`` + ``read``);
+* ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``, 64 connections;
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
-  multipart PUT for large bodies, single GET);
-* retired (issue 35: one store bench with ec-s3 / botocore / obstore): raw aiohttp, a
-  BufferedProtocol GET (the ceiling of a Python GET path, which ec-s3's direct path
-  reached) and vLLM's ``ECExampleConnector`` on local disk (it measured vLLM).
+  multipart PUT for large bodies, single GET).
 
-Clients run in the same process on the same asyncio loop thread, in a rotated order
-per repeat. CPU: this process's ``process_time`` (all threads) and the server's
-``/proc/<pid>/stat``, per GiB moved.
+Retired by issue 35 (git history has them): raw aiohttp, a BufferedProtocol GET, vLLM's
+``ECExampleConnector``. Clients run on one asyncio loop thread, rotated per repeat. CPU:
+this process's ``process_time`` (all threads) and the server's, per GiB moved.
 
     .venv/bin/python -m bench.transfer [--quick] [--sizes-mib 1 8 32 64] [--concurrency 1 8 32]
 """
