@@ -94,14 +94,9 @@ class BotoClient(Client):
         from aiobotocore.config import AioConfig
 
         session = aioboto3.Session(aws_access_key_id=self.ep.access_key_id, aws_secret_access_key=self.ep.secret_access_key)
-        config = None
-        if self.tuned:
-            config = AioConfig(
-                s3={"addressing_style": "path", "payload_signing_enabled": False},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                max_pool_connections=64,
-            )
+        config = AioConfig(s3={"addressing_style": "path", "payload_signing_enabled": False},
+                           request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                           max_pool_connections=64) if self.tuned else None
         self._stack = contextlib.AsyncExitStack()
         self.client = await self._stack.enter_async_context(
             session.client("s3", endpoint_url=self.ep.url, region_name="us-east-1", config=config)
