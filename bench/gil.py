@@ -11,29 +11,21 @@ Owns: one measurement per blob size, three phases per repeat, rotated (interleav
   /dev/shm, then full validation) and ``drain()`` once per step, keeping ``--depth``
   fetches in flight; a staged slot is discarded at once (its worker would load it).
 
-The step is a fixed CPU-bound Python loop (calibrated to ``--step-ms`` of CPU) plus a
-small torch op (which releases the GIL, as model code does). Per step, the kernel's
-per-thread accounting splits its wall time into CPU, run-queue time (runnable, waiting
-for a core: other processes, ec-s3's I/O thread, the S3 server) and the rest, blocked:
-waiting for the GIL, since the step does no I/O (measured ~0 in the ``alone`` phase).
-Transfers are started between steps, outside the timed region (their own cost on the
-engine thread is ``engine_cost.py``'s subject). Reported per size:
+The step (:class:`Step`: a Python loop calibrated to ``--step-ms`` of CPU, plus a small
+torch op) splits its wall time into CPU, run-queue time (waiting for a core) and the
+rest: GIL waits, since it does no I/O. Transfers start between steps, outside the timed
+region (their cost on the engine thread is ``engine_cost.py``'s). Reported per size:
 
 * slowdown: median step wall with transfers / alone - 1 (spread: per-repeat ratios);
 * GIL cost: mean GIL wait per step / mean step (CPU + GIL wait) alone: the slowdown a
-  host with a free core would see (a GPU server, where the step does not share a core
-  with the I/O thread). Mean, not median: most steps wait not at all and a few wait a
-  whole switch interval (5 ms), and a step loop's throughput pays the mean. Also
-  GIL waits per step (voluntary context switches) and the median of CPU + GIL wait;
-* throughput, and step time lost per GiB moved: (median with - median alone) x steps /
-  GiB moved in the phase; GIL wait seconds per GiB.
+  host with a free core would see (a GPU server). Mean, not median: see ``gil_cost``;
+* GIL waits per step, throughput, step time lost and GIL wait seconds per GiB moved.
 
 Goal: slowdown <= 5% (on a shared 2-core host the wall slowdown is dominated by other
 processes and the S3 server taking the core; the GIL cost is the part ec-s3 owns).
 
-Does not own: the S3 server (SeaweedFS, fresh per size, on the same cores: on a 2-core
-host it competes with the step for a core, which shows as run-queue time, not as GIL
-waits), nor vLLM (the step is a stand-in; no engine is started).
+Does not own: the S3 server (SeaweedFS, fresh per size, on the same cores: it shows as
+run-queue time, not as GIL waits), nor vLLM (the step is a stand-in; no engine runs).
 
     .venv/bin/python -m bench.gil [--quick] [--sizes-mib 1 8 32] [--reps 5] [--phase-s 1.5] [--depth 4]
 """
