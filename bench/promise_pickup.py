@@ -74,6 +74,7 @@ def use_schedule(sched: Any, name: str) -> None:
 
 
 def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: float) -> dict[str, float]:
+    from tests.support.ec_harness import drive
     from tests.support.vllm_rig import fake_encoder_output
 
     from ec_s3.blob.codec import BlobMeta, encode_blob
@@ -114,7 +115,7 @@ def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: floa
     item = sched._items.peek(key)
     found_at = item.started_at if item is not None else float("nan")
     gets = counters.get("lookups_started") - gets_before
-    _finish(node)
+    drive(node.driver, timeout_s=30)  # the request runs to its end (its item is staged: no more waiting)
     return {
         "delay_s": delay_s,
         "pickup_s": scheduled - times["visible"],
@@ -124,13 +125,6 @@ def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: floa
         "gets": gets,
         "gets_per_s": gets / (scheduled - times["added"]),
     }
-
-
-def _finish(node: Any) -> None:
-    """Let the request run to its end (its item is staged: no more waiting)."""
-    from tests.support.ec_harness import drive
-
-    drive(node.driver, timeout_s=30)
 
 
 def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
