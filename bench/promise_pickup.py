@@ -1,14 +1,12 @@
 """Promise pickup: how soon a consumer picks up a promised blob once it becomes
 visible, and how many GETs it spends waiting, for the poll schedule in
-``ec_s3.connector.admission`` and the one it replaced (5, 10, 20 ... ms doubling up to
-1 s, counted in the item's lifetime attempts) and a "dense" bound (a poll every 2 ms, one
-at a time, however long the wait), in the same run, interleaved.
+``ec_s3.connector.admission``, the one it replaced (``legacy``) and a poll every 2 ms
+(``dense``), in the same run, interleaved.
 
 A consumer (vLLM's real ``Scheduler`` with the scheduler-role ``ECS3Connector``,
-tests/vllm_rig, stepped like EngineCore: back to back, 1 ms sleep after a step that
-ran nothing) gets a request whose only image is promised; a thread PUTs that blob
-```delay`` after the request arrived (4.5 KiB: the tiny model's 16 x 128 bf16 image).
-Per trial, one request, a fresh image:
+tests/support/vllm_rig, stepped like EngineCore) gets a request whose only image is
+promised; a thread PUTs that blob ``delay`` after the request arrived (4.5 KiB: the tiny
+model's 16 x 128 bf16 image). Per trial, one request, a fresh image:
 
 * ``pickup``: from the PUT's response (the blob is visible at the latest then) to the
   step that schedules the request (the GET that found it and its validation included);
