@@ -238,15 +238,8 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     """median, p10/p90 (spread), p99, min, max, n."""
     if not values:
         return {"n": 0}
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "p10": pct(values, 0.10),
-        "p90": pct(values, 0.90),
-        "p99": pct(values, 0.99),
-        "min": min(values),
-        "max": max(values),
-    }
+    return {"n": len(values), "median": statistics.median(values), "p10": pct(values, 0.10), "p90": pct(values, 0.90),
+            "p99": pct(values, 0.99), "min": min(values), "max": max(values)}
 
 
 # --------------------------------------------------------------------------- results
@@ -299,15 +292,9 @@ def environment() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    return {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(),
-        "loadavg_at_start": [round(x, 2) for x in load],
-        "python": platform.python_version(),
-        "git": git_rev(),
-        "argv": sys.argv,
-        "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS",
-    }
+    return {"when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host_cpus": os.cpu_count(),
+            "loadavg_at_start": [round(x, 2) for x in load], "python": platform.python_version(), "git": git_rev(),
+            "argv": sys.argv, "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS"}
 
 
 def write_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:
