@@ -99,8 +99,7 @@ class BotoClient(Client):
                            max_pool_connections=64) if self.tuned else None
         self._stack = contextlib.AsyncExitStack()
         self.client = await self._stack.enter_async_context(
-            session.client("s3", endpoint_url=self.ep.url, region_name="us-east-1", config=config)
-        )
+            session.client("s3", endpoint_url=self.ep.url, region_name="us-east-1", config=config))
 
     async def put(self, key: str, body: Any) -> None:
         await self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
@@ -124,11 +123,10 @@ class ObstoreClient(Client):
     def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
         from obstore.store import S3Store as ObS3Store
 
-        self.store = ObS3Store(
-            bucket, endpoint=ep.url, access_key_id=ep.access_key_id, secret_access_key=ep.secret_access_key,
-            region="us-east-1", virtual_hosted_style_request=False, unsigned_payload=True,
-            client_options={"allow_http": True, "pool_max_idle_per_host": "64"},
-        )
+        self.store = ObS3Store(bucket, endpoint=ep.url, access_key_id=ep.access_key_id,
+                               secret_access_key=ep.secret_access_key, region="us-east-1",
+                               virtual_hosted_style_request=False, unsigned_payload=True,
+                               client_options={"allow_http": True, "pool_max_idle_per_host": "64"})
 
     async def put(self, key: str, body: Any) -> None:
         import obstore
@@ -181,13 +179,9 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
         if moved != expect:
             raise RuntimeError(f"{client.name} {op}: moved {moved} bytes, expected {expect}")
         gib = expect / bl.GiB
-        out[op] = {
-            "wall_s": m.wall,
-            "mib_per_s": expect / bl.MiB / m.wall,
-            "client_cpu_s_per_gib": m.cpu / gib,
-            "client_rusage_cpu_s_per_gib": m.rusage_cpu / gib,
-            "server_cpu_s_per_gib": None if m.server_cpu is None else m.server_cpu / gib,
-        }
+        out[op] = {"wall_s": m.wall, "mib_per_s": expect / bl.MiB / m.wall, "client_cpu_s_per_gib": m.cpu / gib,
+                   "client_rusage_cpu_s_per_gib": m.rusage_cpu / gib,
+                   "server_cpu_s_per_gib": None if m.server_cpu is None else m.server_cpu / gib}
     bg.run(_run_ops(client, "delete", keys, None, 16), timeout=300)
     return out
 
@@ -243,11 +237,9 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
                     cell.setdefault(c.name, []).append(r)
             rss = ep.server_rss()
             result["cells"][str(conc)] = {"n_objects": n_obj, "runs": cell, "server_rss_after": rss}
-            msg = ", ".join(
-                f"{name} {statistics.median(r['put']['mib_per_s'] for r in runs):.0f}/"
-                f"{statistics.median(r['get']['mib_per_s'] for r in runs):.0f}"
-                for name, runs in cell.items()
-            )
+            msg = ", ".join(f"{name} {statistics.median(r['put']['mib_per_s'] for r in runs):.0f}/"
+                            f"{statistics.median(r['get']['mib_per_s'] for r in runs):.0f}"
+                            for name, runs in cell.items())
             bl.log(f"  {size_mib} MiB x{conc} (n={n_obj}) PUT/GET MiB/s: {msg}; server RSS {(rss or 0) / bl.MiB:.0f} MiB")
         for c in clients:
             bg.run(c.close(), timeout=60)
@@ -310,8 +302,7 @@ def print_tables(summ: dict[str, Any]) -> None:
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def",
              "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
-            rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)",
-        ))
+            rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)"))
 
 
 def plot(summ: dict[str, Any], out_dir: Path | None) -> None:
@@ -371,13 +362,9 @@ def main() -> int:
         bl.log(f"transfer: {size} MiB blobs, concurrency {args.concurrency}, {args.repeats} repeats")
         results[str(size)] = bench_size(size, args.concurrency, args)
     summ = summarize(results)
-    bl.write_json("transfer", {
-        "params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
-        "elapsed_s": time.monotonic() - started,
-        "summary": summ,
-        "raw": results,
-        "goal": "ec-s3 >= 0.9x the best raw client (PUT and GET)",
-    }, args.out_dir)
+    bl.write_json("transfer", {"params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
+                               "elapsed_s": time.monotonic() - started, "summary": summ, "raw": results,
+                               "goal": "ec-s3 >= 0.9x the best raw client (PUT and GET)"}, args.out_dir)
     print_tables(summ)
     if not args.no_plot:
         plot(summ, args.out_dir)
