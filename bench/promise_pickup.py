@@ -114,15 +114,9 @@ def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: floa
     found_at = item.started_at if item is not None else float("nan")
     gets = counters.get("lookups_started") - gets_before
     drive(node.driver, timeout_s=30)  # the request runs to its end (its item is staged: no more waiting)
-    return {
-        "delay_s": delay_s,
-        "pickup_s": scheduled - times["visible"],
-        "poll_gap_s": found_at - times["visible"],
-        "put_s": times["visible"] - times["put_start"],
-        "waited_s": scheduled - times["added"],
-        "gets": gets,
-        "gets_per_s": gets / (scheduled - times["added"]),
-    }
+    return {"delay_s": delay_s, "pickup_s": scheduled - times["visible"], "poll_gap_s": found_at - times["visible"],
+            "put_s": times["visible"] - times["put_start"], "waited_s": scheduled - times["added"], "gets": gets,
+            "gets_per_s": gets / (scheduled - times["added"])}
 
 
 def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -259,9 +253,7 @@ def main() -> int:
                    "blob_bytes": "tiny model image, ~4.5 KiB"},
         "elapsed_s": time.monotonic() - started,
         "goal": "promised blob picked up within 5 ms (p90) of becoming visible; state the GET rate per waiting item",
-        "goal_met": p90 <= GOAL_MS,
-        "summary": summ,
-        "samples": samples,
+        "goal_met": p90 <= GOAL_MS, "summary": summ, "samples": samples,
     }, args.out_dir)
     print_tables(summ, args.delays_ms)
     return 0
