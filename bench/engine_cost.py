@@ -3,13 +3,12 @@ vLLM's engine thread, in two parts, each against a baseline in the same run.
 
 ``scheduler``: wall and thread-CPU time of every scheduler-side connector call vLLM
 makes (the stats call ``get_ec_connector_stats`` included: vLLM makes it every step)
-while its real Scheduler (tests/support/vllm_rig) runs a mix, per round, of requests
-with 1-3 images drawn from items promised by a producer (``ec_transfer_params``, blob
-in the bucket), stored but not promised (``lookup: always``), missing (encoded
-locally) and repeated; with 0, 50 and 200 ms of store latency injected by the fault
-proxy (its own process, so its loop does not take the measured thread's GIL).
-Baselines: the same mix through vLLM's ``ECExampleConnector`` (files on local disk),
-and ec-s3 at 0 ms. Goal: p99 < 100 us for every method, independent of latency.
+while its real Scheduler (tests/support/vllm_rig) runs rounds of requests with 1-3
+images each: promised by a producer (``ec_transfer_params``, blob in the bucket),
+stored but not promised (``lookup: always``), missing (encoded locally) or repeated;
+with 0, 50 and 200 ms of store latency injected by the fault proxy. Baselines: the same
+mix through vLLM's ``ECExampleConnector`` (files on local disk), and ec-s3 at 0 ms.
+Goal: p99 < 100 us for every method, independent of latency.
 
 ``stats``: the stats call alone (own counters plus the workers' from shared memory,
 ``ec_s3.connector.metrics.scheduler_stats``) under loads the mix does not make: a
