@@ -172,14 +172,10 @@ def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, 
         timer = CallTimer(node.scheduler_connector, node.driver.scheduler)
         info = run_mix(node.driver, mix, params_for, timeout_s=120)
         counters = node.scheduler_connector.counters
-        info.update({
-            "proxy_requests": proxy.counters()["requests"],
-            "encoded_locally": len(node.sim.encoded),
-            "loaded_from_store": node.worker.counters.get("blobs_loaded"),
-            "lookups_hit": counters.get("lookups_hit"),
-            "lookups_miss": counters.get("lookups_miss"),
-            "requests": sum(len(r) for r in mix),
-        })
+        info.update({"proxy_requests": proxy.counters()["requests"], "encoded_locally": len(node.sim.encoded),
+                     "loaded_from_store": node.worker.counters.get("blobs_loaded"),
+                     "lookups_hit": counters.get("lookups_hit"), "lookups_miss": counters.get("lookups_miss"),
+                     "requests": sum(len(r) for r in mix)})
         return {"calls": timer.times, "cpu": timer.cpu_times, "steps": timer.step_times, "info": info}
     finally:
         if node is not None:
@@ -224,18 +220,15 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, r in raw.items():
-        per = {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["calls"].items()}
-        allc = [t * 1e6 for m, ts in r["calls"].items() if m != IDLE_META for t in ts]
         steps = len(r["steps"]["schedule"]) or 1
         conn_total = sum(t * 1e6 for ts in r["calls"].values() for t in ts)
         sched_total = sum(t * 1e6 for ts in r["steps"].values() for t in ts)
-        per_cpu = {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["cpu"].items()}
-        allcpu = [t * 1e6 for m, ts in r["cpu"].items() if m != IDLE_META for t in ts]
+        every = {k: [t * 1e6 for m, ts in r[k].items() if m != IDLE_META for t in ts] for k in ("calls", "cpu")}
         out[label] = {
-            "per_method_us": per,
-            "all_calls_us": bl.summary(allc),
-            "per_method_thread_cpu_us": per_cpu,
-            "all_calls_thread_cpu_us": bl.summary(allcpu),
+            "per_method_us": {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["calls"].items()},
+            "all_calls_us": bl.summary(every["calls"]),
+            "per_method_thread_cpu_us": {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["cpu"].items()},
+            "all_calls_thread_cpu_us": bl.summary(every["cpu"]),
             "schedule_us": bl.summary([t * 1e6 for t in r["steps"]["schedule"]]),
             "update_from_output_us": bl.summary([t * 1e6 for t in r["steps"]["update_from_output"]]),
             "connector_us_per_step": conn_total / steps,
