@@ -258,20 +258,6 @@ def _busy_thread(enabled: bool) -> Iterator[None]:
             thread.join(5)
 
 
-def _route(staging: str, loop: Any) -> tuple[Any, Any, Any]:
-    """A worker's writer and the scheduler's reader, placed and driven as the connector does."""
-    from ec_s3.transfer import shared_stats
-    from ec_s3.transfer.counters import Counters
-
-    directory = shared_stats.stats_dir(staging)
-    directory.mkdir(mode=0o700)
-    counters = Counters()
-    writer = shared_stats.SharedStatsWriter(str(directory), "bench", counters)
-    reader = shared_stats.SharedStatsReader(str(directory), "bench")
-    reader.collect_periodically(loop)
-    return writer, reader, counters
-
-
 def _time_calls(fn: Callable[[], Any], calls: int) -> list[float]:
     times = []
     for _ in range(calls):
@@ -293,9 +279,14 @@ def stats_load(load: str, calls: int) -> dict[str, Any]:
         if load == "crowded_staging_dir":
             for i in range(300):
                 (Path(staging) / f"other-{i}").write_bytes(b"x")
-        writer, reader, counters = _route(staging, loop)
-        stuck = load.startswith("stuck_writer")
-        if stuck:
+        # a worker's writer and the scheduler's reader, placed and driven as the connector does
+        directory = shared_stats.stats_dir(staging)
+        directory.mkdir(mode=0o700)
+        counters = Counters()
+        writer = shared_stats.SharedStatsWriter(str(directory), "bench", counters)
+        reader = shared_stats.SharedStatsReader(str(directory), "bench")
+        reader.collect_periodically(loop)
+        if load.startswith("stuck_writer"):
             counters.inc("blobs_loaded")
             writer.flush(force=True)
             writer._closed = True  # no more flushes; it keeps its lock, as a live writer would
