@@ -151,10 +151,8 @@ class Traffic:
             ident = f"dl-{size_mib}-{i}"
             key = f"gil/{ident}.safetensors"
             self.publisher.publish(ident, self.pool[i % len(self.pool)], key)
-            self.download_keys[key] = BlobExpectation(
-                identifier=ident, namespace="gil", dtype=torch.bfloat16, rows=self.rows, width=WIDTH,
-                max_bytes=self.config.max_blob_bytes,
-            )
+            self.download_keys[key] = BlobExpectation(identifier=ident, namespace="gil", dtype=torch.bfloat16,
+                                                      rows=self.rows, width=WIDTH, max_bytes=self.config.max_blob_bytes)
         if self.publisher.flush(300) != 0 or self.counters.get("blobs_uploaded") != depth + 2:
             raise RuntimeError(f"could not upload the download set: {self.counters}")
         self.in_flight: set[str] = set()
