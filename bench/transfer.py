@@ -256,16 +256,12 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         for conc, cres in sres["cells"].items():
             row: dict[str, Any] = {}
             for op in ("put", "get"):
-                med = {
-                    name: {
-                        "mib_per_s": statistics.median(r[op]["mib_per_s"] for r in runs),
-                        "mib_per_s_min": min(r[op]["mib_per_s"] for r in runs),
-                        "mib_per_s_max": max(r[op]["mib_per_s"] for r in runs),
-                        "client_cpu_s_per_gib": statistics.median(r[op]["client_cpu_s_per_gib"] for r in runs),
-                        "server_cpu_s_per_gib": _median_or_none([r[op]["server_cpu_s_per_gib"] for r in runs]),
-                    }
-                    for name, runs in cres["runs"].items()
-                }
+                med = {name: {"mib_per_s": statistics.median(r[op]["mib_per_s"] for r in runs),
+                              "mib_per_s_min": min(r[op]["mib_per_s"] for r in runs),
+                              "mib_per_s_max": max(r[op]["mib_per_s"] for r in runs),
+                              "client_cpu_s_per_gib": statistics.median(r[op]["client_cpu_s_per_gib"] for r in runs),
+                              "server_cpu_s_per_gib": _median_or_none([r[op]["server_cpu_s_per_gib"] for r in runs])}
+                       for name, runs in cres["runs"].items()}
                 best = max((n for n in raw if n in med), key=lambda n: med[n]["mib_per_s"], default=None)
                 entry: dict[str, Any] = {"clients": med, "best_raw": best}
                 if best and "ec-s3" in med:
