@@ -194,8 +194,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.sandbox.vllm_server import ec_transfer_config
     from tests.support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
 
-    tag = "EX"
-    mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))
+    mix = make_mix("EX", args.rounds, args.requests_per_round, random.Random(args.seed))
     root = Path(tempfile.mkdtemp(prefix="ecb-example-sched-", dir="/tmp"))
     try:
         for ident in {i for rnd in mix for _, ids, _ in rnd for i in ids}:
@@ -206,8 +205,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                                 connector="ECExampleConnector", module_path=None)
         vllm_config = make_vllm_config(model_dir, ec)
         scheduler = make_scheduler(vllm_config)
-        worker = ECExampleConnector(vllm_config, ECConnectorRole.WORKER)
-        sim = ECWorkerSim(worker)
+        sim = ECWorkerSim(ECExampleConnector(vllm_config, ECConnectorRole.WORKER))
         driver = SchedulerDriver(scheduler, sim)  # first, as make_node does: the timer wraps its order probe
         timer = CallTimer(scheduler.ec_connector, scheduler)
         info = run_mix(driver, mix, lambda promised: {}, timeout_s=120)
