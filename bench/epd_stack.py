@@ -2,9 +2,8 @@
 ``ec-s3 proxy`` in its own process, and vLLM's example EPD proxy (vendored unchanged in
 ``bench/third_party/``) as the baseline.
 
-Owns starting and stopping a proxy process until its ``/health`` answers. Does not own
-the servers behind it (:mod:`ec_s3.sandbox.vllm_server`) nor the proxy itself
-(:mod:`ec_s3.proxy`).
+Owns starting a proxy process (until its ``/health`` answers) and stopping it. Does not
+own the servers behind it (:mod:`ec_s3.sandbox.vllm_server`) nor the proxy (:mod:`ec_s3.proxy`).
 """
 
 from __future__ import annotations
