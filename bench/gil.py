@@ -6,10 +6,9 @@ Owns: one measurement per blob size, three phases per repeat, rotated (interleav
 * ``alone``: the step loop only (the baseline);
 * ``upload``: the producer worker's path: ``BlobPublisher.publish`` of fresh CPU
   tensors (what ``save_caches`` calls), keeping ``--depth`` uploads in flight;
-* ``download``: the consumer scheduler's path, as ``connector/scheduler.py`` drives it:
-  ``ItemFetcher.start(key, BlobExpectation)`` (GET into a ``StagingArea`` slot on
-  /dev/shm, then full validation) and ``drain()`` once per step, keeping ``--depth``
-  fetches in flight; a staged slot is discarded at once (its worker would load it).
+* ``download``: the consumer scheduler's path (``connector/scheduler.py``): ``ItemFetcher.start``
+  (GET into a /dev/shm ``StagingArea`` slot, full validation), ``drain()`` once per step,
+  ``--depth`` fetches in flight; a staged slot is discarded at once (its worker would load it).
 
 The step (:class:`Step`: a Python loop calibrated to ``--step-ms`` of CPU, plus a small
 torch op) splits its wall time into CPU, run-queue time (waiting for a core) and the
