@@ -6,8 +6,8 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 
 * ``ec-s3``: ``S3Store.put_async`` of an encoded blob and ``S3Store.get_async`` into a
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
-* ``ec-s3-botocore`` (opt-in, ``--clients``): the same with ``data_path: botocore``, every
-  request through aiobotocore (what ec-s3 did before its direct data path);
+* ``ec-s3-botocore``: the same with ``data_path: botocore``, every request through
+  aiobotocore (what ec-s3 did before its direct data path);
 * ``boto-default``: raw aioboto3 with botocore defaults (``put_object``, ``get_object`` + ``read``);
 * ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``, 64 connections;
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
