@@ -23,6 +23,7 @@ Goal (issue #13): pickup within 5 ms (p90) of visibility without hammering the s
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import threading
 import time
@@ -131,19 +132,15 @@ def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace)
     try:
         store.run(store.head_async("warm-up"))
         one_trial(node, store, "warm-up-item", 0.01, 30)  # the consumer's first GET opens its connections
-        n = 0
-        for rep in range(args.repeats):
-            for delay_ms in args.delays_ms:
-                k = n % len(SCHEDULES)
-                order = SCHEDULES[k:] + SCHEDULES[:k]  # rotated per trial
-                n += 1
-                for name in order:
-                    use_schedule(sched, name)
-                    sample = one_trial(node, store, f"img-{name}-{rep}-{delay_ms}", delay_ms / 1000.0, 60)
-                    sample["schedule"] = name
-                    samples.append(sample)
-                    bl.log(f"{name:7s} delay {delay_ms:5d} ms: pickup {sample['pickup_s'] * 1e3:7.1f} ms, "
-                           f"poll gap {sample['poll_gap_s'] * 1e3:7.1f} ms, {sample['gets']:4.0f} GETs")
+        for n, (rep, delay_ms) in enumerate(itertools.product(range(args.repeats), args.delays_ms)):
+            k = n % len(SCHEDULES)
+            for name in SCHEDULES[k:] + SCHEDULES[:k]:  # rotated per trial
+                use_schedule(sched, name)
+                sample = one_trial(node, store, f"img-{name}-{rep}-{delay_ms}", delay_ms / 1000.0, 60)
+                sample["schedule"] = name
+                samples.append(sample)
+                bl.log(f"{name:7s} delay {delay_ms:5d} ms: pickup {sample['pickup_s'] * 1e3:7.1f} ms, "
+                       f"poll gap {sample['poll_gap_s'] * 1e3:7.1f} ms, {sample['gets']:4.0f} GETs")
         use_schedule(sched, "current")
     finally:
         node.close()
