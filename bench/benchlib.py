@@ -275,9 +275,8 @@ def measured_sources() -> dict[str, str]:
     files: set[Path] = set()
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
-        if not f or not (name == "__main__" or name == "ec_s3" or name.startswith(("ec_s3.", "bench."))):
-            continue
-        if name.startswith(HARNESS):
+        ours = name in ("__main__", "ec_s3") or name.startswith(("ec_s3.", "bench."))
+        if not f or not ours or name.startswith(HARNESS):
             continue
         path = Path(f).resolve()
         if path.suffix == ".py" and path.is_relative_to(REPO) and path.name not in ("benchlib.py", "run_all.py"):
