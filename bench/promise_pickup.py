@@ -1,7 +1,7 @@
 """Promise pickup: how soon a consumer picks up a promised blob once it becomes
 visible, and how many GETs it spends waiting, for the poll schedule in
-``ec_s3.connector.admission``, the one it replaced (``legacy``) and a poll every 2 ms
-(``dense``), in the same run, interleaved.
+``ec_s3.connector.admission``, the one it replaced (``legacy``: 5 ms doubling up to 1 s)
+and a poll every 2 ms (``dense``), in the same run, interleaved.
 
 A consumer (vLLM's real ``Scheduler`` with the scheduler-role ``ECS3Connector``,
 tests/support/vllm_rig, stepped like EngineCore) gets a request whose only image is
