@@ -2,8 +2,9 @@
 ``ec-s3 proxy`` in its own process, and vLLM's example EPD proxy (vendored unchanged in
 ``bench/third_party/``) as the baseline.
 
-Owns starting a proxy process (until its ``/health`` answers) and stopping it. Does not
-own the servers behind it (:mod:`ec_s3.sandbox.vllm_server`) nor the proxy (:mod:`ec_s3.proxy`).
+Owns starting and stopping a proxy process until its ``/health`` answers. Does not own
+the servers behind it (:mod:`ec_s3.sandbox.vllm_server`) nor the proxy itself
+(:mod:`ec_s3.proxy`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import benchlib as bl
-from ec_s3.sandbox.net import LOOPBACK, free_port, http_get
 
 # vLLM's example EPD proxy, unchanged but for a provenance comment (bench/third_party/)
 VLLM_PROXY = bl.BENCH_DIR / "third_party" / "disagg_epd_proxy.py"
@@ -33,6 +33,8 @@ class ProxyProc:
 
     @classmethod
     def start(cls, encoder_url: str, pd_url: str, log_path: Path, dispatch: str = "serial") -> ProxyProc:
+        from ec_s3.sandbox.net import LOOPBACK, free_port
+
         port = free_port()
         return cls.spawn([sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
                           "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
@@ -42,6 +44,8 @@ class ProxyProc:
     def vllm_example(cls, encoder_url: str, pd_url: str, log_path: Path) -> ProxyProc:
         """vLLM's example EPD proxy (:data:`VLLM_PROXY`) in front of one encoder and one
         prefill/decode server, with no separate prefill stage: the benches' baseline."""
+        from ec_s3.sandbox.net import LOOPBACK, free_port
+
         port = free_port()
         return cls.spawn([sys.executable, str(VLLM_PROXY), "--host", LOOPBACK, "--port", str(port),
                           "--encode-servers-urls", encoder_url, "--prefill-servers-urls", "disable",
@@ -50,6 +54,8 @@ class ProxyProc:
     @classmethod
     def spawn(cls, argv: list[str], port: int, log_path: Path, what: str) -> ProxyProc:
         """Run ``argv`` (a proxy listening on loopback ``port``) until its ``/health`` answers 200."""
+        from ec_s3.sandbox.net import LOOPBACK, http_get
+
         log = log_path.open("wb")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=bl.REPO,
                                 env={**os.environ, "PYTHONPATH": str(bl.REPO)})
