@@ -1,19 +1,12 @@
 """Shared helpers for the ec-s3 benchmarks (``bench/*.py``, run as ``python -m bench.<name>``
 from the repository root, which puts ``bench``, ``tests.support`` and ``ec_s3`` on the path).
 
-Machines here are small (2 cores), shared and noisy, so every benchmark measures its
-subject and its baseline in the same run, interleaved, and reports ratios of medians
-with their spread. This module holds what they share: an S3 endpoint (a fresh
-SeaweedFS per use, or one named by the environment), CPU and RSS meters that include
-the server process, summary statistics, result files (with the hashes of the code they
-measured) and plots.
-
-Environment (all optional):
-
-* ``EC_S3_BENCH_ENDPOINT_URL`` + ``EC_S3_BENCH_ACCESS_KEY_ID`` +
-  ``EC_S3_BENCH_SECRET_ACCESS_KEY``: run against that S3 endpoint instead of starting
-  SeaweedFS (server CPU/RSS are then not measured);
-* ``EC_S3_BENCH_RESULTS``: where JSON and PNG files go (default ``bench/results``).
+The machines are small and shared, so every benchmark measures its baseline in the same
+run and reports ratios (bench/README.md). What they share: an S3 endpoint (a fresh
+SeaweedFS per use, or ``EC_S3_BENCH_ENDPOINT_URL``'s: server CPU/RSS are then not
+measured), CPU and RSS meters that include the server process, summary statistics,
+result files (with the hashes of the code they measured; in ``EC_S3_BENCH_RESULTS``,
+default ``bench/results``) and plots.
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -55,12 +49,6 @@ def setup_env(extra: dict[str, str] | None = None) -> None:
     apply_offline_env({**BENCH_ENV, **(extra or {})})
 
 
-def module_command(module: str, *args: str) -> list[str]:
-    """The command line that runs ``module`` (e.g. ``bench.gil``) in a child process; start
-    it with ``cwd=REPO`` so that ``bench`` and ``tests.support`` import as they do here."""
-    return [sys.executable, "-m", module, *args]
-
-
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -74,18 +62,11 @@ class Endpoint:
     access_key_id: str
     secret_access_key: str
     pid: int | None = None  # the server process, when we started it
-    data_dir: Path | None = None
 
     def extra(self, bucket: str, **overrides: Any) -> dict[str, Any]:
         """An ``ec_connector_extra_config`` for ``bucket`` on this endpoint."""
-        out: dict[str, Any] = {
-            "bucket": bucket,
-            "endpoint_url": self.url,
-            "access_key_id": self.access_key_id,
-            "secret_access_key": self.secret_access_key,
-        }
-        out.update(overrides)
-        return out
+        return {"bucket": bucket, "endpoint_url": self.url, "access_key_id": self.access_key_id,
+                "secret_access_key": self.secret_access_key, **overrides}
 
     def config(self, bucket: str, **overrides: Any):
         from ec_s3.config import ECS3Config
@@ -111,10 +92,8 @@ def s3_endpoint(label: str = "bench") -> Iterator[Endpoint]:
     data_dir = Path(tempfile.mkdtemp(prefix=f"ecb-{label[:8]}-"))
     server = EmbeddedS3Server(data_dir=data_dir).start()
     try:
-        yield Endpoint(
-            server.endpoint_url, server.credentials.access_key_id, server.credentials.secret_access_key,
-            pid=server.pid, data_dir=data_dir,
-        )
+        yield Endpoint(server.endpoint_url, server.credentials.access_key_id, server.credentials.secret_access_key,
+                       pid=server.pid)
     finally:
         server.stop()
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -138,12 +117,11 @@ def create_bucket(ep: Endpoint, bucket: str | None = None) -> str:
 class ProxyProcess:
     """tests/faultproxy.FaultProxy in a child process, so that its event loop does not
     compete with the measured process for the GIL and its buffered request bodies do
-    not count in our RSS. Commands: ``latency(s)``, ``stall_put()``, ``release()``,
-    ``counters()``."""
+    not count in our RSS. Commands: ``latency(s)``, ``counters()``."""
 
     def __init__(self, upstream: str) -> None:
-        self.proc = subprocess.Popen(
-            module_command("bench.benchlib", "--proxy-child", upstream), cwd=REPO,
+        self.proc = subprocess.Popen(  # cwd=REPO: bench and tests.support import as they do here
+            [sys.executable, "-m", "bench.benchlib", "--proxy-child", upstream], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         )
         assert self.proc.stdout is not None
@@ -159,12 +137,6 @@ class ProxyProcess:
 
     def latency(self, seconds: float) -> None:
         self.cmd(f"latency {seconds}")
-
-    def stall_put(self) -> None:
-        self.cmd("stall-put")
-
-    def release(self) -> None:
-        self.cmd("release")
 
     def counters(self) -> dict[str, Any]:
         return self.cmd("counters")
@@ -190,10 +162,6 @@ def _proxy_child(upstream: str) -> int:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "latency":
             proxy.set_latency(float(arg))
-        elif cmd == "stall-put":
-            proxy.set_stall(True, methods=["PUT"])
-        elif cmd == "release":
-            proxy.clear()
         elif cmd == "quit":
             break
         c = proxy.counters
@@ -271,25 +239,8 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     """median, p10/p90 (spread), p99, min, max, n."""
     if not values:
         return {"n": 0}
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "p10": pct(values, 0.10),
-        "p90": pct(values, 0.90),
-        "p99": pct(values, 0.99),
-        "min": min(values),
-        "max": max(values),
-    }
-
-
-def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
-    """Ratio of medians, plus the spread of per-repeat ratios when paired."""
-    out = {"ratio": statistics.median(num) / statistics.median(den) if num and den else float("nan")}
-    if len(num) == len(den) and num:
-        per = [a / b for a, b in zip(num, den) if b]
-        if per:
-            out["ratio_min"], out["ratio_max"] = min(per), max(per)
-    return out
+    return {"n": len(values), "median": statistics.median(values), "p10": pct(values, 0.10), "p90": pct(values, 0.90),
+            "p99": pct(values, 0.99), "min": min(values), "max": max(values)}
 
 
 # --------------------------------------------------------------------------- results
@@ -305,8 +256,6 @@ def git_rev() -> str:
 
 
 def file_sha256(path: Path) -> str:
-    import hashlib
-
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
@@ -325,9 +274,8 @@ def measured_sources() -> dict[str, str]:
     files: set[Path] = set()
     for name, mod in list(sys.modules.items()):
         f = getattr(mod, "__file__", None)
-        if not f or not (name == "__main__" or name == "ec_s3" or name.startswith(("ec_s3.", "bench."))):
-            continue
-        if name.startswith(HARNESS):
+        ours = name in ("__main__", "ec_s3") or name.startswith(("ec_s3.", "bench."))
+        if not f or not ours or name.startswith(HARNESS):
             continue
         path = Path(f).resolve()
         if path.suffix == ".py" and path.is_relative_to(REPO) and path.name not in ("benchlib.py", "run_all.py"):
@@ -342,15 +290,9 @@ def environment() -> dict[str, Any]:
         load = os.getloadavg()
     except OSError:
         load = (float("nan"),) * 3
-    return {
-        "when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(),
-        "loadavg_at_start": [round(x, 2) for x in load],
-        "python": platform.python_version(),
-        "git": git_rev(),
-        "argv": sys.argv,
-        "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS",
-    }
+    return {"when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host_cpus": os.cpu_count(),
+            "loadavg_at_start": [round(x, 2) for x in load], "python": platform.python_version(), "git": git_rev(),
+            "argv": sys.argv, "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS"}
 
 
 def write_json(name: str, data: dict[str, Any], out_dir: Path | None = None) -> Path:

@@ -3,13 +3,12 @@ vLLM's engine thread, in two parts, each against a baseline in the same run.
 
 ``scheduler``: wall and thread-CPU time of every scheduler-side connector call vLLM
 makes (the stats call ``get_ec_connector_stats`` included: vLLM makes it every step)
-while its real Scheduler (tests/support/vllm_rig) runs a mix, per round, of requests
-with 1-3 images drawn from items promised by a producer (``ec_transfer_params``, blob
-in the bucket), stored but not promised (``lookup: always``), missing (encoded
-locally) and repeated; with 0, 50 and 200 ms of store latency injected by the fault
-proxy (its own process, so its loop does not take the measured thread's GIL).
-Baselines: the same mix through vLLM's ``ECExampleConnector`` (files on local disk),
-and ec-s3 at 0 ms. Goal: p99 < 100 us for every method, independent of latency.
+while its real Scheduler (tests/support/vllm_rig) runs rounds of requests with 1-3
+images each: promised by a producer (``ec_transfer_params``, blob in the bucket),
+stored but not promised (``lookup: always``), missing (encoded locally) or repeated;
+with 0, 50 and 200 ms of store latency injected by the fault proxy. Baselines: the same
+mix through vLLM's ``ECExampleConnector`` (files on local disk), and ec-s3 at 0 ms.
+Goal: p99 < 100 us for every method, independent of latency.
 
 ``stats``: the stats call alone (own counters plus the workers' from shared memory,
 ``ec_s3.connector.metrics.scheduler_stats``) under loads the mix does not make: a
@@ -131,11 +130,10 @@ def make_mix(tag: str, rounds: int, per_round: int, rng: random.Random) -> list[
     return out
 
 
-def run_mix(node: Any, mix: list, params_for: Any, timeout_s: float, arrivals_per_step: int = 2) -> dict[str, Any]:
+def run_mix(driver: Any, mix: list, params_for: Any, timeout_s: float, arrivals_per_step: int = 2) -> dict[str, Any]:
     """Add each round's requests a few per step, drive until all done; returns counts."""
     from tests.support.ec_harness import drive
 
-    driver = node.driver
     t0 = time.monotonic()
     for round_reqs in mix:
         pending = list(round_reqs)
@@ -172,16 +170,12 @@ def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, 
 
         proxy.latency(latency_ms / 1000.0)
         timer = CallTimer(node.scheduler_connector, node.driver.scheduler)
-        info = run_mix(node, mix, params_for, timeout_s=120)
+        info = run_mix(node.driver, mix, params_for, timeout_s=120)
         counters = node.scheduler_connector.counters
-        info.update({
-            "proxy_requests": proxy.counters()["requests"],
-            "encoded_locally": len(node.sim.encoded),
-            "loaded_from_store": node.worker.counters.get("blobs_loaded"),
-            "lookups_hit": counters.get("lookups_hit"),
-            "lookups_miss": counters.get("lookups_miss"),
-            "requests": sum(len(r) for r in mix),
-        })
+        info.update({"proxy_requests": proxy.counters()["requests"], "encoded_locally": len(node.sim.encoded),
+                     "loaded_from_store": node.worker.counters.get("blobs_loaded"),
+                     "lookups_hit": counters.get("lookups_hit"), "lookups_miss": counters.get("lookups_miss"),
+                     "requests": sum(len(r) for r in mix)})
         return {"calls": timer.times, "cpu": timer.cpu_times, "steps": timer.step_times, "info": info}
     finally:
         if node is not None:
@@ -200,8 +194,7 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.sandbox.vllm_server import ec_transfer_config
     from tests.support.vllm_rig import ECWorkerSim, SchedulerDriver, fake_encoder_output, make_scheduler, make_vllm_config
 
-    tag = "EX"
-    mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))
+    mix = make_mix("EX", args.rounds, args.requests_per_round, random.Random(args.seed))
     root = Path(tempfile.mkdtemp(prefix="ecb-example-sched-", dir="/tmp"))
     try:
         for ident in {i for rnd in mix for _, ids, _ in rnd for i in ids}:
@@ -212,17 +205,10 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
                                 connector="ECExampleConnector", module_path=None)
         vllm_config = make_vllm_config(model_dir, ec)
         scheduler = make_scheduler(vllm_config)
-        worker = ECExampleConnector(vllm_config, ECConnectorRole.WORKER)
-        sim = ECWorkerSim(worker)
-        driver = SchedulerDriver(scheduler, sim)
-
-        class _Node:
-            pass
-
-        node = _Node()
-        node.driver = driver  # type: ignore[attr-defined]
+        sim = ECWorkerSim(ECExampleConnector(vllm_config, ECConnectorRole.WORKER))
+        driver = SchedulerDriver(scheduler, sim)  # first, as make_node does: the timer wraps its order probe
         timer = CallTimer(scheduler.ec_connector, scheduler)
-        info = run_mix(node, mix, lambda promised: {}, timeout_s=120)
+        info = run_mix(driver, mix, lambda promised: {}, timeout_s=120)
         info.update({"encoded_locally": len(sim.encoded), "requests": sum(len(r) for r in mix)})
         return {"calls": timer.times, "cpu": timer.cpu_times, "steps": timer.step_times, "info": info}
     finally:
@@ -232,18 +218,15 @@ def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
 def summarize(raw: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, r in raw.items():
-        per = {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["calls"].items()}
-        allc = [t * 1e6 for m, ts in r["calls"].items() if m != IDLE_META for t in ts]
         steps = len(r["steps"]["schedule"]) or 1
         conn_total = sum(t * 1e6 for ts in r["calls"].values() for t in ts)
         sched_total = sum(t * 1e6 for ts in r["steps"].values() for t in ts)
-        per_cpu = {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["cpu"].items()}
-        allcpu = [t * 1e6 for m, ts in r["cpu"].items() if m != IDLE_META for t in ts]
+        every = {k: [t * 1e6 for m, ts in r[k].items() if m != IDLE_META for t in ts] for k in ("calls", "cpu")}
         out[label] = {
-            "per_method_us": per,
-            "all_calls_us": bl.summary(allc),
-            "per_method_thread_cpu_us": per_cpu,
-            "all_calls_thread_cpu_us": bl.summary(allcpu),
+            "per_method_us": {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["calls"].items()},
+            "all_calls_us": bl.summary(every["calls"]),
+            "per_method_thread_cpu_us": {m: bl.summary([t * 1e6 for t in ts]) for m, ts in r["cpu"].items()},
+            "all_calls_thread_cpu_us": bl.summary(every["cpu"]),
             "schedule_us": bl.summary([t * 1e6 for t in r["steps"]["schedule"]]),
             "update_from_output_us": bl.summary([t * 1e6 for t in r["steps"]["update_from_output"]]),
             "connector_us_per_step": conn_total / steps,
@@ -273,20 +256,6 @@ def _busy_thread(enabled: bool) -> Iterator[None]:
             thread.join(5)
 
 
-def _route(staging: str, loop: Any) -> tuple[Any, Any, Any]:
-    """A worker's writer and the scheduler's reader, placed and driven as the connector does."""
-    from ec_s3.transfer import shared_stats
-    from ec_s3.transfer.counters import Counters
-
-    directory = shared_stats.stats_dir(staging)
-    directory.mkdir(mode=0o700)
-    counters = Counters()
-    writer = shared_stats.SharedStatsWriter(str(directory), "bench", counters)
-    reader = shared_stats.SharedStatsReader(str(directory), "bench")
-    reader.collect_periodically(loop)
-    return writer, reader, counters
-
-
 def _time_calls(fn: Callable[[], Any], calls: int) -> list[float]:
     times = []
     for _ in range(calls):
@@ -308,9 +277,14 @@ def stats_load(load: str, calls: int) -> dict[str, Any]:
         if load == "crowded_staging_dir":
             for i in range(300):
                 (Path(staging) / f"other-{i}").write_bytes(b"x")
-        writer, reader, counters = _route(staging, loop)
-        stuck = load.startswith("stuck_writer")
-        if stuck:
+        # a worker's writer and the scheduler's reader, placed and driven as the connector does
+        directory = shared_stats.stats_dir(staging)
+        directory.mkdir(mode=0o700)
+        counters = Counters()
+        writer = shared_stats.SharedStatsWriter(str(directory), "bench", counters)
+        reader = shared_stats.SharedStatsReader(str(directory), "bench")
+        reader.collect_periodically(loop)
+        if load.startswith("stuck_writer"):
             counters.inc("blobs_loaded")
             writer.flush(force=True)
             writer._closed = True  # no more flushes; it keeps its lock, as a live writer would

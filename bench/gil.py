@@ -6,34 +6,25 @@ Owns: one measurement per blob size, three phases per repeat, rotated (interleav
 * ``alone``: the step loop only (the baseline);
 * ``upload``: the producer worker's path: ``BlobPublisher.publish`` of fresh CPU
   tensors (what ``save_caches`` calls), keeping ``--depth`` uploads in flight;
-* ``download``: the consumer scheduler's path, as ``connector/scheduler.py`` drives it:
-  ``ItemFetcher.start(key, BlobExpectation)`` (GET into a ``StagingArea`` slot on
-  /dev/shm, then full validation) and ``drain()`` once per step, keeping ``--depth``
-  fetches in flight; a staged slot is discarded at once (its worker would load it).
+* ``download``: the consumer scheduler's path (``connector/scheduler.py``): ``ItemFetcher.start``
+  (GET into a /dev/shm ``StagingArea`` slot, full validation), ``drain()`` once per step,
+  ``--depth`` fetches in flight; a staged slot is discarded at once (its worker would load it).
 
-The step is a fixed CPU-bound Python loop (calibrated to ``--step-ms`` of CPU) plus a
-small torch op (which releases the GIL, as model code does). Per step, the kernel's
-per-thread accounting splits its wall time into CPU, run-queue time (runnable, waiting
-for a core: other processes, ec-s3's I/O thread, the S3 server) and the rest, blocked:
-waiting for the GIL, since the step does no I/O (measured ~0 in the ``alone`` phase).
-Transfers are started between steps, outside the timed region (their own cost on the
-engine thread is ``engine_cost.py``'s subject). Reported per size:
+The step (:class:`Step`: a Python loop calibrated to ``--step-ms`` of CPU, plus a small
+torch op) splits its wall time into CPU, run-queue time (waiting for a core) and the
+rest: GIL waits, since it does no I/O. Transfers start between steps, outside the timed
+region (their cost on the engine thread is ``engine_cost.py``'s). Reported per size:
 
 * slowdown: median step wall with transfers / alone - 1 (spread: per-repeat ratios);
 * GIL cost: mean GIL wait per step / mean step (CPU + GIL wait) alone: the slowdown a
-  host with a free core would see (a GPU server, where the step does not share a core
-  with the I/O thread). Mean, not median: most steps wait not at all and a few wait a
-  whole switch interval (5 ms), and a step loop's throughput pays the mean. Also
-  GIL waits per step (voluntary context switches) and the median of CPU + GIL wait;
-* throughput, and step time lost per GiB moved: (median with - median alone) x steps /
-  GiB moved in the phase; GIL wait seconds per GiB.
+  host with a free core would see (a GPU server). Mean, not median: see ``gil_cost``;
+* GIL waits per step, throughput, step time lost and GIL wait seconds per GiB moved.
 
 Goal: slowdown <= 5% (on a shared 2-core host the wall slowdown is dominated by other
 processes and the S3 server taking the core; the GIL cost is the part ec-s3 owns).
 
-Does not own: the S3 server (SeaweedFS, fresh per size, on the same cores: on a 2-core
-host it competes with the step for a core, which shows as run-queue time, not as GIL
-waits), nor vLLM (the step is a stand-in; no engine is started).
+Does not own: the S3 server (SeaweedFS, fresh per size, on the same cores: it shows as
+run-queue time, not as GIL waits), nor vLLM (the step is a stand-in; no engine runs).
 
     .venv/bin/python -m bench.gil [--quick] [--sizes-mib 1 8 32] [--reps 5] [--phase-s 1.5] [--depth 4]
 """
@@ -159,10 +150,8 @@ class Traffic:
             ident = f"dl-{size_mib}-{i}"
             key = f"gil/{ident}.safetensors"
             self.publisher.publish(ident, self.pool[i % len(self.pool)], key)
-            self.download_keys[key] = BlobExpectation(
-                identifier=ident, namespace="gil", dtype=torch.bfloat16, rows=self.rows, width=WIDTH,
-                max_bytes=self.config.max_blob_bytes,
-            )
+            self.download_keys[key] = BlobExpectation(identifier=ident, namespace="gil", dtype=torch.bfloat16,
+                                                      rows=self.rows, width=WIDTH, max_bytes=self.config.max_blob_bytes)
         if self.publisher.flush(300) != 0 or self.counters.get("blobs_uploaded") != depth + 2:
             raise RuntimeError(f"could not upload the download set: {self.counters}")
         self.in_flight: set[str] = set()

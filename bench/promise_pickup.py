@@ -1,14 +1,12 @@
 """Promise pickup: how soon a consumer picks up a promised blob once it becomes
 visible, and how many GETs it spends waiting, for the poll schedule in
-``ec_s3.connector.admission`` and the one it replaced (5, 10, 20 ... ms doubling up to
-1 s, counted in the item's lifetime attempts) and a "dense" bound (a poll every 2 ms, one
-at a time, however long the wait), in the same run, interleaved.
+``ec_s3.connector.admission``, the one it replaced (``legacy``: 5 ms doubling up to 1 s)
+and a poll every 2 ms (``dense``), in the same run, interleaved.
 
 A consumer (vLLM's real ``Scheduler`` with the scheduler-role ``ECS3Connector``,
-tests/vllm_rig, stepped like EngineCore: back to back, 1 ms sleep after a step that
-ran nothing) gets a request whose only image is promised; a thread PUTs that blob
-```delay`` after the request arrived (4.5 KiB: the tiny model's 16 x 128 bf16 image).
-Per trial, one request, a fresh image:
+tests/support/vllm_rig, stepped like EngineCore) gets a request whose only image is
+promised; a thread PUTs that blob ``delay`` after the request arrived (4.5 KiB: the tiny
+model's 16 x 128 bf16 image). Per trial, one request, a fresh image:
 
 * ``pickup``: from the PUT's response (the blob is visible at the latest then) to the
   step that schedules the request (the GET that found it and its validation included);
@@ -25,6 +23,7 @@ Goal (issue #13): pickup within 5 ms (p90) of visibility without hammering the s
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 import threading
 import time
@@ -74,6 +73,7 @@ def use_schedule(sched: Any, name: str) -> None:
 
 
 def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: float) -> dict[str, float]:
+    from tests.support.ec_harness import drive
     from tests.support.vllm_rig import fake_encoder_output
 
     from ec_s3.blob.codec import BlobMeta, encode_blob
@@ -114,23 +114,10 @@ def one_trial(node: Any, store: Any, ident: str, delay_s: float, timeout_s: floa
     item = sched._items.peek(key)
     found_at = item.started_at if item is not None else float("nan")
     gets = counters.get("lookups_started") - gets_before
-    _finish(node)
-    return {
-        "delay_s": delay_s,
-        "pickup_s": scheduled - times["visible"],
-        "poll_gap_s": found_at - times["visible"],
-        "put_s": times["visible"] - times["put_start"],
-        "waited_s": scheduled - times["added"],
-        "gets": gets,
-        "gets_per_s": gets / (scheduled - times["added"]),
-    }
-
-
-def _finish(node: Any) -> None:
-    """Let the request run to its end (its item is staged: no more waiting)."""
-    from tests.support.ec_harness import drive
-
-    drive(node.driver, timeout_s=30)
+    drive(node.driver, timeout_s=30)  # the request runs to its end (its item is staged: no more waiting)
+    return {"delay_s": delay_s, "pickup_s": scheduled - times["visible"], "poll_gap_s": found_at - times["visible"],
+            "put_s": times["visible"] - times["put_start"], "waited_s": scheduled - times["added"], "gets": gets,
+            "gets_per_s": gets / (scheduled - times["added"])}
 
 
 def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -145,19 +132,15 @@ def run(ep: bl.Endpoint, bucket: str, model_dir: Path, args: argparse.Namespace)
     try:
         store.run(store.head_async("warm-up"))
         one_trial(node, store, "warm-up-item", 0.01, 30)  # the consumer's first GET opens its connections
-        n = 0
-        for rep in range(args.repeats):
-            for delay_ms in args.delays_ms:
-                k = n % len(SCHEDULES)
-                order = SCHEDULES[k:] + SCHEDULES[:k]  # rotated per trial
-                n += 1
-                for name in order:
-                    use_schedule(sched, name)
-                    sample = one_trial(node, store, f"img-{name}-{rep}-{delay_ms}", delay_ms / 1000.0, 60)
-                    sample["schedule"] = name
-                    samples.append(sample)
-                    bl.log(f"{name:7s} delay {delay_ms:5d} ms: pickup {sample['pickup_s'] * 1e3:7.1f} ms, "
-                           f"poll gap {sample['poll_gap_s'] * 1e3:7.1f} ms, {sample['gets']:4.0f} GETs")
+        for n, (rep, delay_ms) in enumerate(itertools.product(range(args.repeats), args.delays_ms)):
+            k = n % len(SCHEDULES)
+            for name in SCHEDULES[k:] + SCHEDULES[:k]:  # rotated per trial
+                use_schedule(sched, name)
+                sample = one_trial(node, store, f"img-{name}-{rep}-{delay_ms}", delay_ms / 1000.0, 60)
+                sample["schedule"] = name
+                samples.append(sample)
+                bl.log(f"{name:7s} delay {delay_ms:5d} ms: pickup {sample['pickup_s'] * 1e3:7.1f} ms, "
+                       f"poll gap {sample['poll_gap_s'] * 1e3:7.1f} ms, {sample['gets']:4.0f} GETs")
         use_schedule(sched, "current")
     finally:
         node.close()
@@ -267,9 +250,7 @@ def main() -> int:
                    "blob_bytes": "tiny model image, ~4.5 KiB"},
         "elapsed_s": time.monotonic() - started,
         "goal": "promised blob picked up within 5 ms (p90) of becoming visible; state the GET rate per waiting item",
-        "goal_met": p90 <= GOAL_MS,
-        "summary": summ,
-        "samples": samples,
+        "goal_met": p90 <= GOAL_MS, "summary": summ, "samples": samples,
     }, args.out_dir)
     print_tables(summ, args.delays_ms)
     return 0

@@ -7,16 +7,12 @@ files, refusing any result older than the code it measured.
     .venv/bin/python -m bench.run_all --summary-only   # render from the result files as they are
 
 Each benchmark runs in its own process (fresh allocator, fresh SeaweedFS) and writes
-``bench/results/<name>.json``, which records the sha256 of every file it measured
-(``benchlib.measured_sources``: the script, the ec_s3 modules it loaded, the globs it
-names in ``MEASURES``). A result whose files no longer hash the same is older than its
-code: the summary leaves it out, prints ``stale: <result> is older than <file>`` and
-this script exits 1. Hashes, not git commit times or mtimes: a fresh clone gives every
-file the same mtime, and a hash also catches an edit that is not yet committed.
-
-Every figure in the summary comes from a result file through its benchmark's own
-``goal_rows(d)`` (the goals table) and ``measurement_rows(d)`` (every measurement);
-this script types in no number.
+``bench/results/<name>.json`` with the sha256 of every file it measured
+(``benchlib.measured_sources``). A result whose files no longer hash the same is left out,
+``stale: <result> is older than <file>`` is printed and this script exits 1 (why hashes,
+not mtimes: bench/README.md). Every figure comes from a result file through its
+benchmark's ``goal_rows(d)`` (the goals table) and ``measurement_rows(d)`` (every
+measurement); this script types in no number.
 """
 
 from __future__ import annotations

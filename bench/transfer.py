@@ -6,21 +6,16 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 
 * ``ec-s3``: ``S3Store.put_async`` of an encoded blob and ``S3Store.get_async`` into a
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
-* ``ec-s3-botocore`` (opt-in, ``--clients``): the same with ``data_path: botocore``, every
-  request through aiobotocore (what ec-s3 did before its direct data path);
-* ``boto-default``: raw aioboto3 with botocore defaults (``put_object``,
-  ``get_object`` + ``read``);
-* ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``
-  and a 64-connection pool;
+* ``ec-s3-botocore``: the same with ``data_path: botocore``, every request through
+  aiobotocore (what ec-s3 did before its direct data path);
+* ``boto-default``: raw aioboto3 with botocore defaults (``put_object``, ``get_object`` + ``read``);
+* ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``, 64 connections;
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
-  multipart PUT for large bodies, single GET);
-* retired (issue 35: one store bench with ec-s3 / botocore / obstore): raw aiohttp, a
-  BufferedProtocol GET (the ceiling of a Python GET path, which ec-s3's direct path
-  reached) and vLLM's ``ECExampleConnector`` on local disk (it measured vLLM).
+  multipart PUT for large bodies, single GET).
 
-Clients run in the same process on the same asyncio loop thread, in a rotated order
-per repeat. CPU: this process's ``process_time`` (all threads) and the server's
-``/proc/<pid>/stat``, per GiB moved.
+Retired by issue 35 (git history has them): raw aiohttp, a BufferedProtocol GET, vLLM's
+``ECExampleConnector``. Clients run on one asyncio loop thread, rotated per repeat. CPU:
+this process's ``process_time`` (all threads) and the server's, per GiB moved.
 
     .venv/bin/python -m bench.transfer [--quick] [--sizes-mib 1 8 32 64] [--concurrency 1 8 32]
 """
@@ -53,7 +48,6 @@ WIDTH = 4096  # bf16 rows of 8 KiB
 
 class Client:
     name = "?"
-    concurrent = True  # False: the caller runs operations one at a time
 
     async def setup(self) -> None: ...
 
@@ -100,18 +94,12 @@ class BotoClient(Client):
         from aiobotocore.config import AioConfig
 
         session = aioboto3.Session(aws_access_key_id=self.ep.access_key_id, aws_secret_access_key=self.ep.secret_access_key)
-        config = None
-        if self.tuned:
-            config = AioConfig(
-                s3={"addressing_style": "path", "payload_signing_enabled": False},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-                max_pool_connections=64,
-            )
+        config = AioConfig(s3={"addressing_style": "path", "payload_signing_enabled": False},
+                           request_checksum_calculation="when_required", response_checksum_validation="when_required",
+                           max_pool_connections=64) if self.tuned else None
         self._stack = contextlib.AsyncExitStack()
         self.client = await self._stack.enter_async_context(
-            session.client("s3", endpoint_url=self.ep.url, region_name="us-east-1", config=config)
-        )
+            session.client("s3", endpoint_url=self.ep.url, region_name="us-east-1", config=config))
 
     async def put(self, key: str, body: Any) -> None:
         await self.client.put_object(Bucket=self.bucket, Key=key, Body=body)
@@ -135,11 +123,10 @@ class ObstoreClient(Client):
     def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
         from obstore.store import S3Store as ObS3Store
 
-        self.store = ObS3Store(
-            bucket, endpoint=ep.url, access_key_id=ep.access_key_id, secret_access_key=ep.secret_access_key,
-            region="us-east-1", virtual_hosted_style_request=False, unsigned_payload=True,
-            client_options={"allow_http": True, "pool_max_idle_per_host": "64"},
-        )
+        self.store = ObS3Store(bucket, endpoint=ep.url, access_key_id=ep.access_key_id,
+                               secret_access_key=ep.secret_access_key, region="us-east-1",
+                               virtual_hosted_style_request=False, unsigned_payload=True,
+                               client_options={"allow_http": True, "pool_max_idle_per_host": "64"})
 
     async def put(self, key: str, body: Any) -> None:
         import obstore
@@ -163,8 +150,6 @@ class ObstoreClient(Client):
 
 
 async def _run_ops(client: Client, op: str, keys: list[str], body: Any, conc: int) -> int:
-    if not client.concurrent:
-        conc = 1
     sem = asyncio.Semaphore(conc)
     moved = 0
 
@@ -194,18 +179,14 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
         if moved != expect:
             raise RuntimeError(f"{client.name} {op}: moved {moved} bytes, expected {expect}")
         gib = expect / bl.GiB
-        out[op] = {
-            "wall_s": m.wall,
-            "mib_per_s": expect / bl.MiB / m.wall,
-            "client_cpu_s_per_gib": m.cpu / gib,
-            "client_rusage_cpu_s_per_gib": m.rusage_cpu / gib,
-            "server_cpu_s_per_gib": None if m.server_cpu is None else m.server_cpu / gib,
-        }
+        out[op] = {"wall_s": m.wall, "mib_per_s": expect / bl.MiB / m.wall, "client_cpu_s_per_gib": m.cpu / gib,
+                   "client_rusage_cpu_s_per_gib": m.rusage_cpu / gib,
+                   "server_cpu_s_per_gib": None if m.server_cpu is None else m.server_cpu / gib}
     bg.run(_run_ops(client, "delete", keys, None, 16), timeout=300)
     return out
 
 
-def make_clients(ep: bl.Endpoint, bucket: str, tensor: torch.Tensor, names: list[str]) -> list[Client]:
+def make_clients(ep: bl.Endpoint, bucket: str, names: list[str]) -> list[Client]:
     makers = {
         "ec-s3": lambda: EcS3Client(ep, bucket),
         "ec-s3-botocore": lambda: EcS3Client(ep, bucket, "botocore"),
@@ -234,7 +215,7 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
     with bl.s3_endpoint(f"xfer{size_mib}") as ep:
         bucket = bl.create_bucket(ep)
         bg = shared_loop()
-        clients = make_clients(ep, bucket, tensor, args.clients)
+        clients = make_clients(ep, bucket, args.clients)
         for c in clients:
             bg.run(c.setup(), timeout=120)
             # warm-up: connections, credentials, code paths
@@ -251,18 +232,14 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
             for rep in range(args.repeats):
                 order = clients[rep % len(clients):] + clients[: rep % len(clients)]
                 for c in order:
-                    if not c.concurrent and conc != concs[0]:
-                        continue  # synchronous baseline: measured once, at the first concurrency
                     body = blob if c.name.startswith("ec-s3") else body_bytes
                     r = run_cell(bg, ep, c, size, conc, n_obj, body, f"{conc}-{rep}")
                     cell.setdefault(c.name, []).append(r)
             rss = ep.server_rss()
             result["cells"][str(conc)] = {"n_objects": n_obj, "runs": cell, "server_rss_after": rss}
-            msg = ", ".join(
-                f"{name} {statistics.median(r['put']['mib_per_s'] for r in runs):.0f}/"
-                f"{statistics.median(r['get']['mib_per_s'] for r in runs):.0f}"
-                for name, runs in cell.items()
-            )
+            msg = ", ".join(f"{name} {statistics.median(r['put']['mib_per_s'] for r in runs):.0f}/"
+                            f"{statistics.median(r['get']['mib_per_s'] for r in runs):.0f}"
+                            for name, runs in cell.items())
             bl.log(f"  {size_mib} MiB x{conc} (n={n_obj}) PUT/GET MiB/s: {msg}; server RSS {(rss or 0) / bl.MiB:.0f} MiB")
         for c in clients:
             bg.run(c.close(), timeout=60)
@@ -279,16 +256,12 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         for conc, cres in sres["cells"].items():
             row: dict[str, Any] = {}
             for op in ("put", "get"):
-                med = {
-                    name: {
-                        "mib_per_s": statistics.median(r[op]["mib_per_s"] for r in runs),
-                        "mib_per_s_min": min(r[op]["mib_per_s"] for r in runs),
-                        "mib_per_s_max": max(r[op]["mib_per_s"] for r in runs),
-                        "client_cpu_s_per_gib": statistics.median(r[op]["client_cpu_s_per_gib"] for r in runs),
-                        "server_cpu_s_per_gib": _median_or_none([r[op]["server_cpu_s_per_gib"] for r in runs]),
-                    }
-                    for name, runs in cres["runs"].items()
-                }
+                med = {name: {"mib_per_s": statistics.median(r[op]["mib_per_s"] for r in runs),
+                              "mib_per_s_min": min(r[op]["mib_per_s"] for r in runs),
+                              "mib_per_s_max": max(r[op]["mib_per_s"] for r in runs),
+                              "client_cpu_s_per_gib": statistics.median(r[op]["client_cpu_s_per_gib"] for r in runs),
+                              "server_cpu_s_per_gib": _median_or_none([r[op]["server_cpu_s_per_gib"] for r in runs])}
+                       for name, runs in cres["runs"].items()}
                 best = max((n for n in raw if n in med), key=lambda n: med[n]["mib_per_s"], default=None)
                 entry: dict[str, Any] = {"clients": med, "best_raw": best}
                 if best and "ec-s3" in med:
@@ -325,8 +298,7 @@ def print_tables(summ: dict[str, Any]) -> None:
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def",
              "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
-            rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)",
-        ))
+            rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)"))
 
 
 def plot(summ: dict[str, Any], out_dir: Path | None) -> None:
@@ -386,13 +358,9 @@ def main() -> int:
         bl.log(f"transfer: {size} MiB blobs, concurrency {args.concurrency}, {args.repeats} repeats")
         results[str(size)] = bench_size(size, args.concurrency, args)
     summ = summarize(results)
-    bl.write_json("transfer", {
-        "params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
-        "elapsed_s": time.monotonic() - started,
-        "summary": summ,
-        "raw": results,
-        "goal": "ec-s3 >= 0.9x the best raw client (PUT and GET)",
-    }, args.out_dir)
+    bl.write_json("transfer", {"params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
+                               "elapsed_s": time.monotonic() - started, "summary": summ, "raw": results,
+                               "goal": "ec-s3 >= 0.9x the best raw client (PUT and GET)"}, args.out_dir)
     print_tables(summ)
     if not args.no_plot:
         plot(summ, args.out_dir)
