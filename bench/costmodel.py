@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 __all__ = ["Costs", "FLEET_ASSUMPTIONS", "fit_costs", "SharedFit", "fit_shared", "fleet_table", "linear_fit", "plain_capacity",
-           "epd_capacity", "predicted_ratio", "shared_ratio", "should_win"]
+           "epd_capacity", "predicted_ratio", "shared_ratio", "should_win", "unloaded"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +57,10 @@ class Costs:
 
     def pd_s(self, k: int, miss: float) -> float:
         return self.P0 + k * self.p + k * (1.0 - miss) * self.G
+
+    def aggregated_s(self, k: int, miss: float) -> float:
+        """An ``ec_both`` server on a shared bucket: it encodes the misses, GETs the rest."""
+        return self.P0 + k * (miss * self.E + self.p + (1.0 - miss) * self.G)
 
 
 
@@ -165,11 +169,11 @@ def predicted_ratio(c: Costs, k: int, miss: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class SharedFit:
-    """One ``k`` (images per request) of the shared fleet, measured: a plain server's
-    inference time per request, and an aggregated server's as a line in the items it
-    encoded per request (``base_s`` + ``encode_s`` x items): ``encode_s`` is what one
-    encoded item costs there (encoding, publishing) less what a repeat costs instead (its
-    GET, staging); ``base_s`` the rest of the request."""
+    """One ``k`` (images per request) of the shared fleet, measured unloaded: a plain
+    server's inference time per request, and an aggregated server's as a line in the
+    items it encoded per request (``base_s`` + ``encode_s`` x items): ``encode_s`` is
+    what one encoded item costs there (encoding, publishing) less what a repeat costs
+    instead (its GET, staging); ``base_s`` the rest of the request."""
 
     k: int
     plain_s: float
@@ -180,28 +184,46 @@ class SharedFit:
         return self.base_s + self.encode_s * self.k * miss
 
 
-def shared_ratio(fit: SharedFit, miss: float) -> float:
+def shared_ratio(fit: SharedFit, miss: float, plain_s: float | None = None) -> float:
     """shared-dp over plain-dp (two aggregated servers on one bucket against two plain
     ones): the capacity ratio when only the share ``miss`` of images is encoded (every
-    repeat served from the bucket, a server's staging or its encoder cache)."""
-    return fit.plain_s / fit.shared_s(miss)
+    repeat served from the bucket, a server's staging or its encoder cache). ``plain_s``:
+    plain's own time on the workload (its encoder cache hits differ by workload)."""
+    return (plain_s if plain_s is not None else fit.plain_s) / fit.shared_s(miss)
+
+
+def unloaded(runs: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Each (workload, topology)'s runs at its lowest rate: a request's inference time
+    there is its cost. At higher rates steps batch and two servers share the host's
+    cores with their front ends, and the time per request moves with the load, not with
+    the work (what confounded the fit over every rate)."""
+    runs = list(runs)
+    low: dict[tuple[str, str], float] = {}
+    for r in runs:
+        key = (r["workload"], r["topology"])
+        low[key] = min(low.get(key, math.inf), r["rate"])
+    return [r for r in runs if r["rate"] == low[r["workload"], r["topology"]]]
 
 
 def fit_shared(runs: Iterable[Mapping[str, Any]]) -> tuple[dict[int, SharedFit], dict[str, Any]]:
-    """Per ``k``, from plain-dp and shared-dp runs of the same bench: plain's mean
-    inference time per request, and shared-dp's inference time per request against the
-    items its servers encoded per request (``vllm:ec_s3_items_encoded_total``; the
-    workloads vary it: fresh encodes all, hot few). Measured per ``k`` rather than split
-    into E and p: a run of one ``k`` cannot separate them, and the line already holds
-    what an aggregated server pays to publish and to GET."""
+    """Per ``k``, from the :func:`unloaded` plain-dp and shared-dp runs of one bench:
+    plain's inference time per request (per workload, and their mean), and shared-dp's
+    against the items its servers encoded per request (``vllm:ec_s3_items_encoded_total``;
+    the workloads vary it: fresh encodes all, hot few). Measured per ``k`` rather than
+    split into E and p: a run of one ``k`` cannot separate them, and the line already
+    holds what an aggregated server pays to publish and to GET. The record's
+    ``plain_s_by_workload`` and ``shared_s_by_workload`` are the measured points."""
     plain: dict[int, list[float]] = {}
+    plain_w: dict[str, list[float]] = {}
     shared: dict[int, tuple[list[float], list[float]]] = {}
-    for r in runs:
+    shared_w: dict[str, list[float]] = {}
+    for r in unloaded(runs):
         d, k = r.get("deltas") or {}, int(r["images"])
         if r["topology"] == "plain-dp":
             y = _per(d.get("plain") or {}, "vllm:request_inference_time_seconds")
             if y is not None:
                 plain.setdefault(k, []).append(y)
+                plain_w.setdefault(r["workload"], []).append(y)
         elif r["topology"] == "shared-dp":
             fleet = d.get("shared") or {}
             y = _per(fleet, "vllm:request_inference_time_seconds")
@@ -211,8 +233,10 @@ def fit_shared(runs: Iterable[Mapping[str, Any]]) -> tuple[dict[int, SharedFit],
                 xs, ys = shared.setdefault(k, ([], []))
                 xs.append(encoded / n)
                 ys.append(y)
+                shared_w.setdefault(r["workload"], []).append(y)
     fits: dict[int, SharedFit] = {}
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"plain_s_by_workload": {w: sum(v) / len(v) for w, v in plain_w.items()},
+                              "shared_s_by_workload": {w: sum(v) / len(v) for w, v in shared_w.items()}}
     for k, (xs, ys) in sorted(shared.items()):
         if k not in plain or len(set(xs)) < 2:
             continue
@@ -289,6 +313,7 @@ def fleet_table(assumptions: Mapping[str, Any] = FLEET_ASSUMPTIONS) -> list[dict
         for r in a["repeat_rates"]:
             miss = 1.0 - r
             plain = plain_capacity(c, k, replicas=hosts, local_hit=r * a["plain_local_cache_fraction"])
+            shared = hosts / c.aggregated_s(k, miss)
             n_e, epd = best_split(c, k, miss, hosts)
             puts, gets = 1000 * k * miss, 1000 * k * r
             heads = 0.0 if a["proxy_skips_encoder_for_known_blobs"] else 1000 * k
@@ -296,6 +321,7 @@ def fleet_table(assumptions: Mapping[str, Any] = FLEET_ASSUMPTIONS) -> list[dict
             gpu_usd = {name: 1000 / (cap / hosts) / 3600 * gpu_h for name, cap in (("plain", plain), ("epd", epd))}
             rows.append({"hosts": hosts, "repeat_rate": r, "split_E_PD": f"{n_e}:{hosts - n_e}",
                          "plain_rps_per_gpu": plain / hosts, "epd_rps_per_gpu": epd / hosts, "ratio": epd / plain,
+                         "shared_rps_per_gpu": shared / hosts, "shared_ratio": shared / plain,
                          "s3_puts_per_1000": puts, "s3_gets_per_1000": gets, "s3_heads_per_1000": heads,
                          "s3_usd_per_1000": s3_usd, "gpu_usd_per_1000_plain": gpu_usd["plain"],
                          "gpu_usd_per_1000_epd": gpu_usd["epd"]})

