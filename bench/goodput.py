@@ -788,7 +788,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     d: dict[str, Any] = {
         "params": {"quick": args.quick, "rates": sweep.rates, "slo_ttft_ms": sweep.slo, "output_len": args.output_len,
                    "seconds_per_run": args.seconds, "min_requests": args.min_requests, "kinds": args.kinds,
-                   "workloads": args.workloads, "full_sweep": args.full_sweep, "refine": args.refine,
+                   "workloads": args.workloads, "full_sweep": args.full_sweep, "refine": args.refine, "extend": args.extend,
                    "model": dataclasses.asdict(served), "passes": [list(p) for p in args.passes],
                    "topologies": [t for p in args.passes for t in p],
                    "shared_proxy_args": list(args.shared_proxy_args), "image_tokens": served.image_tokens,
@@ -857,20 +857,30 @@ class Sweep:
         seen = {w: {t: set(hot) if kind == "hot" else set() for t in topologies} for w, kind, _ in self.workloads()}
         missed: dict[str, set[str]] = {}  # workload -> topologies that missed the SLO at a lower rate
         ctx = (pass_no, s, urls, seen)
-        for ri in range(max(len(self.rates[1]), len(self.rates[4]))):
+        for ri in range(max(len(self.rates[1]), len(self.rates[4])) + self.args.extend):
             for w, kind, k in self.workloads():
-                if ri >= len(self.rates[k]):
+                if (rate := self.rate_at(k, ri)) is None:
                     continue
                 # Past its first miss a topology's SLO-90 rate is decided (slo90_rate
                 # interpolates to the first miss): a higher rate only queues, for minutes.
-                left = [t for t in topologies if self.args.full_sweep or t not in missed.get(w, set())]
-                for t, res in self.segment(ctx, w, kind, k, {t: self.rates[k][ri] for t in left}, seed=ri):
+                full = self.args.full_sweep and ri < len(self.rates[k])
+                left = [t for t in topologies if full or t not in missed.get(w, set())]
+                for t, res in self.segment(ctx, w, kind, k, {t: rate for t in left}, seed=ri):
                     if (res["good_fraction"] or 0.0) < SLO_FRACTION:
                         missed.setdefault(w, set()).add(t)
         for round_no in range(self.args.refine):
             for w, kind, k in self.workloads():
                 mids = {t: r for t in topologies if (r := self.midpoint(w, t)) is not None}
                 self.segment(ctx, w, kind, k, mids, seed=100 + round_no)
+
+    def rate_at(self, k: int, ri: int) -> float | None:
+        """The ``ri``-th rate for ``k`` images: the swept list, then ``--extend`` steps of
+        x1.4 (2 digits) past its end, for the topologies that met every rate so far (a
+        ratio of two censored rates decides nothing); None past those."""
+        rates = self.rates[k]
+        if ri < len(rates):
+            return rates[ri]
+        return float(f"{rates[-1] * 1.4 ** (ri - len(rates) + 1):.2g}") if ri < len(rates) + self.args.extend else None
 
     def midpoint(self, w: str, t: str) -> float | None:
         """The rate between a topology's highest met and its first missed rate (geometric
@@ -961,8 +971,6 @@ def model_section(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         miss = sum(r["miss_fraction"] for r in rs) / len(rs)
         win, because = cm.should_win(costs, k, miss)
         pred[w] = {"ratio": cm.predicted_ratio(costs, k, miss), "miss": miss, "should_win": win, "why": because}
-    import dataclasses
-
     return {"costs_s": dataclasses.asdict(costs), "fit": record, "predicted": pred, "shared": shared}
 
 
@@ -1106,11 +1114,9 @@ def main() -> int:
     parser.add_argument("--rates-4", type=_floats, default=None, help="request rates, 4 images (default 0.5,1,2,3)")
     parser.add_argument("--slo-ms-1", type=float, default=None, help="TTFT SLO, 1 image (ms; qwen 1500, llava 400)")
     parser.add_argument("--slo-ms-4", type=float, default=None, help="TTFT SLO, 4 images (ms; qwen 4000, llava 800)")
-    parser.add_argument("--kinds", type=lambda s: s.split(","), default=list(KINDS), help="fresh,zipf,hot")
-    parser.add_argument("--images", type=lambda s: [int(x) for x in s.split(",")], default=list(IMAGES),
-                        help="images per request to run (default 1,4)")
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=None,
-                        help="only these of --kinds x --images, e.g. hot-4,zipf-4,fresh-4,hot-1")
+                        help="only these kind-images, e.g. hot-4,zipf-4,fresh-4,hot-1 (default all of fresh, "
+                             "zipf, hot x 1, 4)")
     parser.add_argument("--full-sweep", action="store_true",
                         help="run every rate for every topology (default: a topology stops at its first SLO miss)")
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
@@ -1119,6 +1125,8 @@ def main() -> int:
                         default=[["plain-dp", SHARED], [*EPD_TOPOLOGIES, "vllm-epd"]],
                         help=f"names from {','.join(TOPOLOGIES)}; '/' splits them into passes, one after the other "
                              "(default plain-dp,shared-dp/epd-parallel,epd-serial,vllm-epd)")
+    parser.add_argument("--extend", type=int, default=None,
+                        help="rates past the list, x1.4 each, for topologies that met every rate (default 2, quick 1)")
     parser.add_argument("--refine", type=int, default=None,
                         help="rounds of bisection between each topology's last met and first missed rate "
                              "(default 1, quick 0)")
@@ -1129,13 +1137,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--gap-s", type=float, default=1.5, help="pause after each run (a worker spins ~1 s)")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop the sweep after this long")
-    parser.add_argument("--fleet-only", action="store_true", help="write fleet.md/png from the model only")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: refit the model, goals, tables and plots from goodput.json")
     args = parser.parse_args()
-    if args.fleet_only:
-        write_fleet(args.out_dir, not args.no_plot)
-        return 0
     if args.report_only:
         d = json.loads(((args.out_dir or bl.RESULTS_DIR) / "goodput.json").read_text())
         d.pop("benchmark", None)
@@ -1156,13 +1160,11 @@ def main() -> int:
     if unknown or not all(args.passes) or len(set(flat)) < len(flat) or "plain-dp" not in flat:
         parser.error(f"--topologies: {unknown or args.passes} (need plain-dp, the baseline, and names from "
                      f"{', '.join(TOPOLOGIES)}, each in one pass)")
-    if args.workloads:
-        if bad := [w for w in args.workloads if w not in {workload_name(k, i) for k in KINDS for i in IMAGES}]:
-            parser.error(f"--workloads: {bad} (names are kind-images, e.g. hot-4)")
-        args.kinds = [k for k in KINDS if any(w.startswith(f"{k}-") for w in args.workloads)]
-        args.images = sorted({int(w.split("-")[1]) for w in args.workloads})
-    if not set(args.images) <= set(IMAGES):
-        parser.error(f"--images: {args.images} is not a subset of {IMAGES}")
+    names = [workload_name(k, i) for k in KINDS for i in IMAGES]
+    if bad := [w for w in args.workloads or () if w not in names]:
+        parser.error(f"--workloads: {bad} (names are kind-images: {', '.join(names)})")
+    args.kinds = [k for k in KINDS if any(w.startswith(f"{k}-") for w in args.workloads or names)]
+    args.images = sorted({int(w.split("-")[1]) for w in args.workloads or names})
     qwen = args.model == "qwen"
     args.slo_ms_1 = args.slo_ms_1 or (1500.0 if qwen else 400.0)
     args.slo_ms_4 = args.slo_ms_4 or (4000.0 if qwen else 800.0)
@@ -1175,6 +1177,7 @@ def main() -> int:
     args.min_requests = args.min_requests or (8 if args.quick else 24)
     args.max_minutes = args.max_minutes or (12.5 if args.quick else None)
     args.refine = args.refine if args.refine is not None else (0 if args.quick else 1)
+    args.extend = args.extend if args.extend is not None else (1 if args.quick else 2)
     d = run(args)
     print_tables(d)
     bl.write_json("goodput", d, args.out_dir)

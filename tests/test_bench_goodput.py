@@ -358,7 +358,7 @@ def _sweep_with(points: dict[str, list[tuple[float, float]]]) -> gp.Sweep:
     import argparse
 
     args = argparse.Namespace(rates_1=[1.0], rates_4=[0.5], slo_ms_1=1500.0, slo_ms_4=4000.0, kinds=["hot"],
-                              images=[1], workloads=None)
+                              images=[1], workloads=None, extend=2)
     sw = gp.Sweep(args=args, served=gp.SERVED["qwen"], model="m", work=Path("."), t_start=0.0)
     sw.runs = [{"workload": "hot-1", "topology": t, "rate": r, "vllm": {"good_fraction": f}}
                for t, pts in points.items() for r, f in pts]
@@ -378,6 +378,12 @@ def test_refinement_bisects_between_the_last_met_and_the_first_missed_rate() -> 
     assert sw.midpoint("hot-1", "plain-dp") == 1.3  # the next round: between 1.1 and 1.5
 
 
+def test_rates_extend_past_the_list_by_steps_of_1_4() -> None:
+    sw = _sweep_with({})
+    assert [sw.rate_at(1, i) for i in range(4)] == [1.0, 1.4, 2.0, None]  # --extend 2
+    assert [sw.rate_at(4, i) for i in range(4)] == [0.5, 0.7, 0.98, None]
+
+
 # --------------------------------------------------------------------------- the bench, run
 @pytest.mark.slow
 @pytest.mark.engine
@@ -393,7 +399,7 @@ def test_a_one_rate_smoke_of_the_bench_in_two_passes(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "bench.goodput", "--model", "llava", "--workloads", "hot-1",
            "--topologies", "plain-dp/shared-dp", "--rates-1", "2", "--seconds", "3", "--min-requests", "6",
-           "--gap-s", "1", "--refine", "0", "--no-plot", "--out-dir", str(out)]
+           "--gap-s", "1", "--refine", "0", "--extend", "0", "--no-plot", "--out-dir", str(out)]
     repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=420,
                           env={**os.environ, "PYTHONPATH": str(repo)})
