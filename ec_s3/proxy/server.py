@@ -47,6 +47,7 @@ from aiohttp import web
 
 from ec_s3.log import logger
 from ec_s3.proxy.answer import PdAnswer
+from ec_s3.proxy.client_embeds import ClientEmbedsRefused, EmbedsRules, check_client_embeds
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
 from ec_s3.proxy.edge import BodyRefused, EdgeSite, body_deadline, read_body
@@ -123,6 +124,8 @@ class EPDProxy:
         # answered first); each ends within encode_timeout_s, or at stop().
         self._background: set[asyncio.Task[Any]] = set()
         self.skips = EncoderSkips(config, self.metrics, self._warner)
+        # What the encoders publish per modality: the check of a trusted client's tensors.
+        self.embeds_rules = EmbedsRules()
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
@@ -323,6 +326,9 @@ class EPDProxy:
             return await dispatch_serial(self, request, raw, body, named, items, headers, stream=stream)
         except TooManyItems as exc:
             return self._reject(400, "too_many_items", str(exc), "BadRequestError")
+        except ClientEmbedsRefused as exc:
+            self._warner.warn(("client", "client_embeds"), "ec-s3 proxy: request %s: refused: %s", request_id, exc)
+            return self._reject(400, "client_embeds", str(exc), "BadRequestError")
         except BodyError as exc:
             return self._reject(400, "bad_body", str(exc), "BadRequestError")
         except RecursionError:
@@ -337,6 +343,7 @@ class EPDProxy:
         body = parse_body(raw)
         if body is None:
             return None
+        check_client_embeds(body, trusted=cfg.trust_client_embeds, rules=self.embeds_rules)
         parallel = cfg.dispatch == "parallel" and cfg.forward_params
         named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request,
                            trust_embeds=cfg.trust_client_embeds)
@@ -370,6 +377,7 @@ class EPDProxy:
                 outcome, detail = "no_params", "answer carried no ec_transfer_params (is it an ec_producer?)"
                 return None
             outcome = "ok"
+            self.embeds_rules.learn(params)
             return params
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self.encoders.mark_down(upstream)
