@@ -13,12 +13,15 @@ import io
 import json
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pytest
 import torch
 
 from ec_s3.proxy.client_embeds import EmbedsRules, check_client_embeds, read_tensor_header
-from test_proxy import FakeEncoder, FakePD, chat, image, rig, run
+from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.server import EPDProxy
+from test_proxy import FakeEncoder, FakePD, chat, image, rig, run, serve
 
 # The fake encoder publishes shape [16, 128]: a grid of 64 patches, merge size 2.
 GRID = {"image_grid_thw": [1, 8, 8]}
@@ -140,3 +143,27 @@ def test_only_vllms_retryable_failures_are_retried() -> None:
     assert _is_failed_generation({"error": {"message": "Internal server error", "type": "InternalServerError"}})
     assert _is_failed_generation({"error": {"message": "Request failed; please retry",
                                             "type": "ServiceUnavailableError"}})
+
+
+def test_ec_transfer_params_never_reach_a_client_and_a_producer_at_a_pd_url_is_an_error() -> None:
+    """Issue 40, item 5: encoder and p/d URLs swapped answered 200, empty content, and the
+    encoder's ec_transfer_params to the client."""
+    async def scenario() -> None:
+        swapped = FakeEncoder("enc-at-pd", metadata=GRID)
+        runner, swapped.url = await serve(swapped.app())
+        try:
+            proxy = await EPDProxy(ProxyConfig(encoder_urls=[], pd_urls=[swapped.url], port=0)).start()
+            try:
+                async with aiohttp.ClientSession() as session:
+                    one = {"model": "m", "messages": [{"role": "user", "content": [image(1)]}]}
+                    async with session.post(f"{proxy.url}/v1/chat/completions", json=one) as resp:
+                        body = await resp.read()
+                        assert resp.status == 502, body
+                        assert b"ec_transfer_params" not in body and b"misconfigured" in body
+                assert proxy.metrics.get("ec_s3_proxy_pd_failures_total", upstream=swapped.url,
+                                         reason="producer_answer") == 1
+            finally:
+                await proxy.stop()
+        finally:
+            await runner.cleanup()
+    run(scenario())

@@ -54,6 +54,7 @@ from ec_s3.proxy.edge import BodyRefused, EdgeSite, body_deadline, read_body
 from ec_s3.proxy.limits import ByteBudget
 from ec_s3.proxy.media import BodyError, MediaItem, TooManyItems, find_media_items, parse_body
 from ec_s3.proxy.naming import name_media
+from ec_s3.proxy.roles import screen_answer
 from ec_s3.proxy.skips import EncoderSkips
 from ec_s3.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ProxyMetrics
 from ec_s3.proxy.upstreams import Pool, Upstream, Warner
@@ -522,6 +523,14 @@ class EPDProxy:
         """Relay a begun PD answer to the client (SSE chunk by chunk), then free it."""
         try:
             self.skips.learn_from_answer(answer)
+            if screen_answer(answer):  # also keeps ec_transfer_params from the client
+                url = answer.upstream.url
+                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=url, reason="producer_answer")
+                self._warner.warn((url, "producer_answer"),
+                                  "ec-s3 proxy: request %s: prefill/decode %s answered like an encoder (no tokens, "
+                                  "ec_transfer_params): is it an ec_producer? check --pd-url and --encoder-url",
+                                  request_id, url)
+                return _error(502, "prefill/decode server misconfigured", "BadGateway")
             return await self._relay(request, answer, request_id)
         finally:
             answer.close()
