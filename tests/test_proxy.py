@@ -402,8 +402,9 @@ def test_text_only_requests_skip_encoders_and_are_forwarded_byte_for_byte() -> N
             # Plain-string content is text too.
             status, _, _ = await r.post({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
             assert status == 200 and r.encoders[0].bodies == []
-            # Embeddings are not encoded by anyone.
-            embeds = {"type": "image_embeds", "image_embeds": "AAAA"}
+            # Embeddings are not encoded by anyone (a cache reference; a client's tensor is
+            # refused: tests/test_proxy_client_embeds.py).
+            embeds = {"type": "image_embeds", "image_embeds": None, "uuid": "cached"}
             status, _, _ = await r.post(chat(embeds))
             assert status == 200 and r.encoders[0].bodies == []
             assert "ec_transfer_params" not in r.pds[0].bodies[-1]

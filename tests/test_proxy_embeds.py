@@ -60,12 +60,13 @@ def test_a_clients_metadata_only_part_is_refused(dispatch: str) -> None:
 def test_a_clients_uuid_on_an_embeddings_part_is_namespaced(dispatch: str) -> None:
     async def scenario() -> None:
         async with rig(dispatch=dispatch) as r:
-            embeds = {"type": "image_embeds", "image_embeds": "AAAA", "uuid": "mm-victim"}
+            # A cache reference (a client's tensor is refused: tests/test_proxy_client_embeds.py).
+            embeds = {"type": "image_embeds", "image_embeds": None, "uuid": "mm-victim"}
             status, _, _ = await r.post(chat(embeds))
             assert status == 200
             (sent,) = user_parts(r.pds[0].bodies[0])
             assert sent["uuid"].startswith(CLIENT_PREFIX) and sent["uuid"] != "mm-victim"
-            assert sent["image_embeds"] == "AAAA"
+            assert sent["image_embeds"] is None
     run(scenario())
 
 

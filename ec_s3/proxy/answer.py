@@ -31,6 +31,8 @@ __all__ = ["PdAnswer"]
 
 # vLLM's error types for a failed generation (GenerationError; RetryableRequestError).
 _FAILED_GENERATION_TYPES = frozenset({"InternalServerError", "ServiceUnavailableError"})
+# GenerationError's message (vllm/exceptions.py, 0.32-0.34): finish_reason "error".
+_GENERATION_ERROR_MESSAGE = "Internal server error"
 # A stream's start is read up to its first event past a bare role chunk, at most this much.
 _MAX_START_BYTES = 64 * 1024
 
@@ -125,5 +127,11 @@ def _has_output(event: Any) -> bool:
 
 
 def _is_failed_generation(payload: Any) -> bool:
+    """vLLM's retryable request-level failure only: a RetryableRequestError, or a
+    GenerationError with its own message. Any other 500 (``EngineDeadError``: "EngineCore
+    encountered an issue") is not: its engine is gone, and the same request, if it is what
+    killed it, would kill the next instance too."""
     error = payload.get("error") if isinstance(payload, dict) else None
-    return isinstance(error, dict) and error.get("type") in _FAILED_GENERATION_TYPES
+    if not isinstance(error, dict) or error.get("type") not in _FAILED_GENERATION_TYPES:
+        return False
+    return error.get("type") == "ServiceUnavailableError" or error.get("message") == _GENERATION_ERROR_MESSAGE

@@ -95,6 +95,8 @@ class ProxyConfig:
     # the uuids of their embeddings parts are forwarded as they are. Only for clients that
     # are part of the serving stack (another proxy, a batch driver); otherwise a
     # metadata-only part is refused (400) and such uuids are namespaced (ec_s3.proxy.naming).
+    # A client's embeddings tensor is refused (400) unless this is set, and then forwarded only
+    # when its rows fit its grid as the encoders publish it (ec_s3.proxy.client_embeds).
     trust_client_embeds: bool = False
     # Forward the client's Authorization header upstream, only when the proxy does not
     # check one itself (api_key unset) and upstream_api_key is unset. A key the proxy

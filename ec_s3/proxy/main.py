@@ -98,8 +98,9 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help="always forward an item's media to prefill/decode, never a metadata-only part for items "
                         "in the bucket (see docs/proxy.md)")
     p.add_argument("--trust-client-embeds", action="store_true",
-                   help="forward clients' metadata-only parts and embeddings uuids as they are (only for clients "
-                        "that are part of the serving stack; otherwise those parts are refused with 400)")
+                   help="forward clients' metadata-only parts and embeddings uuids as they are, and their embeddings "
+                        "tensors when their rows fit their grid (only for clients that are part of the serving stack; "
+                        "otherwise those parts are refused with 400)")
     keys = p.add_argument_group(
         "keys", "prefer the files or the environment: a key given as a flag shows in every process listing"
     )

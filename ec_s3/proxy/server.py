@@ -47,12 +47,14 @@ from aiohttp import web
 
 from ec_s3.log import logger
 from ec_s3.proxy.answer import PdAnswer
+from ec_s3.proxy.client_embeds import ClientEmbedsRefused, EmbedsRules, check_client_embeds
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
 from ec_s3.proxy.edge import BodyRefused, EdgeSite, body_deadline, read_body
 from ec_s3.proxy.limits import ByteBudget
 from ec_s3.proxy.media import BodyError, MediaItem, TooManyItems, find_media_items, parse_body
 from ec_s3.proxy.naming import name_media
+from ec_s3.proxy.roles import screen_answer
 from ec_s3.proxy.skips import EncoderSkips
 from ec_s3.proxy.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, ProxyMetrics
 from ec_s3.proxy.upstreams import Pool, Upstream, Warner
@@ -123,6 +125,8 @@ class EPDProxy:
         # answered first); each ends within encode_timeout_s, or at stop().
         self._background: set[asyncio.Task[Any]] = set()
         self.skips = EncoderSkips(config, self.metrics, self._warner)
+        # What the encoders publish per modality: the check of a trusted client's tensors.
+        self.embeds_rules = EmbedsRules()
         self.app = self._build_app()
 
     # ---------------------------------------------------------------- lifecycle
@@ -323,6 +327,9 @@ class EPDProxy:
             return await dispatch_serial(self, request, raw, body, named, items, headers, stream=stream)
         except TooManyItems as exc:
             return self._reject(400, "too_many_items", str(exc), "BadRequestError")
+        except ClientEmbedsRefused as exc:
+            self._warner.warn(("client", "client_embeds"), "ec-s3 proxy: request %s: refused: %s", request_id, exc)
+            return self._reject(400, "client_embeds", str(exc), "BadRequestError")
         except BodyError as exc:
             return self._reject(400, "bad_body", str(exc), "BadRequestError")
         except RecursionError:
@@ -337,6 +344,7 @@ class EPDProxy:
         body = parse_body(raw)
         if body is None:
             return None
+        check_client_embeds(body, trusted=cfg.trust_client_embeds, rules=self.embeds_rules)
         parallel = cfg.dispatch == "parallel" and cfg.forward_params
         named = name_media(body, give_uuids=parallel, limit=cfg.max_items_per_request,
                            trust_embeds=cfg.trust_client_embeds)
@@ -370,6 +378,7 @@ class EPDProxy:
                 outcome, detail = "no_params", "answer carried no ec_transfer_params (is it an ec_producer?)"
                 return None
             outcome = "ok"
+            self.embeds_rules.learn(params)
             return params
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             self.encoders.mark_down(upstream)
@@ -514,6 +523,14 @@ class EPDProxy:
         """Relay a begun PD answer to the client (SSE chunk by chunk), then free it."""
         try:
             self.skips.learn_from_answer(answer)
+            if screen_answer(answer):  # also keeps ec_transfer_params from the client
+                url = answer.upstream.url
+                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=url, reason="producer_answer")
+                self._warner.warn((url, "producer_answer"),
+                                  "ec-s3 proxy: request %s: prefill/decode %s answered like an encoder (no tokens, "
+                                  "ec_transfer_params): is it an ec_producer? check --pd-url and --encoder-url",
+                                  request_id, url)
+                return _error(502, "prefill/decode server misconfigured", "BadGateway")
             return await self._relay(request, answer, request_id)
         finally:
             answer.close()
