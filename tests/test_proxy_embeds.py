@@ -19,7 +19,7 @@ from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.embeds import metadata_only_part
 from ec_s3.proxy.main import build_parser, config_from_args
 from ec_s3.proxy.naming import CLIENT_PREFIX, CONTENT_PREFIX, is_metadata_only
-from test_proxy import FakeEncoder, FakePD, chat, image, params_of, rig, run
+from test_proxy import FakeEncoder, FakePD, chat, embeds_value, image, params_of, rig, run
 
 GRID = {"image_grid_thw": [1, 70, 70]}
 
@@ -60,12 +60,12 @@ def test_a_clients_metadata_only_part_is_refused(dispatch: str) -> None:
 def test_a_clients_uuid_on_an_embeddings_part_is_namespaced(dispatch: str) -> None:
     async def scenario() -> None:
         async with rig(dispatch=dispatch) as r:
-            embeds = {"type": "image_embeds", "image_embeds": "AAAA", "uuid": "mm-victim"}
+            embeds = {"type": "image_embeds", "image_embeds": embeds_value(), "uuid": "mm-victim"}
             status, _, _ = await r.post(chat(embeds))
             assert status == 200
             (sent,) = user_parts(r.pds[0].bodies[0])
             assert sent["uuid"].startswith(CLIENT_PREFIX) and sent["uuid"] != "mm-victim"
-            assert sent["image_embeds"] == "AAAA"
+            assert sent["image_embeds"] == embeds_value()
     run(scenario())
 
 
