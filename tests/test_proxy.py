@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
+import io
 import json
 import os
 import signal
@@ -33,6 +35,7 @@ from ec_s3.proxy.naming import content_uuid
 from ec_s3.proxy.server import EPDProxy, ProxyThread, create_app
 from ec_s3.sandbox.metrics import parse_prometheus
 from ec_s3.sandbox.net import free_port
+from support.vllm_render import render_check_async
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,9 +51,35 @@ def identifier_of(part: dict[str, Any], model: str | None) -> str:
     return "mm-" + hashlib.sha256((json.dumps(part, sort_keys=True) + str(model)).encode()).hexdigest()[:24]
 
 
+@functools.lru_cache(maxsize=4096)
+def png_b64(n: int | str) -> str:
+    """A real 28x28 PNG (vLLM's judge decodes it, :mod:`support.vllm_render`), distinct
+    per ``n``: its colour and a text chunk come from ``n``."""
+    from PIL import Image, PngImagePlugin
+
+    colour = tuple(hashlib.sha256(str(n).encode()).digest()[:3])
+    info = PngImagePlugin.PngInfo()
+    info.add_text("n", str(n))
+    buf = io.BytesIO()
+    Image.new("RGB", (28, 28), colour).save(buf, "PNG", pnginfo=info)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@functools.lru_cache(maxsize=1)
+def embeds_value() -> dict[str, Any]:
+    """A valid ``image_embeds`` value for the judge's tiny Qwen2.5-VL: one image token
+    (grid 1x2x2, merged 2x2) and its tensor, base64 of ``torch.save`` as vLLM loads it."""
+    import torch
+
+    from ec_s3.sandbox.tiny_qwen import QWEN_SHAPE
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(1, QWEN_SHAPE.text_hidden, dtype=torch.float16), buf)
+    return {"image_embeds": base64.b64encode(buf.getvalue()).decode(), "image_grid_thw": [1, 2, 2]}
+
+
 def image(n: int | str, **extra: Any) -> dict[str, Any]:
-    data = base64.b64encode(f"image-{n}".encode() * 8).decode()
-    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}, **extra}
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png_b64(n)}"}, **extra}
 
 
 def chat(*parts: dict[str, Any], text: str = "Describe.", **extra: Any) -> dict[str, Any]:
@@ -109,6 +138,7 @@ class FakeEncoder:
     with_params: bool = True
     # vLLM's placeholder metadata in each entry: {} like LLaVA; Qwen-VL reports its grid.
     metadata: dict[str, Any] = field(default_factory=dict)
+    modality: str = "image"
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     gauge: Gauge = field(default_factory=Gauge)
@@ -151,7 +181,7 @@ class FakeEncoder:
                     "size_bytes": 4096,
                     "shape": [16, 128],
                     "dtype": "bfloat16",
-                    "modality": "image",
+                    "modality": self.modality,
                     "item_indices": [0],
                     "metadata": dict(self.metadata),
                     "encoder": self.name,
@@ -175,6 +205,10 @@ class FakePD:
     health_delay: float = 0.0
     health_calls: int = 0
     failed_generations: int = 0  # the first N requests end as vLLM's engine-refused ones do
+    # Judge every body as vLLM's front end does (support/vllm_render.py) and refuse what it
+    # refuses; off only for a fake standing for something that is not vLLM.
+    vllm_checks: bool = True
+    refused: list[dict[str, Any]] = field(default_factory=list)  # vLLM's error bodies, as answered
     bodies: list[dict[str, Any]] = field(default_factory=list)
     raw: list[bytes] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
@@ -207,6 +241,11 @@ class FakePD:
         except ValueError:
             body = None
         self.bodies.append(body)
+        if self.vllm_checks:
+            status, refusal = await render_check_async(body)
+            if refusal is not None:
+                self.refused.append(refusal)
+                return web.json_response(refusal, status=status)
         if self.error is not None:
             status, payload, ctype = self.error
             return web.Response(status=status, body=payload, headers={"Content-Type": ctype})
@@ -343,7 +382,7 @@ def test_non_streaming_request_gets_merged_params_and_keeps_media() -> None:
     async def scenario() -> None:
         async with rig() as r:
             img = image(1)
-            request = chat(img, cache_salt="salt-1", mm_processor_kwargs={"size": 56}, temperature=0.0)
+            request = chat(img, cache_salt="salt-1", mm_processor_kwargs={"max_pixels": 100_000}, temperature=0.0)
             status, body, headers = await r.post(request, headers={"X-Request-Id": "req-42"})
             assert status == 200, body
             assert json.loads(body)["choices"][0]["message"]["content"] == "hello from pd0"
@@ -354,7 +393,7 @@ def test_non_streaming_request_gets_merged_params_and_keeps_media() -> None:
             assert enc_body["max_tokens"] == 1 and enc_body["stream"] is False
             # What changes an identifier or a key travels with the item; sampling does not.
             assert enc_body["model"] == MODEL and enc_body["cache_salt"] == "salt-1"
-            assert enc_body["mm_processor_kwargs"] == {"size": 56} and "temperature" not in enc_body
+            assert enc_body["mm_processor_kwargs"] == {"max_pixels": 100_000} and "temperature" not in enc_body
             assert r.encoders[0].headers[0]["X-Request-Id"] == "req-42-enc0"
             assert r.encoders[0].headers[0]["Content-Type"] == "application/json"  # vLLM's server requires it
 

@@ -327,9 +327,10 @@ def test_kwargs_nested_just_within_the_parsers_limit_are_a_400(dispatch: str) ->
     async def scenario() -> None:
         async with rig(dispatch=dispatch) as r:
             statuses: dict[int, int] = {}
-            depth, ok_in_a_row = sys.getrecursionlimit() + 20, 0
+            depth, ok_in_a_row, forwarded = sys.getrecursionlimit() + 20, 0, 0
             while ok_in_a_row < 20:
                 for _ in (0, 1):
+                    before = len(r.pds[0].bodies)
                     async with r.session.post(f"{r.url}/v1/chat/completions", data=nested(depth),
                                               headers={"Content-Type": "application/json"}) as resp:
                         body = await resp.read()
@@ -337,9 +338,12 @@ def test_kwargs_nested_just_within_the_parsers_limit_are_a_400(dispatch: str) ->
                         assert resp.status in (200, 400), (depth, resp.status, body[:300])
                         if resp.status == 400:
                             assert error_of(400, body)["type"] == "BadRequestError"
-                ok_in_a_row = ok_in_a_row + 1 if resp.status == 200 else 0
+                # Passed by the proxy: vLLM itself refuses nested kwargs ("unhashable type").
+                passed = len(r.pds[0].bodies) > before
+                forwarded += passed
+                ok_in_a_row = ok_in_a_row + 1 if passed else 0
                 depth -= 1
-            assert statuses.get(400) and statuses.get(200), statuses
+            assert statuses.get(400) and forwarded, statuses
             assert r.metric("ec_s3_proxy_internal_errors_total") == 0
 
     run(scenario())

@@ -126,15 +126,15 @@ def test_bodies_the_proxy_cannot_read_get_a_json_4xx_never_a_500() -> None:
                     assert resp.status == want, (name, resp.status, body[:200])
                     assert resp.headers["Content-Type"].startswith("application/json"), name
                     error_of(want, body)
-            # Parts of the wrong types are the PD's to judge: forwarded, answered 200 here.
+            # Parts of the wrong types are the PD's to judge: forwarded, and vLLM's 400 relayed.
             weird = chat(
                 {"type": ["image_url"], "image_url": {"url": "x"}},
                 {"type": {"a": 1}}, {"type": "image_url", "image_url": 5}, 7, None, "text",
             )
             status, body, _ = await r.post(weird)
-            assert status == 200, body
+            assert status == 400 and len(r.pds[0].refused) == 1, body
             status, _, _ = await r.post({"messages": [{"content": [{"type": "image_embeds"}]}] * 3, "model": 5})
-            assert status == 200
+            assert status == 400 and len(r.pds[0].refused) == 2
 
     run(scenario())
 

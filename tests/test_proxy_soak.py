@@ -149,7 +149,10 @@ def test_proxy_soak(dispatch: str) -> None:
         slow = FakeEncoder("slow", delay=3.0)  # beyond encode_timeout_s
         dying = FakeEncoder("dying", delay=0.2)  # killed mid-soak
         garbage = GarbageEncoder()
-        pd = PendingPD("pd0", chunks=3, bound_s=1.0) if dispatch == "parallel" else FakePD("pd0", chunks=3)
+        # No vLLM judge here (support/vllm_render.py): the soak's malformed bodies are the
+        # proxy's to survive, and their EXPECTED statuses are the fake's, as in parallel's PendingPD.
+        pd = PendingPD("pd0", chunks=3, bound_s=1.0) if dispatch == "parallel" else FakePD("pd0", chunks=3,
+                                                                                          vllm_checks=False)
         runners = []
         for fake in (good, erroring, slow, garbage, pd, dying):
             runner, fake.url = await serve(fake.app())

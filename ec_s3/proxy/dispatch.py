@@ -33,8 +33,11 @@ its answer, and the proxy forgets it (docs/proxy.md).
 Items in the bucket whose placeholder metadata an encoder reported go to p/d as
 metadata-only parts (:mod:`.embeds`): under serial dispatch every such item, under parallel
 dispatch the known ones (a pending item keeps its media: its metadata comes with its
-encoder's answer, and p/d must be able to encode it if that encoder fails). The request
-with the media is kept for one resend, should p/d fail it for want of a blob.
+encoder's answer, and p/d must be able to encode it if that encoder fails); either way
+only where the metadata is exact and every item of that modality in the request goes
+metadata-only (vLLM refuses a request that mixes raw and embeddings inputs of one
+modality). The request with the media, under fresh uuids, is kept for one resend, should
+p/d fail it for want of a blob; when it goes, the proxy forgets those items.
 
 Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
 (:mod:`.naming`) or body rewriting (:mod:`.media`).
@@ -43,7 +46,8 @@ Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), nami
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -58,10 +62,13 @@ from ec_s3.proxy.media import (
     strip_published_media,
 )
 from ec_s3.proxy.config import ProxyConfig
-from ec_s3.proxy.embeds import metadata_only_body
+from ec_s3.proxy.embeds import metadata_only_body, resend_body
 from ec_s3.proxy.metrics import ProxyMetrics
 from ec_s3.proxy.naming import pending_params
 from ec_s3.proxy.routing import route_key
+
+if TYPE_CHECKING:
+    from ec_s3.proxy.skips import EncoderSkips
 
 __all__ = ["Answer", "Sender", "dispatch_parallel", "dispatch_serial"]
 
@@ -78,19 +85,20 @@ class Sender(Protocol):
 
     config: ProxyConfig
     metrics: ProxyMetrics
+    skips: EncoderSkips
 
     async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None: ...
 
     async def pd_begin(
         self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None,
-        route_key: str | None = None,
+        route_key: str | None = None, on_retry: Callable[[], None] | None = None,
     ) -> Any: ...
 
     async def pd_finish(self, request: web.Request, answer: Any, request_id: str) -> web.StreamResponse: ...
 
     async def forward_to_pd(
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
-        retry_data: bytes | None = None, route_key: str | None = None,
+        retry_data: bytes | None = None, route_key: str | None = None, on_retry: Callable[[], None] | None = None,
     ) -> web.StreamResponse: ...
 
     def detach(self, tasks: list[asyncio.Task[Any]]) -> None: ...
@@ -160,9 +168,10 @@ async def dispatch_serial(
         )
     if not proxy.config.forward_params:
         params = {}  # vLLM's example-proxy contract: PD sees the client's request only
-    slim, retry = _metadata_only(proxy, body, [*known, *items], params, params)
-    if retry is not None:
-        return await proxy.forward_to_pd(request, slim, headers, stream=stream, retry_data=retry, route_key=route)
+    slim = _metadata_only(proxy, body, [*known, *items], params, params)
+    if slim is not None:
+        return await proxy.forward_to_pd(request, slim.data, headers, stream=stream, retry_data=slim.retry,
+                                         route_key=route, on_retry=slim.forget)
     if not params and body is original and "ec_transfer_params" not in body:
         return await proxy.forward_to_pd(request, raw, headers, stream=stream, route_key=route)  # nothing to change
     if params and body is original:
@@ -190,18 +199,34 @@ def _pd_payload(body: dict[str, Any], params: dict[str, Any]) -> bytes:
     return dump_body(forwarded)
 
 
+class _Slim:
+    """A p/d payload with metadata-only items, its resend with their media under fresh
+    uuids (:func:`~.embeds.resend_body`), and what to forget when the resend goes."""
+
+    def __init__(self, proxy: Sender, body: dict[str, Any], slim: dict[str, Any], items: list[MediaItem],
+                 params: dict[str, Any]) -> None:
+        self.data = _pd_payload(slim, params)
+        self.retry = _pd_payload(*resend_body(body, items, params))
+        self._proxy, self._body, self._items = proxy, body, items
+
+    def forget(self) -> None:
+        """p/d could not get these items' blobs: later requests must not send them
+        metadata-only, nor marked present, again."""
+        self._proxy.skips.forget(self._body, self._items)
+
+
 def _metadata_only(
     proxy: Sender, body: dict[str, Any], items: list[MediaItem], entries: dict[str, Any], params: dict[str, Any]
-) -> tuple[bytes, bytes | None]:
+) -> _Slim | None:
     """p/d's payload (``body`` with ``params``) with ``items`` sent metadata-only where
-    their entry in ``entries`` allows, and the payload with their media for a resend;
-    (b"", None) when no item is."""
+    their entry in ``entries`` allows (:func:`~.embeds.metadata_only_body`), with its
+    resend; None when no item is."""
     if proxy.config.metadata_only and entries:
-        slim, count = metadata_only_body(body, items, entries)
-        if count:
-            proxy.metrics.inc("ec_s3_proxy_metadata_only_items_total", count)
-            return _pd_payload(slim, params), _pd_payload(body, params)
-    return b"", None
+        slim, slimmed = metadata_only_body(body, items, entries)
+        if slimmed:
+            proxy.metrics.inc("ec_s3_proxy_metadata_only_items_total", len(slimmed))
+            return _Slim(proxy, body, slim, slimmed, params)
+    return None
 
 
 def _kept(params: dict[str, Any] | None) -> bool:
@@ -236,9 +261,12 @@ async def dispatch_parallel(
         stripped = [*(item.part for item in known), *(items[n].part for n in marked)]
         pd_body = body if proxy.config.forward_media else strip_media(body, stripped)
         params = {**present, **pending_params(items, marked)}
-        slim, retry = _metadata_only(proxy, pd_body, known, present, params)
-        data = slim if retry is not None else _pd_payload(pd_body, params)
-        return asyncio.ensure_future(proxy.pd_begin(data, headers, stream=stream, retry_data=retry, route_key=route))
+        slim = _metadata_only(proxy, pd_body, known, present, params)
+        if slim is None:
+            return asyncio.ensure_future(proxy.pd_begin(_pd_payload(pd_body, params), headers, stream=stream,
+                                                        route_key=route))
+        return asyncio.ensure_future(proxy.pd_begin(slim.data, headers, stream=stream, retry_data=slim.retry,
+                                                    route_key=route, on_retry=slim.forget))
 
     attempt = begin()
     try:

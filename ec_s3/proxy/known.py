@@ -14,7 +14,8 @@ Bounded: at most ``max_entries`` entries and ``max_bytes`` of them (an estimate 
 entry's size in this process), least recently used forgotten first; each one is trusted
 for ``ttl_s`` after it was learned (keep it below the bucket's retention: gc's
 ``--older-than``, a lifecycle rule), then forgotten. An entry is forgotten at once when
-a consumer reports its key missing (:data:`~ec_s3.blob.format.MISSING_REPORT`).
+a consumer reports its key missing (:data:`~ec_s3.blob.format.MISSING_REPORT`), and when
+a request that relied on it metadata-only is resent with the media (``resent``).
 
 Owns the table and the references. Does not own sending anything, the HEAD itself
 (:mod:`ec_s3.proxy.server`) or when entries are used (:mod:`ec_s3.proxy.dispatch`).
@@ -151,6 +152,13 @@ class KnownBlobs:
                 self._drop(ref, reason)
                 n += 1
         return n
+
+    def forget_ref(self, ref: str, reason: str) -> bool:
+        """Forget the entry of item ``ref``, if any (its blob failed a consumer)."""
+        if ref not in self._by_ref:
+            return False
+        self._drop(ref, reason)
+        return True
 
     def _add(self, ref: str, known: Known) -> None:
         if not self.enabled or known.nbytes > self.max_bytes:

@@ -40,6 +40,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -416,17 +417,18 @@ class EPDProxy:
 
     async def forward_to_pd(
         self, request: web.Request, data: bytes, headers: dict[str, str], *, stream: bool,
-        retry_data: bytes | None = None, route_key: str | None = None,
+        retry_data: bytes | None = None, route_key: str | None = None, on_retry: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Send to a PD (:meth:`pd_begin`) and relay its answer."""
-        answer = await self.pd_begin(data, headers, stream=stream, retry_data=retry_data, route_key=route_key)
+        answer = await self.pd_begin(data, headers, stream=stream, retry_data=retry_data, route_key=route_key,
+                                     on_retry=on_retry)
         if isinstance(answer, web.Response):
             return answer
         return await self.pd_finish(request, answer, headers["X-Request-Id"])
 
     async def pd_begin(
         self, data: bytes, headers: dict[str, str], *, stream: bool, retry_data: bytes | None = None,
-        route_key: str | None = None,
+        route_key: str | None = None, on_retry: Callable[[], None] | None = None,
     ) -> PdAnswer | web.Response:
         """Send to the least busy PD, or under ``route="affinity"`` the one ``route_key``
         (:func:`~ec_s3.proxy.routing.route_key`) ranks first within the load bound (one
@@ -438,7 +440,7 @@ class EPDProxy:
         HTTP errors are relayed as they are, except that a generation vLLM's engine
         refused before any token is sent once more (:mod:`.answer` says why), as
         ``retry_data`` when given (the request with its media instead of metadata-only
-        parts, whose blobs p/d could not get: :mod:`.embeds`)."""
+        parts, whose blobs p/d could not get: :mod:`.embeds`), calling ``on_retry`` first."""
         answer = await self._pd_send(data, headers, stream=stream, route_key=route_key)
         if isinstance(answer, PdAnswer) and answer.failed_generation():
             answer.close()
@@ -450,6 +452,8 @@ class EPDProxy:
                 "output); sending it once more%s", headers["X-Request-Id"], answer.upstream.url,
                 "" if retry_data is None else " with the media of its metadata-only items",
             )
+            if on_retry is not None:
+                on_retry()
             answer = await self._pd_send(data if retry_data is None else retry_data, headers, stream=stream,
                                          route_key=route_key)
         return answer

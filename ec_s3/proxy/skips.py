@@ -163,6 +163,14 @@ class EncoderSkips:
                 if space is not None:
                     self._keyspaces[model] = space
 
+    def forget(self, body: dict[str, Any], items: list[MediaItem]) -> None:
+        """Prefill/decode could not get these items of ``body`` sent metadata-only (their
+        request is resent with the media): forget them, so that no later request relies
+        on their blobs before an encoder answers for them again."""
+        forgotten = sum(self.known.forget_ref(item_ref(body, item), "resent") for item in items)
+        logger.info("ec-s3 proxy: prefill/decode could not get %d metadata-only item(s); forgot %d entries",
+                    len(items), forgotten)
+
     def learn_from_answer(self, answer: PdAnswer) -> None:
         """A non-streamed answer whose consumer found blobs marked present missing lists
         their keys (``ec_transfer_params``): forget them, and keep the list from the client."""
