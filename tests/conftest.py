@@ -31,8 +31,13 @@ from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials  # noqa: E
 from ec_s3.store.client import S3Store  # noqa: E402
 from support.awsenv import clean_aws_environment  # noqa: E402
 from support.faultproxy import FaultProxy  # noqa: E402
+from support.rig_platform import install as install_rig_platform  # noqa: E402
 from support.s3_matrix import S3Endpoint, S3Servers  # noqa: E402
 from support.tls import HTTPSEndpoint, TLSFront, make_private_ca  # noqa: E402
+
+# vLLM 0.34's CPU platform refuses x86 without triton-cpu; tests that build a VllmConfig
+# themselves get the rig's platform too (a no-op on 0.32 and 0.33).
+install_rig_platform()
 
 
 @pytest.fixture(scope="session")

@@ -164,6 +164,9 @@ def make_vllm_config(
     apply_rig_env()
     from vllm.engine.arg_utils import EngineArgs
 
+    from .rig_platform import install as install_rig_platform
+
+    install_rig_platform()  # vLLM 0.34 on x86 without triton-cpu; a no-op elsewhere
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(engine_kwargs)
     if ec_transfer_config is not None:
@@ -726,6 +729,19 @@ class _InFlight:
     delivered: bool
 
 
+def _model_runner_output(req_ids: list[str], sampled: list[list[int]]) -> ModelRunnerOutput:
+    """A ``ModelRunnerOutput``; ``req_id_to_index`` only where it still exists (0.32, 0.33:
+    vLLM 0.34 dropped it)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kwargs: dict[str, Any] = {"req_ids": req_ids, "sampled_token_ids": sampled}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kwargs["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(**kwargs)
+
+
 def _ec_output_is_empty(out: ECConnectorOutput) -> bool:
     return not (
         out.finished_sending
@@ -838,11 +854,7 @@ class SchedulerDriver:
             # tokens; a request whose prefill is still partial samples nothing.
             done = req is not None and req.num_computed_tokens >= req.num_tokens
             sampled.append([self.sampled_token_id] if done else [])
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        return _model_runner_output(req_ids, sampled)
 
     def _schedule_and_run(self) -> _InFlight:
         """``schedule()``, then what the worker does with that step."""
@@ -861,7 +873,7 @@ class SchedulerDriver:
             deliver = ec_out is not None and (not self.encoder_only or self.deliver_producer_ec_output)
         if deliver:
             if mro is EMPTY_MODEL_RUNNER_OUTPUT:
-                mro = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+                mro = _model_runner_output([], [])
             mro.ec_connector_output = ec_out
         return _InFlight(so, mro, runs_ec, ec_out, deliver)
 
