@@ -1094,7 +1094,7 @@ def test_the_guides_overlay_builds(tmp_path: Path) -> None:
     env = _config_map_data(objs, "ec-s3-env")
     assert env["EC_S3_BUCKET"] == "my-ec-cache" and env["EC_S3_ENDPOINT_URL"] == ""
     images = {c["image"] for _, pod in pod_specs(objs) for c in _containers(pod)}
-    assert images == {"registry.example.com/ec-s3-vllm:0.1.0-vllm0.33.0", "registry.example.com/ec-s3:0.1.0"}
+    assert images == {"registry.example.com/ec-s3-vllm:0.1.0-vllm0.34.0", "registry.example.com/ec-s3:0.1.0"}
     # A bucket outside us-east-1, IRSA, tainted GPU nodes, the weights on a claim.
     assert env["AWS_REGION"] == "eu-west-1"
     for role in ("encoder", "pd", "gc"):

@@ -405,13 +405,13 @@ class ECS3Scheduler:
         vLLM passes only the identifier, which tenants may share; the request is the
         one of the last ``ensure_cache_available``: both of vLLM's scheduling loops
         call ``_try_schedule_encoder_inputs`` (which asks this) right after that
-        request's own ``ensure_cache_available`` (``v1/core/sched/scheduler.py``, lines
-        in vllm 0.32 / 0.33: running loop, ensure at 695 / 831, then
-        ``_try_schedule_encoder_inputs`` at 741 / 877; waiting loop,
-        ``_ec_transfer_pending`` at 1070 and 1094 / 1247 and 1271, then 1203 / 1380;
-        the question at 1957 / 2190). The test rig's ``OrderProbe`` fails a test when
-        a vLLM asks otherwise. In 0.33 a waiting request left with no tokens after this
-        question is skipped and the loop goes on (0.32 stops): a yes then stays unused
+        request's own ``ensure_cache_available`` (``v1/core/sched/scheduler.py`` in
+        vLLM 0.34: running loop, ensure at 847, then ``_try_schedule_encoder_inputs`` at
+        893; waiting loop, ``_ec_transfer_pending`` at 1286 and 1310, then 1430; the
+        question at 2239; 0.32 and 0.33 make the same calls in the same order). The test
+        rig's ``OrderProbe`` fails a test when a vLLM asks otherwise. From 0.33 a waiting
+        request left with no tokens after this question is skipped and the loop goes on
+        (0.32 stops): a yes then stays unused
         that step (``_hits`` is cleared in ``build_connector_meta``)."""
         state = self._asking
         if state is None or identifier in state.local:
