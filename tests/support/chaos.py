@@ -35,7 +35,7 @@ from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 from .faultproxy import FaultProxy
 from .rgw import RgwServer
-from .vllm_rig import SYNC, ECWorkerSim, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
+from .vllm_rig import DEFAULT_MODE, ECWorkerSim, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
 
 __all__ = [
     "CallRecord",
@@ -486,7 +486,7 @@ class WatchedNode:
         call_bounds_s: dict[str, float],
         engine_kwargs: dict[str, Any],
         num_blocks: int,
-        mode: RigMode = SYNC,
+        mode: RigMode = DEFAULT_MODE,
     ) -> None:
         self.name = name
         self.role = role

