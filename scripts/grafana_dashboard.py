@@ -84,8 +84,11 @@ PANELS: list[dict[str, Any]] = [
     panel("Lookups by outcome", [(rate("vllm:ec_s3_lookups_total", by="outcome"), "{{outcome}}"),
                                  (rate("vllm:ec_s3_lookups_started_total"), "started")], unit="ops"),
     panel("Encoder runs and loads", [(rate("vllm:ec_s3_items_encoded_total"), "items encoded here"),
-                                     (rate("vllm:ec_s3_blobs_loaded_total"), "items loaded from S3")], unit="ops",
-          description="Every role: media items vLLM's encoder ran on the engine, against those loaded instead."),
+                                     (rate("vllm:ec_s3_blobs_loaded_total"), "items loaded from S3"),
+                                     (rate("vllm:ec_s3_settle_steps_total"), "idle steps for worker counters")],
+          unit="ops",
+          description="Every role: media items vLLM's encoder ran on the engine, against those loaded instead; and "
+                      "the empty engine steps ec-s3 asked for so that its workers' counters reach /metrics."),
     row("Transfers"),
     panel("Throughput", [(rate("vllm:ec_s3_bytes_uploaded_total"), "uploaded"),
                          (rate("vllm:ec_s3_bytes_downloaded_total"), "downloaded")], unit="Bps"),

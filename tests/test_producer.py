@@ -231,7 +231,9 @@ def test_shutdown_flushes_pending_uploads(
     identifiers = [f"img-{i}" for i in range(pending)]
     for i, identifier in enumerate(identifiers):
         node.driver.add(f"r{i}", [identifier])
-    drive(node.driver)
+    # Until the requests finish: the engine would go on stepping (settle.py) until the
+    # uploads are done, and the shutdown comes while they are in flight.
+    drive(node.driver, until=lambda d: len(d.finished) == pending)
     assert node.worker._worker._publisher.pending > 0  # type: ignore[union-attr]
     started = time.monotonic()
     node.close()

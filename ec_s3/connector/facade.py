@@ -96,7 +96,7 @@ class ECS3Connector(ECConnectorBase):
 
     def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
         assert self._worker is not None
-        return self._worker.build_connector_worker_meta()
+        return self._worker.build_connector_worker_meta(self._metadata())
 
     # ------------------------------------------------------------------ scheduler side
     def has_cache_item(self, identifier: str) -> bool:
@@ -130,6 +130,9 @@ class ECS3Connector(ECConnectorBase):
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
 
     # ------------------------------------------------------------------ metrics
     def get_ec_connector_stats(self) -> ECConnectorStats | None:

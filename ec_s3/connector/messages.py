@@ -56,6 +56,10 @@ class ECS3ConnectorMetadata(ECConnectorMetadata):
     # adds the item here and vLLM encodes it in the same step, instead of stopping the
     # engine on an encoder cache miss.
     encoder_inputs: dict[str, list[int]] | None = None
+    # The number of a step whose worker counters the scheduler waits for (uploads
+    # queued, blobs loaded; 0: none): the worker marks it in its stats snapshot
+    # (ec_s3.connector.settle).
+    watch: int = 0
 
 
 @dataclasses.dataclass

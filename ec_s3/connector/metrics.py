@@ -105,6 +105,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_present_missing_total": (
         "Items the proxy marked present that the bucket did not have (deleted since): encoded locally, reported back.",
         "present_missing"),
+    "vllm:ec_s3_settle_steps_total": (
+        "Engine steps that scheduled nothing, taken while ec-s3 waited for its workers' counters to reach /metrics "
+        "(has_pending_push_work; at most 5 s after a step that uploaded or loaded).", "settle_steps"),
     "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
 # lookups_total{outcome}

@@ -74,6 +74,7 @@ from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, 
 from ec_s3.connector.metrics import ECS3Stats, open_stats_reader, scheduler_stats
 from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
+from ec_s3.connector.settle import CounterWatch
 from ec_s3.connector.topology import Topology, WorkerReach
 from ec_s3.connector.transfer_params import build_transfer_params, read_promises
 from ec_s3.log import logger
@@ -155,6 +156,7 @@ class ECS3Scheduler:
         self._deferred = False  # a request waited for a blob in this step's schedule
         self._steps = 0
         self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
+        self._watch = CounterWatch(self._worker_stats, counters)
         describe_role("scheduler", vllm_config, config, model)
 
     # ------------------------------------------------------------------ admission
@@ -479,6 +481,9 @@ class ECS3Scheduler:
             meta.save_metadata = self._save_metadata(meta.save_keys)
             if self._staging is not None:
                 self._note_published(meta.save_keys)
+        self._watch.note_step(bool(scheduler_output.total_num_scheduled_tokens or encoded))
+        if meta.loads or meta.save_keys:
+            meta.watch = self._watch.watch()  # its worker counters must reach /metrics
         self._steps += 1
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
@@ -680,6 +685,10 @@ class ECS3Scheduler:
         return out
 
     # ------------------------------------------------------------------ metrics
+    def has_pending_push_work(self) -> bool:
+        """Keep an idle engine stepping until its workers' counters are in (settle.py)."""
+        return self._watch.pending()
+
     def take_stats(self) -> ECS3Stats | None:
         self._counters.set_gauge("breaker_open", 1.0 if self._store.breaker.is_open else 0.0)
         self._counters.pull(self._store.stats)

@@ -95,6 +95,11 @@ class ECS3Worker:
             # and load the same items); see ec_s3.connector.metrics.
             store = self._get_store()
             self._stats_writer = open_stats_writer(config, vllm_config, counters, store.background, [store.stats])
+            if self._stats_writer is not None and self._publisher is not None:
+                # The scheduler side waits for a snapshot with no upload in flight
+                # (ec_s3.connector.settle): say so as soon as the last one is done.
+                self._stats_writer.uploads_pending = lambda: self._publisher.pending if self._publisher else 0
+                self._publisher.on_idle = self._stats_writer.flush_soon
         if self._publisher is not None:
             # The first upload must not pay for creating the client and its connection.
             self._get_store().warm_up(probe_key(config.prefix))
@@ -269,9 +274,12 @@ class ECS3Worker:
                 self._device = torch.device(kind)
         return self._device
 
-    def build_connector_worker_meta(self) -> ECS3WorkerMetadata | None:
+    def build_connector_worker_meta(self, metadata: ECConnectorMetadata | None = None) -> ECS3WorkerMetadata | None:
         if self._publisher is not None:
             self._publisher.wake()  # the end of the step: hand its saves to the loop
+        if isinstance(metadata, ECS3ConnectorMetadata) and metadata.watch and self._stats_writer is not None:
+            # After this step's saves were queued and its loads counted (settle.py).
+            self._stats_writer.mark_step(metadata.watch)
         if not self._is_consumer or (self._host_reported and not self._failed_loads):
             return None
         failed, self._failed_loads = self._failed_loads, set()

@@ -39,6 +39,7 @@ import asyncio
 import collections
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -125,6 +126,9 @@ class BlobPublisher:
         base = BlobLayout.plan(BlobMeta("", torch.float32, (1 << 62,) * 4, namespace, producer))
         self._header_base = len(base.header) + _HEADER_MARGIN
         self.wakeups = 0  # wake-ups posted to the loop (tests, benches)
+        # Called on the loop each time the last upload in flight is done (the worker
+        # flushes its stats snapshot then: ec_s3.transfer.shared_stats).
+        self.on_idle: Callable[[], None] | None = None
 
     @property
     def pool(self) -> HostBufferPool:
@@ -326,7 +330,13 @@ class BlobPublisher:
         self._counters.set_gauge("inflight_bytes", self._pool.used)
         with self._idle:
             self._pending -= 1
+            idle = self._pending == 0
             self._idle.notify_all()
+        if idle and self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception as exc:  # noqa: BLE001 - a hook must never break an upload's clean-up
+                logger.debug("ec-s3: the publisher's idle hook failed: %r", exc)
 
     async def _upload(self, job: _Job) -> None:
         body: memoryview | BufferChain | None = None

@@ -18,8 +18,16 @@ no cross-process lock.
 The writer holds an ``flock`` on its file for its lifetime, so a reader can tell a dead
 writer's leftover (lock free) and remove it.
 
+Each snapshot also carries the writer's progress: the last engine step whose
+counters it holds (``mark_step``) and its uploads still in flight, read before the
+counters, so a snapshot that shows step *n* with no upload in flight holds every count
+of step *n*'s uploads. The scheduler side waits for such a snapshot before it lets an
+idle engine stop stepping (:mod:`ec_s3.connector.settle`); meanwhile the writer flushes
+as soon as a step is marked or its uploads are done (at most every ``_SOON_GAP_S``), and
+the reader collects every ``_HURRY_EVERY_S`` instead of ``_COLLECT_EVERY_S``.
+
 Owns the file format and directory, the writer's throttled flushes, the reader's
-collection and its deltas. Does not own what the counters mean
+collection, its deltas and the progress it has seen. Does not own what the counters mean
 (``ec_s3.connector.metrics``) or when vLLM asks for stats.
 """
 
@@ -28,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import json
 import mmap
@@ -36,7 +45,7 @@ import re
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +54,15 @@ from ec_s3.loop import BackgroundLoop
 from ec_s3.transfer.counters import Counters, DeltaSource
 from ec_s3.transfer.fsutil import create_exclusive, open_nofollow
 
-__all__ = ["SharedStatsReader", "SharedStatsWriter", "stats_dir", "stats_file_prefix"]
+__all__ = ["Progress", "SharedStatsReader", "SharedStatsWriter", "stats_dir", "stats_file_prefix"]
 
 _SIZE = 256 * 1024
 _HEADER = struct.Struct("<QI")  # sequence, payload length
 _SAMPLES_KEPT = 512  # per histogram in the snapshot; the reader takes only the new ones
 _FLUSH_EVERY_S = 0.25
 _COLLECT_EVERY_S = 0.25  # how often the scheduler process reads the files (off the engine thread)
+_HURRY_EVERY_S = 0.02  # the same while the scheduler waits for a step's counters (see hurry)
+_SOON_GAP_S = 0.02  # flush_soon's least gap between two flushes: a busy engine marks every step
 _SAFE_ID = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -82,6 +93,11 @@ class SharedStatsWriter:
         self._sample_counts: dict[str, int] = {}
         self._last_flush = 0.0
         self._seq = 0
+        self._step = 0  # the last engine step whose counters are in (mark_step)
+        # Uploads in flight (the publisher's count), read at each flush before the counters.
+        self.uploads_pending: Callable[[], int] = lambda: 0
+        self._loop: BackgroundLoop | None = None
+        self._flush_posted = False
         self.path = Path(directory) / f"{stats_file_prefix(engine_id)}{os.getpid()}"
         try:
             fd = create_exclusive(self.path)
@@ -112,6 +128,8 @@ class SharedStatsWriter:
             if self._closed:
                 return
             self._last_flush = now
+            # Progress first: an upload counted as done below was done before this read.
+            progress = {"step": self._step, "uploads_pending": int(self.uploads_pending())}
             for source in self._sources:
                 self._counters.pull(source)
             delta = self._counters.take_samples()
@@ -125,6 +143,7 @@ class SharedStatsWriter:
                 "gauges": self._counters.gauges(),
                 "samples": self._samples,
                 "sample_counts": self._sample_counts,
+                "progress": progress,
             }
             payload = json.dumps(snapshot, separators=(",", ":")).encode()
             if _HEADER.size + len(payload) > _SIZE:  # pragma: no cover - ~30 counters + 2×512 floats
@@ -136,9 +155,41 @@ class SharedStatsWriter:
             self._seq += 1  # even: consistent
             _HEADER.pack_into(self._map, 0, self._seq, len(payload))
 
+    def mark_step(self, step: int) -> None:
+        """The counters of engine step ``step`` are in (its uploads queued, its loads
+        counted): flush soon, so the scheduler side learns it."""
+        self._step = step
+        self.flush_soon()
+
+    def flush_soon(self) -> None:
+        """Flush on the loop as soon as it runs, or ``_SOON_GAP_S`` after the last
+        flush; at most one such flush is queued at a time. Callers: a marked step, the
+        publisher once idle."""
+        loop = self._loop
+        if loop is None or self._flush_posted:
+            return
+        self._flush_posted = True
+
+        def run() -> None:
+            wait = self._last_flush + _SOON_GAP_S - time.monotonic()
+            if wait > 0:
+                loop.loop.call_later(wait, run)
+                return
+            self._flush_posted = False
+            try:
+                self.flush(force=True)
+            except Exception as exc:  # noqa: BLE001 - metrics must never stop the loop
+                logger.debug("ec-s3: flushing worker stats failed: %s", exc)
+
+        try:
+            loop.call_soon(run)
+        except RuntimeError:  # the loop is gone (shutdown): close() flushes
+            self._flush_posted = False
+
     def flush_periodically(self, loop: BackgroundLoop, every_s: float = 0.5) -> None:
         """Flush from ``loop`` every ``every_s`` until closed: uploads finish on the I/O
         loop after the step that queued them, possibly with no step after them."""
+        self._loop = loop
 
         async def run() -> None:
             while not self._closed:
@@ -164,6 +215,18 @@ class SharedStatsWriter:
             os.close(self._fd)
 
 
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What the reader has seen of its engine's writers: the lowest step they marked
+    and their uploads in flight, as of their last snapshots it collected, and how many
+    writers it reads, as of its ``collections``-th collection."""
+
+    step: int = 0
+    uploads_pending: int = 0
+    writers: int = 0
+    collections: int = 0
+
+
 class SharedStatsReader:
     """The scheduler side: increments of every live writer of one engine.
 
@@ -184,6 +247,30 @@ class SharedStatsReader:
         self._lock = threading.Lock()  # collect vs close; never taken by take_delta
         self._closed = False
         self._future: Any = None
+        # Published after the delta of the same collection is queued: whoever sees a
+        # progress sees (or has taken) the counts that came with it.
+        self._progress = Progress()
+        self._hurry_until = 0.0
+        self._wake: Callable[[], None] | None = None
+
+    @property
+    def progress(self) -> Progress:
+        return self._progress
+
+    def undelivered(self) -> bool:
+        """A collected delta waits for :meth:`take_delta` (lock-free)."""
+        return bool(self._ready)
+
+    def hurry(self, for_s: float) -> None:
+        """Collect every ``_HURRY_EVERY_S`` for the next ``for_s`` seconds, starting
+        now (the engine thread calls this; it only sets a deadline, and wakes the loop
+        once when it was not hurrying already)."""
+        now = time.monotonic()
+        was = self._hurry_until > now
+        self._hurry_until = now + for_s
+        if not was and self._wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
+                self._wake()
 
     def take_delta(self) -> dict[str, Any]:
         out: dict[str, Any] = _empty_delta()
@@ -221,6 +308,15 @@ class SharedStatsReader:
                         gauges[key] = gauges.get(key, 0.0) + value
                 delta["gauges"] = gauges
                 self._ready.append(delta)
+            # After the append (see __init__). Several writers of one engine: the step
+            # all of them have reached, and all their uploads.
+            live = [mapped.progress for mapped in self._files.values()]
+            self._progress = Progress(
+                step=min((p.step for p in live), default=0),
+                uploads_pending=sum(p.uploads_pending for p in live),
+                writers=len(live),
+                collections=self._progress.collections + 1,
+            )
 
     def _scan(self) -> None:
         """Map this engine's files that appeared since the last scan (the directory
@@ -238,14 +334,20 @@ class SharedStatsReader:
     def collect_periodically(self, loop: BackgroundLoop, every_s: float = _COLLECT_EVERY_S) -> None:
         """Collect on ``loop`` every ``every_s`` until :meth:`close`."""
 
+        woken = asyncio.Event()  # loop-free until first awaited (Python >= 3.10)
+
         async def run() -> None:
             while not self._closed:
                 try:
                     self.collect()
                 except Exception as exc:  # noqa: BLE001 - metrics must never stop the loop
                     logger.debug("ec-s3: collecting worker stats failed: %s", exc)
-                await asyncio.sleep(every_s)
+                woken.clear()
+                pause = _HURRY_EVERY_S if self._hurry_until > time.monotonic() else every_s
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(woken.wait(), pause)
 
+        self._wake = lambda: loop.call_soon(woken.set)
         self._future = loop.submit(run())
 
     def close(self) -> None:
@@ -289,6 +391,7 @@ class _MappedStats:
         self._seen_counters: dict[str, float] = {}
         self._seen_samples: dict[str, int] = {}
         self.gauges: dict[str, float] = {}
+        self.progress = Progress()
 
     @classmethod
     def open(cls, path: Path) -> _MappedStats | None:
@@ -340,6 +443,8 @@ class _MappedStats:
                 counters[name] = counters.get(name, 0.0) + inc
                 self._seen_counters[name] = float(value)
         self.gauges = {name: float(value) for name, value in snapshot.get("gauges", {}).items()}
+        progress = snapshot.get("progress") or {}
+        self.progress = Progress(int(progress.get("step", 0)), int(progress.get("uploads_pending", 0)))
         for name, total in snapshot.get("sample_counts", {}).items():
             new = int(total) - self._seen_samples.get(name, 0)
             if new > 0:
