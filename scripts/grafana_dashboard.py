@@ -108,6 +108,7 @@ PANELS: list[dict[str, Any]] = [
         (rate("vllm:ec_s3_promise_timeouts_total"), "given up (promised_wait_s, producer down)"),
         (rate("vllm:ec_s3_promises_withheld_total"), "withheld by producers (circuit open)"),
         (rate("vllm:ec_s3_promises_ignored_total"), "ignored (invalid or foreign)"),
+        (rate("vllm:ec_s3_promises_foreign_total"), "refused: producer publishes to another namespace"),
         (rate("vllm:ec_s3_present_missing_total"), "marked present by the proxy, gone (encoded locally)")],
         unit="ops"),
     row("Failures"),

@@ -24,6 +24,8 @@ servers behind the proxy encode each distinct image once between them.
 from __future__ import annotations
 
 import contextlib
+import json
+import urllib.request
 import os
 import secrets
 import shutil
@@ -349,6 +351,28 @@ def test_serial_dispatch_still_serves_published_outputs(stack: Stack) -> None:
         assert compare_results(r, stack.baseline_by_seed[SERIAL_SEED], BATCHING_TOLERANCE)[0], _logs_hint(stack)
         m = scrape_metrics(f"{serial.url}/metrics")
         assert m.get(P + "encoder_requests_total", outcome="ok") == 1
+
+
+def test_the_proxy_checks_its_upstreams_roles_at_start(stack: Stack) -> None:
+    """Real servers answer the proxy's role probe (ec_s3/proxy/fleet.py): swapped URLs stop
+    the start with an error naming both; the right ones start with each role and one
+    location reported on /health."""
+    from ec_s3.proxy.fleet import FleetMisconfigured
+
+    swapped = ProxyThread(ProxyConfig(encoder_urls=[stack.consumer.url], pd_urls=[stack.producer.url], port=0))
+    with pytest.raises(FleetMisconfigured) as refused:
+        swapped.start()
+    swapped.stop()
+    assert stack.consumer.url in str(refused.value) and stack.producer.url in str(refused.value)
+    assert "ec_consumer" in str(refused.value) and "ec_producer" in str(refused.value)
+    with ProxyThread(ProxyConfig(encoder_urls=[stack.producer.url], pd_urls=[stack.consumer.url], port=0)) as right:
+        with urllib.request.urlopen(f"{right.url}/health", timeout=30) as resp:
+            health = json.loads(resp.read())
+    assert health["status"] == "ok", health
+    roles = health["roles"]
+    assert roles["encoders"][stack.producer.url]["role"] == "ec_producer"
+    assert roles["prefill_decode"][stack.consumer.url]["role"] == "ec_consumer"
+    assert roles["encoders"][stack.producer.url]["namespace"] == roles["prefill_decode"][stack.consumer.url]["namespace"]
 
 
 # --------------------------------------------------------------------------- (b)

@@ -18,9 +18,11 @@ __all__ = [
     "FORMAT_VERSION",
     "MAX_HEADER_BYTES",
     "MISSING_REPORT",
+    "NAMESPACE_FIELD",
     "PENDING_MARK",
     "PLACEHOLDER_METADATA_KEY",
     "PRESENT_MARK",
+    "PROBE_FIELD",
     "TENSOR_NAME",
     "identifier_digest",
 ]
@@ -48,6 +50,15 @@ PRESENT_MARK = "ec_s3_present"
 #: The field of a consumer's answer (its ``ec_transfer_params``) that lists the keys of
 #: items marked present that the bucket did not have, so the proxy forgets them.
 MISSING_REPORT = "ec_s3_missing"
+#: The field of an ``ec_transfer_params`` entry (a producer's, or a proxy's mark) that
+#: names where its blob is published: ``s3://<bucket>/<prefix>/<namespace>/``. A consumer
+#: whose own location differs refuses the entry at once (the blob will never appear at its
+#: key) instead of waiting ``promised_wait_s`` for it. Entries without it are checked by key.
+NAMESPACE_FIELD = "ec_s3_namespace"
+#: A request whose ``ec_transfer_params`` hold this field (``ec-s3 proxy``'s start-up
+#: check) is answered, by a producer and a consumer alike, with ``{PROBE_FIELD: {"role":
+#: <ec_role>, "namespace": <location>}}`` in its own ``ec_transfer_params``.
+PROBE_FIELD = "ec_s3_probe"
 #: The S3 object metadata (``x-amz-meta-…``) in which a producer stores an item's
 #: placeholder metadata, ``{"modality": "image", "metadata": {"image_grid_thw": [1, 70,
 #: 70]}}`` as compact JSON, for models that declare vLLM's ``embedding_fields``: a proxy

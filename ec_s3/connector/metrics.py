@@ -74,7 +74,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_blobs_spooled_total": ("Blobs written to the outage spool.", "blobs_spooled"),
     "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "store_retries"),
     "vllm:ec_s3_store_errors_total": ("Lookups that failed with a store error.", "store_errors"),
-    "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign.", "promises_ignored"),
+    "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign (foreign ones also in promises_foreign).", "promises_ignored"),
+    "vllm:ec_s3_promises_foreign_total": (
+        "ec_transfer_params entries refused at once because their producer publishes to another bucket, prefix or "
+        "model namespace (a fleet configured inconsistently).", "promises_foreign"),
     "vllm:ec_s3_items_encoded_total": (
         "Media items vLLM's encoder ran on this engine (any role): what the bucket did not save here.", "items_encoded"),
     "vllm:ec_s3_lookups_started_total": ("Bucket lookups started (HEAD for producers, GET for consumers).", "lookups_started"),

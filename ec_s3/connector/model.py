@@ -42,6 +42,14 @@ class ModelInfo:
     default_width: int | None
     keyspace: KeySpace
     engine_id: str
+    bucket: str = ""
+
+    @property
+    def location(self) -> str:
+        """Where this model's blobs live, as ``ec_transfer_params`` name it
+        (``NAMESPACE_FIELD``): ``s3://<bucket>/<prefix>/<namespace>/``. The endpoint is
+        left out: one store may have several names, and a URL may carry a user."""
+        return f"s3://{self.bucket}/{self.keyspace.root}"
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, config: ECS3Config) -> ModelInfo:
@@ -70,6 +78,7 @@ class ModelInfo:
             default_width=default_width,
             keyspace=KeySpace(config.prefix, namespace),
             engine_id=str(getattr(ec_config, "engine_id", "") or ""),
+            bucket=config.bucket,
         )
 
     def width_for(self, modality: str) -> int | None:

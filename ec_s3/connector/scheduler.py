@@ -76,7 +76,7 @@ from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_
 from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.settle import CounterWatch
 from ec_s3.connector.topology import Topology, WorkerReach
-from ec_s3.connector.transfer_params import build_transfer_params, read_promises
+from ec_s3.connector.transfer_params import build_transfer_params, probe_answer, read_promises
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
@@ -105,6 +105,7 @@ class ECS3Scheduler:
         ec_config = vllm_config.ec_transfer_config
         assert ec_config is not None
         self._is_producer = bool(ec_config.is_ec_producer)
+        self._role = str(ec_config.ec_role)
         consumer = bool(ec_config.is_ec_consumer)
         check_engine_start(vllm_config, config, producer=self._is_producer, consumer=consumer)
         self._config = config
@@ -627,8 +628,9 @@ class ECS3Scheduler:
             if state.gone:
                 # The proxy reads this from the answer and forgets those blobs.
                 gone = {MISSING_REPORT: sorted(state.gone)}
+        probe = probe_answer(request, self._role, self._model)
         if not self._is_producer:
-            return False, gone or None
+            return False, {**gone, **probe} or None
         withhold: set[str] = set()
         for feature in request.mm_features:
             identifier = feature.identifier
@@ -656,7 +658,7 @@ class ECS3Scheduler:
         if not promise or withhold:
             self._counters.inc("promises_withheld")
         params = build_transfer_params(request, self._model, self._resolver, promise=promise, withhold=withhold)
-        return False, {**params, **gone} or None
+        return False, {**params, **gone, **probe} or None
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> list[str]:

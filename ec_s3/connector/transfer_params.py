@@ -15,6 +15,17 @@ that is already there: a miss means it is gone, not late (:mod:`ec_s3.connector.
 It is either the producer's entry, remembered by the proxy (checked as above), or, when
 the proxy's HEAD found the blob, a mark like a pending one (the consumer's own key).
 
+Every entry a producer sends, and every mark a proxy that knows the producers' location
+sends, names where its blob is published (``ec_s3_namespace``: bucket, prefix and model
+namespace). A consumer whose own location differs (a fleet configured inconsistently:
+another bucket, prefix or model path) refuses the entry at once: the blob will never
+appear at its key, so waiting ``promised_wait_s`` for it would only delay the answer. The
+item is then treated as not promised (looked up at the consumer's own key, encoded
+locally, or, without media, its request fails at once), counted
+(``promises_foreign``), and logged with both locations, once per pair per
+``FOREIGN_WARN_INTERVAL_S``. An entry without the field (older producers) is refused the
+same way when its key lies outside the consumer's namespace.
+
 Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtype``,
 ``shape``, ``size_bytes``) and its checks. Does not own when a promise is waited for
 (:mod:`ec_s3.connector.scheduler`), keys (:mod:`ec_s3.blob.keys`) or the blob layout
@@ -24,6 +35,8 @@ Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtyp
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.utils import (
@@ -32,7 +45,7 @@ from vllm.distributed.ec_transfer.ec_connector.utils import (
 )
 
 from ec_s3.blob.codec import BlobLayout, BlobMeta
-from ec_s3.blob.format import PENDING_MARK, PRESENT_MARK
+from ec_s3.blob.format import BLOB_NAME_RE, NAMESPACE_FIELD, PENDING_MARK, PRESENT_MARK, PROBE_FIELD
 from ec_s3.connector.model import ModelInfo
 from ec_s3.log import logger
 from ec_s3.transfer.counters import Counters
@@ -41,7 +54,22 @@ if TYPE_CHECKING:
     from vllm.multimodal.inputs import MultiModalFeatureSpec
     from vllm.v1.request import Request
 
-__all__ = ["Promise", "build_transfer_params", "check_promise", "pending_features", "read_promises"]
+__all__ = [
+    "FOREIGN_WARN_INTERVAL_S",
+    "Promise",
+    "build_transfer_params",
+    "check_promise",
+    "foreign_location",
+    "pending_features",
+    "probe_answer",
+    "read_promises",
+]
+
+#: A fleet configured inconsistently sends every request's entries to the wrong place:
+#: one warning per (their location, ours) per this many seconds, with the count held back.
+FOREIGN_WARN_INTERVAL_S = 60.0
+_foreign_lock = threading.Lock()
+_foreign_warned: dict[tuple[str, str], tuple[float, int]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +97,7 @@ def build_transfer_params(
     for identifier, entry in items.items():
         feature = request.mm_features[entry["item_indices"][0]]
         entry.setdefault("modality", feature.modality)  # vLLM 0.32 omits it; 0.33 adds it
+        entry[NAMESPACE_FIELD] = model.location
         if not promise or identifier in withhold:
             continue
         entry["key"] = model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
@@ -93,7 +122,12 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
     features = {f.identifier: f for f in request.mm_features}
     promises: dict[str, Promise] = {}
     problems: list[str] = []
+    foreign: dict[str, int] = {}  # their location -> entries refused for it
     for identifier, entry in (raw or {}).items():
+        elsewhere = foreign_location(entry, model)
+        if elsewhere:
+            foreign[elsewhere] = foreign.get(elsewhere, 0) + 1
+            continue
         present = isinstance(entry, dict) and entry.get(PRESENT_MARK) is True
         if isinstance(entry, dict) and (entry.get(PENDING_MARK) is True or (present and "key" not in entry)):
             for feature in pending_features(request, identifier, entry):
@@ -110,6 +144,11 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
         size = entry.get("size_bytes")
         promises[identifier] = Promise(key=entry["key"], size_bytes=size if isinstance(size, int) else None,
                                        present=present)
+    if foreign:
+        counters.inc("promises_foreign", sum(foreign.values()))
+        counters.inc("promises_ignored", sum(foreign.values()))
+        for theirs, count in foreign.items():
+            _warn_foreign(request.request_id, theirs, model.location, count)
     if problems:
         counters.inc("promises_ignored", len(problems))
         logger.warning(
@@ -117,6 +156,53 @@ def read_promises(request: Request, model: ModelInfo, max_blob_bytes: int, count
             request.request_id, "; ".join(problems[:5]),
         )
     return promises
+
+
+def foreign_location(entry: object, model: ModelInfo) -> str:
+    """Where ``entry`` says its blob is published, when that is not this consumer's
+    location ("" when it is, or the entry does not say): its ``ec_s3_namespace``, else the
+    ``<prefix>/<namespace>/`` of its key when that key is a blob key under another root."""
+    if not isinstance(entry, dict):
+        return ""
+    named = entry.get(NAMESPACE_FIELD)
+    if isinstance(named, str):
+        return "" if named == model.location else named[:512]
+    key = entry.get("key")
+    if isinstance(key, str) and not key.startswith(model.keyspace.root):
+        parts = key.rsplit("/", 2)
+        name = "/".join(parts[-2:]) if len(parts) == 3 and parts[-2].startswith("t-") else parts[-1]
+        if BLOB_NAME_RE.fullmatch(name):
+            return key[: len(key) - len(name)][:512]  # "<prefix>/<namespace>/" of an older producer
+    return ""
+
+
+def _warn_foreign(request_id: str, theirs: str, ours: str, count: int) -> None:
+    now = time.monotonic()
+    with _foreign_lock:
+        last, held = _foreign_warned.get((theirs, ours), (float("-inf"), 0))
+        if now - last < FOREIGN_WARN_INTERVAL_S:
+            _foreign_warned[(theirs, ours)] = (last, held + 1)
+            return
+        _foreign_warned[(theirs, ours)] = (now, 0)
+        if len(_foreign_warned) > 256:
+            del _foreign_warned[next(iter(_foreign_warned))]
+    logger.warning(
+        "ec-s3: request %s: refusing %d ec_transfer_params entr%s for %s: this consumer reads %s. The "
+        "producer (or the proxy's mark) publishes elsewhere: another bucket, prefix or model path "
+        "(namespace) than this consumer's; its items are treated as not promised, not waited for. Give "
+        "producers and consumers the same bucket, prefix and model path.%s",
+        request_id, count, "y" if count == 1 else "ies", theirs, ours,
+        f" ({held} similar requests since the last warning)" if held else "",
+    )
+
+
+def probe_answer(request: Request, role: str, model: ModelInfo) -> dict[str, Any]:
+    """The answer to ``ec-s3 proxy``'s start-up probe (``PROBE_FIELD`` in the request's
+    params): this server's EC role and where its blobs live; {} for any other request."""
+    raw = getattr(request, "ec_transfer_params", None)
+    if not isinstance(raw, dict) or PROBE_FIELD not in raw:
+        return {}
+    return {PROBE_FIELD: {"role": role, "namespace": model.location}}
 
 
 def pending_features(request: Request, identifier: object, entry: dict[str, Any]) -> list[MultiModalFeatureSpec]:

@@ -53,6 +53,10 @@ class ProxyConfig:
     # /health's answer is reused this long (0: probe on every call); calls that arrive
     # while a probe runs share it either way.
     health_cache_s: float = 1.0
+    # At start, how long to wait for each upstream's role check (ec_s3/proxy/fleet.py):
+    # one found in the wrong role stops the start; one not answering yet is checked in
+    # the background. 0: no check.
+    startup_check_s: float = 5.0
     # Idle upstream connections are dropped after this; keep it below the upstream's own
     # keep-alive (uvicorn's default is 5 s, vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE) so a
     # request is never written onto a connection the server is closing.
@@ -172,6 +176,8 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and not float(value) > 0:
                 raise ValueError(f"{name}: must be > 0 or None (no limit)")
+        if not float(self.startup_check_s) >= 0:
+            raise ValueError("startup_check_s: must be >= 0 (0: no role check)")
         if not float(self.health_cache_s) >= 0:
             raise ValueError("health_cache_s: must be >= 0 (0: probe on every call)")
         if self.max_connections < 1:

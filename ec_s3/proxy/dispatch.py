@@ -64,6 +64,7 @@ from ec_s3.proxy.media import (
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.embeds import metadata_only_body, resend_body
 from ec_s3.proxy.metrics import ProxyMetrics
+from ec_s3.proxy.fleet import Fleet
 from ec_s3.proxy.naming import pending_params
 from ec_s3.proxy.routing import route_key
 
@@ -86,6 +87,7 @@ class Sender(Protocol):
     config: ProxyConfig
     metrics: ProxyMetrics
     skips: EncoderSkips
+    fleet: Fleet
 
     async def encode_one(self, payload: bytes, headers: dict[str, str], request_id: str) -> dict[str, Any] | None: ...
 
@@ -260,7 +262,7 @@ async def dispatch_parallel(
     def begin() -> asyncio.Task[Answer | web.Response]:
         stripped = [*(item.part for item in known), *(items[n].part for n in marked)]
         pd_body = body if proxy.config.forward_media else strip_media(body, stripped)
-        params = {**present, **pending_params(items, marked)}
+        params = {**present, **pending_params(items, marked, proxy.fleet.encoders_namespace)}
         slim = _metadata_only(proxy, pd_body, known, present, params)
         if slim is None:
             return asyncio.ensure_future(proxy.pd_begin(_pd_payload(pd_body, params), headers, stream=stream,

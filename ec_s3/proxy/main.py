@@ -20,6 +20,7 @@ from typing import Any
 
 from ec_s3.log import logger
 from ec_s3.proxy.config import ProxyConfig
+from ec_s3.proxy.fleet import FleetMisconfigured
 from ec_s3.proxy.server import EPDProxy
 
 __all__ = ["build_parser", "config_from_args", "main"]
@@ -68,6 +69,11 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
     p.add_argument("--health-cache", type=float, default=d.health_cache_s, metavar="S",
                    help="reuse /health's answer this long; concurrent calls share one probe either way; 0 = probe "
                         f"on every call (default {d.health_cache_s:g})")
+    p.add_argument("--startup-check", type=float, default=d.startup_check_s, metavar="S",
+                   help="at start, wait this long for each upstream's role check: an encoder URL that is no EC "
+                        "producer, or a prefill/decode URL that is one (swapped flags), stops the start; one not "
+                        "answering yet is checked in the background, and never used if wrong; 0 = no check "
+                        f"(default {d.startup_check_s:g})")
     p.add_argument("--keepalive-timeout", type=float, default=d.keepalive_timeout_s, metavar="S",
                    help="drop idle upstream connections after this; keep below the upstreams' keep-alive "
                         f"(VLLM_HTTP_TIMEOUT_KEEP_ALIVE, default 5) (default {d.keepalive_timeout_s:g})")
@@ -176,6 +182,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         read_timeout_s=args.read_timeout or None,
         health_timeout_s=args.health_timeout,
         health_cache_s=args.health_cache,
+        startup_check_s=args.startup_check,
         keepalive_timeout_s=args.keepalive_timeout,
         max_connections_per_upstream=args.max_connections_per_upstream,
         down_cooldown_s=args.down_cooldown,
@@ -303,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(config))
     except OSError as exc:  # e.g. the port is taken
         logger.error("ec-s3 proxy: cannot serve on %s:%s: %s", config.host, config.port, exc)
+        return 1
+    except FleetMisconfigured as exc:
+        logger.error("ec-s3 proxy: not starting: %s", exc)
         return 1
     return 0
 

@@ -33,7 +33,7 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from ec_s3.blob.format import PENDING_MARK
+from ec_s3.blob.format import NAMESPACE_FIELD, PENDING_MARK
 from ec_s3.proxy.media import (
     EMBED_PART_TYPES,
     BodyError,
@@ -146,17 +146,21 @@ def name_media(
     return {**body, "messages": out}
 
 
-def pending_params(items: Sequence[MediaItem], marked: Collection[int]) -> dict[str, Any]:
+def pending_params(items: Sequence[MediaItem], marked: Collection[int], namespace: str | None = None) -> dict[str, Any]:
     """The ``ec_transfer_params`` that tell a consumer which items an encoder is still
     encoding: one entry per marked item, keyed by its ``uuid``, with the indices of its
     occurrences among the request's multimodal items (the consumer finds the item by
     identifier, else by index: with processor kwargs its identifier is a hash of the
     ``uuid``). An entry promises nothing a consumer trusts: it derives the key itself
-    and waits at most ``promised_wait_s``."""
+    and waits at most ``promised_wait_s``. ``namespace``, where the encoders publish (their
+    role check said so), goes with each mark: a consumer that reads elsewhere refuses the
+    mark at once instead of waiting."""
     params: dict[str, Any] = {}
     for n in sorted(marked):
         item = items[n]
         identifier = item.part.get("uuid")
         if isinstance(identifier, str):
             params[identifier] = {PENDING_MARK: True, "item_indices": list(item.indices)}
+            if namespace:
+                params[identifier][NAMESPACE_FIELD] = namespace
     return params

@@ -52,6 +52,7 @@ from ec_s3.proxy.client_embeds import ClientEmbedsRefused, EmbedsRules, check_cl
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.dispatch import dispatch_parallel, dispatch_serial
 from ec_s3.proxy.edge import BodyRefused, EdgeSite, body_deadline, read_body
+from ec_s3.proxy.fleet import Check, Fleet, FleetMisconfigured
 from ec_s3.proxy.limits import ByteBudget
 from ec_s3.proxy.media import BodyError, MediaItem, TooManyItems, find_media_items, parse_body
 from ec_s3.proxy.naming import name_media
@@ -108,6 +109,8 @@ class EPDProxy:
         self.pds = Pool("pd", config.pd_urls, self.metrics, config.down_cooldown_s,
                         route=config.route, balance=config.route_balance)
         self._warner = Warner()
+        # Each upstream's role, checked at start and, for those not up yet, in the background.
+        self.fleet = Fleet(config.encoder_urls, config.pd_urls)
         # Chat requests between arrival and the end of their answer (max_in_flight).
         self._chat_in_flight = 0
         # Memory of the request bodies in flight (edge.read_body charges each request).
@@ -189,6 +192,11 @@ class EPDProxy:
                                **handler_args)
         try:
             await runner.setup()
+            try:
+                await self._check_fleet()
+            except BaseException:
+                await runner.cleanup()
+                raise
             site = EdgeSite(runner, cfg.host, cfg.port, max_connections=cfg.max_connections,
                             handler_args=handler_args, warner=self._warner)
             try:
@@ -208,6 +216,36 @@ class EPDProxy:
         )
         return self
 
+    async def _check_fleet(self) -> None:
+        """The upstreams' roles (:mod:`.fleet`): refuse to start when one is wrong; check
+        those that do not answer yet in the background."""
+        cfg = self.config
+        if not cfg.startup_check_s:
+            return
+        assert self._health_session is not None
+        headers = {"Authorization": f"Bearer {cfg.upstream_api_key}"} if cfg.upstream_api_key else {}
+        await self.fleet.check(self._health_session, headers, cfg.startup_check_s)
+        if self.fleet.wrong():
+            raise FleetMisconfigured(self.fleet.describe_wrong())
+        for check in self.fleet.checks:
+            if check.state == "ok":
+                logger.info("ec-s3 proxy: %s %s checked: %s%s", check.kind, check.url,
+                            check.role or "no EC role reported", f" at {check.namespace}" if check.namespace else "")
+            else:
+                logger.warning("ec-s3 proxy: %s %s not checked yet (%s)%s", check.kind, check.url, check.detail,
+                               "; checking again in the background" if check.state == "unreachable" else "")
+        self.fleet.warn_mismatch()
+        self.fleet.watch(self._health_session, headers, cfg.startup_check_s, self._found_wrong)
+
+    def _found_wrong(self, check: Check) -> None:
+        """An upstream that came up after the start is in the wrong role: never used."""
+        pool = self.encoders if check.kind == "encoder" else self.pds
+        for member in pool.members:
+            if member.url == check.url:
+                member.wrong = True
+        logger.error("ec-s3 proxy: %s %s %s; it gets no requests (fix the flag and restart the proxy)",
+                     "--encoder-url" if check.kind == "encoder" else "--pd-url", check.url, check.detail)
+
     def detach(self, tasks: list[asyncio.Task[Any]]) -> None:
         """Let ``tasks`` run on after their request (an encoder's upload still serves
         later requests); they are cancelled at :meth:`stop`."""
@@ -217,6 +255,7 @@ class EPDProxy:
                 task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
+        await self.fleet.stop()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -667,8 +706,18 @@ class EPDProxy:
         results = await asyncio.gather(*(probe(u) for u in pd_urls), *(probe(u) for u in enc_urls))
         pd = dict(zip(pd_urls, results[: len(pd_urls)], strict=True))
         enc = dict(zip(enc_urls, results[len(pd_urls):], strict=True))
+        # An upstream in the wrong role (:mod:`.fleet`) is reported down: it gets no requests.
+        for kind, found in (("pd", pd), ("encoder", enc)):
+            for url in found:
+                check = self.fleet.of(url, kind)
+                if check is not None and check.state == "wrong":
+                    found[url] = False
         ok = any(pd.values())
-        answer = (200 if ok else 503, {"status": "ok" if ok else "unavailable", "prefill_decode": pd, "encoders": enc})
+        # Requests are served without encoders (p/d encodes), but not as the fleet meant.
+        status = "unavailable" if not ok else "degraded" if not all(enc.values()) else "ok"
+        checks = {"encoders": {c.url: c.as_json() for c in self.fleet.checks if c.kind == "encoder"},
+                  "prefill_decode": {c.url: c.as_json() for c in self.fleet.checks if c.kind == "pd"}}
+        answer = (200 if ok else 503, {"status": status, "prefill_decode": pd, "encoders": enc, "roles": checks})
         self._health_answer = (asyncio.get_running_loop().time(), *answer)
         return answer
 

@@ -27,13 +27,14 @@ _WARN_INTERVAL_S = 10.0
 class Upstream:
     """One encoder or PD instance with its load and its refuse-to-connect cooldown."""
 
-    __slots__ = ("down_until", "in_flight", "role", "url")
+    __slots__ = ("down_until", "in_flight", "role", "url", "wrong")
 
     def __init__(self, role: str, url: str) -> None:
         self.role = role
         self.url = url
         self.in_flight = 0
         self.down_until = 0.0
+        self.wrong = False  # its role check found it in the wrong role: never used
 
     def up(self, now: float) -> bool:
         return now >= self.down_until
@@ -66,9 +67,9 @@ class Pool:
         bounded rendezvous hashing when the pool routes by affinity."""
         excluded = set(map(id, exclude))
         now = time.monotonic()
-        candidates = [m for m in self.members if id(m) not in excluded and m.up(now)]
+        candidates = [m for m in self.members if id(m) not in excluded and m.up(now) and not m.wrong]
         if not candidates and allow_down:
-            candidates = [m for m in self.members if id(m) not in excluded]
+            candidates = [m for m in self.members if id(m) not in excluded and not m.wrong]
         if not candidates:
             return None
         if self.route == AFFINITY:
