@@ -32,13 +32,13 @@ class ProxyProc:
     url: str
 
     @classmethod
-    def start(cls, encoder_url: str, pd_url: str, log_path: Path, dispatch: str = "serial") -> ProxyProc:
+    def start(cls, args: list[str], log_path: Path, what: str = "ec-s3 proxy") -> ProxyProc:
+        """``python -m ec_s3.proxy`` with ``args`` (its upstreams, dispatch, routing) on a free loopback port."""
         from ec_s3.sandbox.net import LOOPBACK, free_port
 
         port = free_port()
-        return cls.spawn([sys.executable, "-m", "ec_s3.proxy", "--encoder-url", encoder_url, "--pd-url", pd_url,
-                          "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", "--dispatch", dispatch],
-                         port, log_path, "ec-s3 proxy")
+        return cls.spawn([sys.executable, "-m", "ec_s3.proxy", *args, "--host", LOOPBACK, "--port", str(port),
+                          "--log-level", "WARNING"], port, log_path, what)
 
     @classmethod
     def vllm_example(cls, encoder_url: str, pd_url: str, log_path: Path) -> ProxyProc:

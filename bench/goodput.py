@@ -48,7 +48,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -95,7 +94,6 @@ COUNTERS = ("vllm:ec_s3_blobs_uploaded_total", "vllm:ec_s3_uploads_already_prese
 HISTOGRAMS = ("vllm:request_inference_time_seconds", "vllm:e2e_request_latency_seconds",
               "vllm:request_queue_time_seconds", "vllm:ec_s3_download_seconds", "vllm:ec_s3_upload_seconds")
 PROXY_ENC = "ec_s3_proxy_encoder_requests_total"
-LOOKUPS = "vllm:ec_s3_lookups_total"
 
 # (name, workload, target): EPD's SLO-90 rate over plain-dp's.
 GOALS = (("hot, 4 images: EPD / plain-dp goodput", "hot-4", 1.3),
@@ -207,16 +205,46 @@ def write_jsonl(path: Path, stream: Sequence[Sequence[int]], image_dir: Path, si
 
 # --------------------------------------------------------------------------- vLLM's client
 def bench_serve_argv(*, base_url: str, model: str, dataset: Path, rate: float, n: int, slo_ms: float,
-                     result_dir: Path, result_file: str, output_len: int, seed: int) -> list[str]:
-    """``vllm bench serve``'s arguments (after ``bench serve``) for one run."""
-    return ["--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base_url,
+                     result_dir: Path, result_file: str, output_len: int, seed: int, concurrency: int = 0) -> list[str]:
+    """``vllm bench serve``'s arguments (after ``bench serve``) for one run (``--save-detailed``:
+    its result keeps each request's error)."""
+    return ["--save-detailed", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", base_url,
             "--model", model, "--tokenizer", model, "--dataset-name", "custom_image",
             "--dataset-path", str(dataset), "--custom-ensure-client-side-data", "--disable-shuffle",
             "--num-prompts", str(n), "--request-rate", f"{rate:g}", "--seed", str(seed),
             "--custom-output-len", str(output_len), "--ignore-eos",
             "--goodput", f"ttft:{slo_ms:g}", "--percentile-metrics", "ttft,tpot,e2el",
             "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(result_dir),
-            "--result-filename", result_file]
+            "--result-filename", result_file, *(["--max-concurrency", str(concurrency)] if concurrency else [])]
+
+
+# The hot set's warm-up, one request at a time: all at once, 22 of 24 items waited past the
+# proxy's 4 s encode timeout on one encoder, and prefill/decode encoded them instead.
+WARM_UP = {"rate": math.inf, "slo_ms": 1e6, "output_len": 1, "seed": 0, "concurrency": 1}
+
+
+class FailedRequests(RuntimeError):
+    """A run in which requests failed: an error (what the server answered), never a goodput figure."""
+
+
+def keep_error_bodies() -> None:
+    """vLLM's chat request function keeps only a failed answer's reason phrase: here, its status and body."""
+    import contextlib
+    import types
+
+    from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS, async_request_openai_chat_completions
+
+    def keeping(session: Any) -> Any:
+        @contextlib.asynccontextmanager
+        async def post(**kw: Any) -> Any:
+            async with session.post(**kw) as resp:
+                if resp.status != 200:
+                    resp.reason = f"HTTP {resp.status}: {(await resp.text(errors='replace'))[:1000]}"
+                yield resp
+        return types.SimpleNamespace(post=post)
+
+    ASYNC_REQUEST_FUNCS["openai-chat"] = lambda request_func_input, session, pbar=None: (
+        async_request_openai_chat_completions(request_func_input, keeping(session), pbar))
 
 
 def run_bench_serve(argv: Sequence[str]) -> None:
@@ -224,6 +252,7 @@ def run_bench_serve(argv: Sequence[str]) -> None:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    keep_error_bodies()
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     main(parser.parse_args(list(argv)))
@@ -241,6 +270,10 @@ def parse_result(raw: Mapping[str, Any]) -> dict[str, Any]:
     missing = [k for k in ("duration", "completed", "request_throughput", "p99_ttft_ms") if k not in raw]
     if missing:
         raise ValueError(f"vLLM result JSON lacks {missing} (is it a bench serve --save-result file?)")
+    if raw.get("failed"):
+        errors = list(dict.fromkeys(e.strip() for e in raw.get("errors") or () if e))
+        raise FailedRequests(f"{raw['failed']} of {raw.get('num_prompts') or '?'} requests failed: "
+                             + (" | ".join(errors[:3]) or "(no errors saved)"))
     out = {k: raw.get(k) for k in RESULT_KEYS}
     if out["p50_ttft_ms"] is None:
         out["p50_ttft_ms"] = raw.get("median_ttft_ms")
@@ -253,17 +286,8 @@ def parse_result(raw: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- metrics
 def window(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
     """Counter and histogram deltas of one server between two scrapes."""
-    out: dict[str, float] = {}
     names = list(COUNTERS) + [h + s for h in HISTOGRAMS for s in ("_sum", "_count")] + [PROXY_ENC]
-    for name in names:
-        a, b = after.get(name), before.get(name)
-        if a is not None:
-            out[name] = a - (b or 0.0)
-    for outcome in ("hit", "miss"):
-        a, b = after.get(LOOKUPS, outcome=outcome), before.get(LOOKUPS, outcome=outcome)
-        if a is not None:
-            out[f"{LOOKUPS}{{{outcome}}}"] = a - (b or 0.0)
-    return out
+    return {name: after.get(name) - (before.get(name) or 0.0) for name in names if after.get(name) is not None}
 
 
 def merge(*ws: Mapping[str, float]) -> dict[str, float]:
@@ -278,8 +302,7 @@ def counts(topo: str, d: Mapping[str, Mapping[str, float]]) -> dict[str, float |
     """The per-run counts the table shows, from a topology's windows."""
     prod, cons, proxy, plain = (d.get(r) or {} for r in ("producer", "consumer", "proxy", "plain"))
     if topo == "plain-dp":
-        return {"encoder requests": 0.0, "PUT": None, "GET": None, "bytes": None, "hits": None,
-                "fallbacks": None}
+        return {"encoder requests": 0.0, **dict.fromkeys(("PUT", "GET", "bytes", "hits", "fallbacks"))}
     if topo == SHARED:  # aggregated servers: each encodes, publishes and loads
         fleet = d.get("shared") or {}
         return {"encoder requests": 0.0, "PUT": fleet.get("vllm:ec_s3_blobs_uploaded_total"),
@@ -349,12 +372,9 @@ def _bounded(value: float, bound: str, unit: str) -> str | None:
 
 
 def goodput_by_topology(runs: Sequence[Mapping[str, Any]], workload: str) -> dict[str, dict[str, Any]]:
-    out = {}
-    for topo in TOPOLOGIES:
-        pts = [(r["rate"], r["vllm"]["good_fraction"]) for r in runs
-               if r["workload"] == workload and r["topology"] == topo and r.get("vllm")]
-        out[topo] = slo90_rate(pts)
-    return out
+    return {topo: slo90_rate([(r["rate"], r["vllm"]["good_fraction"]) for r in runs
+                              if r["workload"] == workload and r["topology"] == topo and r.get("vllm")])
+            for topo in TOPOLOGIES}
 
 
 def _ratio(num: Mapping[str, Any], den: Mapping[str, Any]) -> tuple[float | None, str]:
@@ -623,7 +643,7 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
     proxy processes."""
     from bench.epd_stack import ProxyProc
     from ec_s3.sandbox.env import CPU_OFFLINE_ENV
-    from ec_s3.sandbox.net import LOOPBACK, free_port
+    from ec_s3.transfer.fsutil import ensure_private_dir
     from ec_s3.sandbox.vllm_server import VllmServer, ec_transfer_config, start_all, wait_all_ready
 
     cores = sorted(os.sched_getaffinity(0))
@@ -646,7 +666,8 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
     if SHARED in want:
         # Each its own staging area: two engines on one host, as on two hosts.
         s |= {f"shared {n}": server(f"shared-{n.lower()}", ec_transfer_config(
-            "ec_both", {**s3, "staging_dir": str(_private_dir(work / f"staging-{n.lower()}"))}), cpus)
+            "ec_both", {**s3, "staging_dir": str(ensure_private_dir(work / f"staging-{n.lower()}", key="staging_dir"))}),
+            cpus)
             for n, cpus in (("A", c0), ("B", c1))}
     if want & set(EPD_TOPOLOGIES):
         s |= {"ec-s3 E": server("ecs3-encoder", ec_transfer_config("ec_producer", s3), c1),
@@ -665,10 +686,8 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
     bl.log(f"goodput: {len(servers)} servers ready in {time.monotonic() - t0:.0f} s")
 
     def dp_proxy(a: str, b: str, name: str, extra: Sequence[str] = ()) -> Any:
-        port = free_port()
-        return ProxyProc.spawn([sys.executable, "-m", "ec_s3.proxy", "--pd-url", s[a].url, "--pd-url", s[b].url,
-                                "--host", LOOPBACK, "--port", str(port), "--log-level", "WARNING", *extra],
-                               port, logs / f"proxy-{name}.log", f"ec-s3 proxy ({name}, no encoder)")
+        return ProxyProc.start(["--pd-url", s[a].url, "--pd-url", s[b].url, *extra], logs / f"proxy-{name}.log",
+                               f"ec-s3 proxy ({name}, no encoder)")
 
     urls: dict[str, str] = {}
     for topo in topologies:
@@ -680,15 +699,11 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
             proxy = ProxyProc.vllm_example(s["peer E"].url, s["peer PD"].url, logs / "proxy-vllm.log")
         else:
             dispatch = topo.removeprefix("epd-")
-            proxy = ProxyProc.start(s["ec-s3 E"].url, s["ec-s3 PD"].url, logs / f"proxy-{dispatch}.log", dispatch)
+            proxy = ProxyProc.start(["--encoder-url", s["ec-s3 E"].url, "--pd-url", s["ec-s3 PD"].url, "--dispatch",
+                                     dispatch], logs / f"proxy-{dispatch}.log")
         proxies.append(proxy)
         urls[topo] = proxy.url
     return s, urls
-
-
-def _private_dir(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
 
 
 # A topology's servers: {role in the windows: name in start_stack's servers}.
@@ -746,12 +761,13 @@ def deltas(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, dic
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.sandbox.tiny_model import HEAVY_VISION, build_tiny_llava
     from ec_s3.sandbox.tiny_qwen import build_tiny_qwen
+    from ec_s3.sandbox.vllm_server import stop_all
 
     served = SERVED[args.model]
     assert HEAVY_VISION.num_image_tokens == IMAGE_TOKENS, "IMAGE_TOKENS follows HEAVY_VISION"
     work = Path(tempfile.mkdtemp(prefix="ecb-goodput-"))
-    (work / "logs").mkdir()
-    (work / "peer").mkdir()
+    for sub in ("logs", "peer"):
+        (work / sub).mkdir()
     model = str(build_tiny_qwen(work / "model") if served.name == "qwen"
                 else build_tiny_llava(work / "model", shape=HEAVY_VISION))
     sweep = Sweep(args=args, served=served, model=model, work=work, t_start=time.monotonic())
@@ -771,10 +787,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
                     load_s.append(time.monotonic() - t0)
                     sweep.run_pass(pass_no, topologies, s, urls)
-                except TimeoutError as exc:
+                except (TimeoutError, FailedRequests) as exc:  # its time is spent, or the warm-up failed
                     sweep.errors.append(f"pass {pass_no + 1} ({','.join(topologies)}): {exc}")
-                finally:
-                    stop_stack(s)
+                finally:  # the pass's proxies, then its servers
+                    for p in s.get("_proxies", []):
+                        p.stop()
+                    stop_all([v for k, v in s.items() if not k.startswith("_")])
     finally:
         if sweep.store is not None:
             sweep.store.close()
@@ -800,14 +818,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     d["model"] = model_section(sweep.runs)
     d["goals"] = goals(d)
     return d
-
-
-def stop_stack(s: Mapping[str, Any]) -> None:
-    from ec_s3.sandbox.vllm_server import stop_all
-
-    for p in s.get("_proxies", []):
-        p.stop()
-    stop_all([v for k, v in s.items() if not k.startswith("_")])
 
 
 @dataclasses.dataclass
@@ -848,9 +858,9 @@ class Sweep:
             paths = write_segment(self.work, f"hot-warm-p{pass_no}", [hot[i:i + 4] for i in range(0, len(hot), 4)],
                                   self.work / "images", self.served.image_px, topologies, self.served.photo)
             for t in topologies:
-                run_bench_serve(bench_serve_argv(base_url=urls[t], model=self.model, dataset=paths[t], rate=math.inf,
-                                                 n=len(hot) // 4, slo_ms=1e6, result_dir=self.work / "warm",
-                                                 result_file=f"warm-{t}.json", output_len=1, seed=0))
+                run_bench_serve(bench_serve_argv(base_url=urls[t], model=self.model, dataset=paths[t], n=len(hot) // 4,
+                                                 result_dir=self.work / "warm", result_file=f"warm-{t}.json", **WARM_UP))
+                parse_result(json.loads((self.work / "warm" / f"warm-{t}.json").read_text()))  # raises on a failure
                 if t in self.uploads:
                     settle_uploads(self.store, s, t, self.model)
             time.sleep(self.args.gap_s)
@@ -993,13 +1003,10 @@ def shared_model(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- output
 def print_tables(d: Mapping[str, Any]) -> None:
-    rows = []
-    for r in d["runs"]:
-        v, c = r["vllm"], r["counts"]
-        rows.append([r["workload"], r["topology"], r["rate"], f"{r['repeat_fraction']:.0%}", v["request_throughput"],
-                     v["request_goodput"], v["p50_ttft_ms"], v["p99_ttft_ms"], v["p50_tpot_ms"], v["p99_tpot_ms"],
-                     v["p50_e2el_ms"], v["p99_e2el_ms"], c["encoder requests"], c["PUT"], c["GET"], c["hits"],
-                     c["fallbacks"]])
+    rows = [[r["workload"], r["topology"], r["rate"], f"{r['repeat_fraction']:.0%}",
+             *(r["vllm"][k] for k in ("request_throughput", "request_goodput", "p50_ttft_ms", "p99_ttft_ms",
+                                      "p50_tpot_ms", "p99_tpot_ms", "p50_e2el_ms", "p99_e2el_ms")),
+             *(r["counts"][k] for k in ("encoder requests", "PUT", "GET", "hits", "fallbacks"))] for r in d["runs"]]
     print(bl.table(["workload", "topology", "rate/s", "repeats", "req/s", "goodput/s", "TTFT p50", "TTFT p99",
                     "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "enc req", "PUT", "GET", "loads", "fallbacks"],
                    rows, title="vLLM bench serve per run (ms; counts from the servers' /metrics)"))
@@ -1045,8 +1052,7 @@ def plot(d: Mapping[str, Any], out_dir: Path | None) -> None:
         row[0].set_title(f"{w}: goodput (TTFT <= {slo:g} ms), repeats {sum(rep) / max(len(rep), 1):.0%}", fontsize=8)
         row[1].set_title(f"{w}: p99 TTFT", fontsize=8)
         row[0].set_ylabel("req/s")
-        row[1].set_ylabel("ms")
-        row[1].set_yscale("log")
+        row[1].set(ylabel="ms", yscale="log")
     for ax in axes[-1]:
         ax.set_xlabel("request rate (req/s, Poisson)")
     axes[0][0].legend(fontsize=7)
@@ -1067,8 +1073,7 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
     for key in ("gpu_costs_s", "why_costs", "why_local", "why_s3", "gpu_usd_per_hour", "why_skip", "why_hosts",
                 "left_out"):
         md.append(f"- {key}: {a[key]}")
-    md.append("- one GPU per host; the split is whole hosts (1 <= encoders < hosts)")
-    md.append("")
+    md += ["- one GPU per host; the split is whole hosts (1 <= encoders < hosts)", ""]
     md.append(bl.table(["hosts", "repeat", "best E:PD", "plain req/s/GPU", "EPD req/s/GPU", "EPD/plain",
                         "shared req/s/GPU", "shared/plain", "PUT /1k req", "GET /1k req", "S3 $ /1k req",
                         "GPU $ /1k plain", "GPU $ /1k EPD"],
@@ -1093,12 +1098,9 @@ def write_fleet(out_dir: Path | None, with_plot: bool) -> None:
     a1.plot([r["repeat_rate"] * 100 for r in rs], [r["shared_ratio"] for r in rs], color="black", ls="--",
             marker="s", label="shared bucket")
     a1.axhline(1.0, color="grey", lw=0.8)
-    a1.set_xlabel("repeat rate (%)")
-    a1.set_ylabel("goodput per GPU / plain's")
+    a1.set(xlabel="repeat rate (%)", ylabel="goodput per GPU / plain's")
     a1.set_title("best EPD split and a shared bucket vs plain replicas (model)", fontsize=9)
-    a2.set_xlabel("repeat rate (%)")
-    a2.set_ylabel("encoders (% of hosts)")
-    a2.set_title("best encoder share")
+    a2.set(xlabel="repeat rate (%)", ylabel="encoders (% of hosts)", title="best encoder share")
     a1.legend(fontsize=7)
     bl.save_fig(fig, "fleet", out_dir)
 
@@ -1147,12 +1149,7 @@ def main() -> int:
         d["run_environment"] = d.pop("run_environment", None) or d.pop("environment", None)
         d["model"] = model_section(d["runs"])
         d["goals"] = goals(d)
-        print_tables(d)
-        bl.write_json("goodput", d, args.out_dir)
-        if not args.no_plot:
-            plot(d, args.out_dir)
-        write_fleet(args.out_dir, not args.no_plot)
-        return 0
+        return report(d, args)
     bl.setup_env()
     args.passes = args.topologies
     flat = [t for p in args.passes for t in p]
@@ -1179,14 +1176,19 @@ def main() -> int:
     args.refine = args.refine if args.refine is not None else (0 if args.quick else 1)
     args.extend = args.extend if args.extend is not None else (1 if args.quick else 2)
     d = run(args)
+    report(d, args)
+    if d["errors"]:
+        print(f"{len(d['errors'])} errors: {d['errors'][:5]}")
+    return 0 if d["runs"] else 1
+
+
+def report(d: dict[str, Any], args: argparse.Namespace) -> int:
     print_tables(d)
     bl.write_json("goodput", d, args.out_dir)
     if not args.no_plot:
         plot(d, args.out_dir)
     write_fleet(args.out_dir, not args.no_plot)
-    if d["errors"]:
-        print(f"{len(d['errors'])} errors: {d['errors'][:5]}")
-    return 0 if d["runs"] else 1
+    return 0
 
 
 if __name__ == "__main__":

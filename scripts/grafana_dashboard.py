@@ -73,7 +73,9 @@ PANELS: list[dict[str, Any]] = [
     panel("Lookup hit rate", [(
         f"{rate('vllm:ec_s3_lookups_total', match=HIT)} / {rate('vllm:ec_s3_lookups_total')}",
         "hit rate")], unit="percentunit",
-        description="Share of bucket lookups that found a blob (consumers: fetched and validated; producers: present)."),
+        description="Share of items' lookups that decided hit (consumers: fetched and validated; producers: "
+                    "present), one per request and item: hit / (hit + miss + timeout + error). Polls of a promised "
+                    "item that is not there yet are no lookups (vllm:ec_s3_lookup_polls_total)."),
     panel("Encoder work saved", [
         (f"{rate('vllm:ec_s3_blobs_loaded_total')} / ({rate('vllm:ec_s3_blobs_loaded_total')} + "
          f"{rate('vllm:ec_s3_fallbacks_local_total')})", "loaded / (loaded + encoded locally)"),
@@ -82,7 +84,10 @@ PANELS: list[dict[str, Any]] = [
         unit="percentunit", description="Consumers: promised items loaded from S3 instead of encoded, and the "
                                         "share encoded again locally (alert EcS3LocalFallbacksHigh above 10%)."),
     panel("Lookups by outcome", [(rate("vllm:ec_s3_lookups_total", by="outcome"), "{{outcome}}"),
-                                 (rate("vllm:ec_s3_lookups_started_total"), "started")], unit="ops"),
+                                 (rate("vllm:ec_s3_lookup_polls_total", by="outcome"), "bucket answered: {{outcome}}"),
+                                 (rate("vllm:ec_s3_lookups_started_total"), "GETs / HEADs started")], unit="ops",
+          description="What items' lookups decided (one per request and item), and every answer of the bucket to "
+                      "their GETs and HEADs, polls of promised items included."),
     panel("Encoder runs and loads", [(rate("vllm:ec_s3_items_encoded_total"), "items encoded here"),
                                      (rate("vllm:ec_s3_blobs_loaded_total"), "items loaded from S3"),
                                      (rate("vllm:ec_s3_settle_steps_total"), "idle steps for worker counters")],

@@ -18,6 +18,7 @@ from ec_s3.connector.admission import (
     Admission,
     Ask,
     ConsumerAdmission,
+    LATER,
     Decision,
     ProducerAdmission,
     promise_poll_interval,
@@ -66,12 +67,13 @@ def ask(it: Item | None = None, *, promise: Promise | None = None, media: bool =
 
 
 def D(action: Action, *, lookup: bool = False, renew: bool = False, clock: bool = True, uses_item: bool = True,
-      counter: str | None = None) -> Decision:
-    return Decision(action, lookup=lookup, renew=renew, clock=clock, uses_item=uses_item, counter=counter)
+      counter: str | None = None, outcome: str | None = None) -> Decision:
+    return Decision(action, lookup=lookup, renew=renew, clock=clock, uses_item=uses_item, counter=counter,
+                    outcome=outcome)
 
 
 WAIT_LOOKUP = D(A.WAIT, lookup=True)
-HIT = D(A.HIT, clock=False)
+HIT = D(A.HIT, clock=False, outcome="hit")
 
 ROWS: list[tuple[str, Admission, Ask, Decision, str]] = [
     # --- consumer: workers on another host can never be served from staging
@@ -103,30 +105,30 @@ ROWS: list[tuple[str, Admission, Ask, Decision, str]] = [
     ("promised, looking, within promised_wait_s", consumer(), ask(item(S.LOOKING), promise=PROMISE, waited=4.9),
      D(A.WAIT), ""),
     ("promised, looking, promised_wait_s over", consumer(), ask(item(S.LOOKING), promise=PROMISE, waited=5.0),
-     D(A.UNAVAILABLE, counter="promise_timeouts"), "did not arrive within promised_wait_s=5s"),
+     D(A.UNAVAILABLE, counter="promise_timeouts", outcome="timeout"), "did not arrive within promised_wait_s=5s"),
     ("lookup, within lookup_wait_s", consumer(), ask(item(S.LOOKING), waited=1.9), D(A.WAIT), ""),
     ("lookup timed out, media: encoded locally", consumer(), ask(item(S.LOOKING), waited=2.0),
-     D(A.ENCODE_LOCALLY, counter="lookup_timeouts"), ""),
+     D(A.ENCODE_LOCALLY, outcome="timeout"), ""),
     ("lookup timed out, no media", consumer(), ask(item(S.LOOKING), media=False, waited=2.0),
-     D(A.UNAVAILABLE, counter="lookup_timeouts"), "did not finish within lookup_wait_s=2s"),
+     D(A.UNAVAILABLE, outcome="timeout"), "did not finish within lookup_wait_s=2s"),
     ("lookup_wait_s=0: a new lookup times out at once", consumer(lookup_wait_s=0.0), ask(),
-     D(A.ENCODE_LOCALLY, lookup=True, counter="lookup_timeouts"), ""),
+     D(A.ENCODE_LOCALLY, lookup=True, outcome="timeout"), ""),
     ("promised_wait_s=0: a new lookup of a promise times out at once", consumer(promised_wait_s=0.0),
-     ask(promise=PROMISE), D(A.UNAVAILABLE, lookup=True, counter="promise_timeouts"), "promised_wait_s=0s"),
+     ask(promise=PROMISE), D(A.UNAVAILABLE, lookup=True, counter="promise_timeouts", outcome="timeout"), "promised_wait_s=0s"),
     # --- consumer: answers of items nobody promised (negative cache)
-    ("miss, remembered: vLLM encodes", consumer(), ask(item(S.MISSING, checked=4.9)), D(A.PROCEED), ""),
+    ("miss, remembered: vLLM encodes", consumer(), ask(item(S.MISSING, checked=4.9)), D(A.PROCEED, outcome="miss"), ""),
     ("miss, forgotten: looked up again", consumer(), ask(item(S.MISSING, checked=5.0)), WAIT_LOOKUP, ""),
     ("miss, no media", consumer(), ask(item(S.MISSING, checked=1.0), media=False),
-     D(A.UNAVAILABLE), "nobody promised it and the bucket lookup came back missing"),
+     D(A.UNAVAILABLE, outcome="miss"), "nobody promised it and the bucket lookup came back missing"),
     ("failed lookup, nobody promised: vLLM encodes", consumer(), ask(item(S.FAILED, checked=1.0, outage=True)),
-     D(A.PROCEED), ""),
+     D(A.PROCEED, outcome="error"), ""),
     # --- consumer: answers of promised items
     ("promised, invalid blob", consumer(), ask(item(S.INVALID, reason="bad width"), promise=PROMISE, waited=0.01),
-     D(A.UNAVAILABLE), "the stored blob is invalid (bad width)"),
+     D(A.UNAVAILABLE, outcome="error"), "the stored blob is invalid (bad width)"),
     ("promised, invalid, poll due: looked at again", consumer(),
      ask(item(S.INVALID, checked=0.05), promise=PROMISE, waited=0.05), WAIT_LOOKUP, ""),
     ("promised, outage", consumer(), ask(item(S.FAILED, reason="down", outage=True), promise=PROMISE, waited=0.01),
-     D(A.UNAVAILABLE), "the store is unavailable (down)"),
+     D(A.UNAVAILABLE, outcome="error"), "the store is unavailable (down)"),
     ("promised, one failed answer (no outage): wait", consumer(),
      ask(item(S.FAILED, reason="503"), promise=PROMISE, waited=0.01), D(A.WAIT), ""),
     ("promised, missing, poll not due", consumer(), ask(item(S.MISSING, started=0.001), promise=PROMISE, waited=0.05),
@@ -135,10 +137,10 @@ ROWS: list[tuple[str, Admission, Ask, Decision, str]] = [
      WAIT_LOOKUP, ""),
     ("promised, missing, poll not due, promised_wait_s over", consumer(),
      ask(item(S.MISSING, checked=0.1, started=0.2, reason="not found"), promise=PROMISE, waited=5.0),
-     D(A.UNAVAILABLE, counter="promise_timeouts"), "still missing (not found) after promised_wait_s=5s"),
+     D(A.UNAVAILABLE, counter="promise_timeouts", outcome="timeout"), "still missing (not found) after promised_wait_s=5s"),
     ("promised, missing, poll due, promised_wait_s over", consumer(),
      ask(item(S.MISSING, started=1.0), promise=PROMISE, waited=5.0),
-     D(A.UNAVAILABLE, lookup=True, counter="promise_timeouts"), "did not arrive within"),
+     D(A.UNAVAILABLE, lookup=True, counter="promise_timeouts", outcome="timeout"), "did not arrive within"),
     ("no space, backing off", consumer(), ask(item(S.NO_SPACE, checked=0.04), promise=PROMISE, waited=0.1),
      D(A.WAIT), ""),
     ("no space, back-off over", consumer(), ask(item(S.NO_SPACE, checked=0.05), promise=PROMISE, waited=0.1),
@@ -147,30 +149,30 @@ ROWS: list[tuple[str, Admission, Ask, Decision, str]] = [
      ask(item(S.NO_SPACE, checked=0.19, repeats=3), promise=PROMISE, waited=0.5), D(A.WAIT), ""),
     # --- producer (no consumer): the encoder goes first
     ("producer, media, unknown: HEAD in the background, encode now", producer(), ask(),
-     D(A.ENCODE_LOCALLY, lookup=True), ""),
+     D(A.ENCODE_LOCALLY, lookup=True, outcome=LATER), ""),
     ("producer, media, promised: the promise is not waited for", producer(), ask(promise=PROMISE),
-     D(A.ENCODE_LOCALLY, lookup=True), ""),
+     D(A.ENCODE_LOCALLY, lookup=True, outcome=LATER), ""),
     ("producer, unreadable staging does not matter", producer(), ask(workers_read_staging=False),
-     D(A.ENCODE_LOCALLY, lookup=True), ""),
+     D(A.ENCODE_LOCALLY, lookup=True, outcome=LATER), ""),
     ("producer_lookup_wait_s>0: wait for the HEAD", producer(producer_lookup_wait_s=1.0), ask(), WAIT_LOOKUP, ""),
     ("producer_lookup_wait_s>0: HEAD late", producer(producer_lookup_wait_s=1.0), ask(item(S.LOOKING), waited=1.0),
-     D(A.ENCODE_LOCALLY, counter="lookup_timeouts"), ""),
+     D(A.ENCODE_LOCALLY, outcome="timeout"), ""),
     ("producer_lookup_wait_s=0, HEAD still running", producer(), ask(item(S.LOOKING), waited=0.5),
-     D(A.ENCODE_LOCALLY), ""),
+     D(A.ENCODE_LOCALLY, outcome=LATER), ""),
     ("producer, present: hit (the encoder is skipped)", producer(), ask(item(S.PRESENT, checked=299.0)), HIT, ""),
     ("producer, present_ttl_s over: renewed and looked up", producer(), ask(item(S.PRESENT, checked=301.0)),
-     D(A.ENCODE_LOCALLY, lookup=True, renew=True), ""),
+     D(A.ENCODE_LOCALLY, lookup=True, renew=True, outcome=LATER), ""),
     ("producer, present_ttl_s over, no media", producer(), ask(item(S.PRESENT, checked=301.0), media=False),
      D(A.WAIT, lookup=True, renew=True), ""),
-    ("producer, miss remembered", producer(), ask(item(S.MISSING, checked=1.0)), D(A.PROCEED), ""),
+    ("producer, miss remembered", producer(), ask(item(S.MISSING, checked=1.0)), D(A.PROCEED, outcome="miss"), ""),
     ("producer, lookup=promised, media", producer(lookup="promised"), ask(), D(A.PROCEED, clock=False), ""),
     ("producer, staged is no producer hit", producer(), ask(item(S.STAGED), waited=0.0), D(A.PROCEED), ""),
     # --- producer without media: only the bucket can provide it
     ("producer, no media: waits for the lookup", producer(), ask(media=False), WAIT_LOOKUP, ""),
     ("producer, no media, promised, late", producer(), ask(item(S.LOOKING), promise=PROMISE, media=False, waited=5.0),
-     D(A.UNAVAILABLE, counter="promise_timeouts"), "promised_wait_s=5s"),
+     D(A.UNAVAILABLE, counter="promise_timeouts", outcome="timeout"), "promised_wait_s=5s"),
     ("producer, no media, lookup late", producer(), ask(item(S.LOOKING), media=False, waited=2.0),
-     D(A.UNAVAILABLE, counter="lookup_timeouts"), "lookup_wait_s=2s"),
+     D(A.UNAVAILABLE, outcome="timeout"), "lookup_wait_s=2s"),
     ("producer, no media, blob larger than any staging: a producer stages nothing", producer(),
      ask(promise=Promise("k", STAGING * 1024), media=False), WAIT_LOOKUP, ""),
 ]

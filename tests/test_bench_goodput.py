@@ -136,6 +136,69 @@ def test_parse_result_of_a_json_vllm_wrote() -> None:
         gp.parse_result({"duration": 1.0})
 
 
+def test_a_run_with_a_failed_request_is_an_error_naming_its_status_and_body() -> None:
+    """Issue 40 item 7: a run in which any request failed is no goodput figure (its failed
+    requests would count as missing the SLO, or vanish from it): parse_result raises,
+    naming what the server answered (the errors --save-detailed keeps)."""
+    raw = {**json.loads(FIXTURE.read_text()), "completed": 7, "failed": 1,
+           "errors": ["", "HTTP 500: {\"error\": \"EngineDeadError\"}", "", "", "", "", "", ""]}
+    with pytest.raises(gp.FailedRequests, match=r"1 of 8 requests failed.*HTTP 500.*EngineDeadError"):
+        gp.parse_result(raw)
+    argv = gp.bench_serve_argv(base_url="http://127.0.0.1:1", model="/m", dataset=Path("x.jsonl"), rate=1.0, n=8,
+                               slo_ms=400, result_dir=Path("."), result_file="r.json", output_len=8, seed=0)
+    assert "--save-detailed" in argv  # vLLM's result JSON keeps per-request errors only with it
+
+
+def test_a_failed_answer_is_recorded_with_its_status_and_body() -> None:
+    """vLLM's chat request function keeps only a failed answer's reason phrase
+    ("Internal Server Error"); through the bench's session it keeps status and body."""
+    import asyncio
+
+    from aiohttp import web
+    from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS, RequestFuncInput
+
+    async def go() -> str:
+        app = web.Application()
+        async def refuse(_: web.Request) -> web.Response:
+            return web.json_response({"error": "no encoder"}, status=503)
+
+        app.router.add_post("/v1/chat/completions", refuse)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            import aiohttp
+
+            gp.keep_error_bodies()
+            async with aiohttp.ClientSession() as session:
+                out = await ASYNC_REQUEST_FUNCS["openai-chat"](request_func_input=RequestFuncInput(
+                    prompt="hi", api_url=f"http://127.0.0.1:{port}/v1/chat/completions", prompt_len=1,
+                    output_len=1, model="m"), session=session)
+            assert not out.success
+            return out.error
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == 'HTTP 503: {"error": "no encoder"}'
+
+
+def test_the_hot_set_warm_up_sends_one_request_at_a_time() -> None:
+    """Issue 40 item 7: the warm-up sent every hot-set request at once (rate inf) to one
+    encoder, and 22 of 24 items waited past the proxy's 4 s encode timeout (so prefill/
+    decode encoded them and the hot set was never published): one at a time now."""
+    argv = gp.bench_serve_argv(base_url="http://127.0.0.1:1", model="/m", dataset=Path("x.jsonl"), n=6,
+                               result_dir=Path("."), result_file="w.json", **gp.WARM_UP)  # as run_pass sends it
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    assert ns.max_concurrency == 1 and ns.request_rate == math.inf and ns.save_detailed
+
+
 # --------------------------------------------------------------------------- goodput and goals
 def test_slo90_rate_interpolates_and_says_when_censored() -> None:
     assert gp.slo90_rate([(1, 1.0), (2, 0.95), (4, 0.5)]) == {"rate": pytest.approx(2 + 2 * 0.05 / 0.45), "bound": "="}

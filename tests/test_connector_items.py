@@ -57,9 +57,9 @@ def test_every_fetch_result_maps_to_one_state(result: Any, state: ItemState, rea
 
 
 @pytest.mark.parametrize(("result", "counter", "transient"), [
-    (_staged(), "lookups_hit", False),
-    (Present(size=10), "lookups_hit", False),
-    (Missing(), "lookups_miss", False),
+    (_staged(), "polls_hit", False),
+    (Present(size=10), "polls_hit", False),
+    (Missing(), "polls_miss", False),
     (Invalid("bad magic"), None, False),
     (Failed("503", transient=True), "store_errors", True),
     (Failed("403"), "store_errors", False),

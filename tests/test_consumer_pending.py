@@ -161,10 +161,10 @@ def test_a_present_mark_is_loaded_and_one_whose_blob_is_gone_is_encoded_at_once(
         # img-late: looked up (a miss, remembered) by a request nobody marked, then published.
         node.driver.add("r0", ["img-late"], ec_transfer_params={"img-late": {PENDING_MARK: True, "item_indices": [0]}})
         deadline = time.monotonic() + 10
-        while not node.scheduler_connector.counters.get("lookups_miss") and time.monotonic() < deadline:
+        while not node.scheduler_connector.counters.get("polls_miss") and time.monotonic() < deadline:
             node.driver.step()
             time.sleep(0.005)
-        assert node.scheduler_connector.counters.get("lookups_miss") >= 1
+        assert node.scheduler_connector.counters.get("polls_miss") >= 1
         node.driver.abort("r0")
         put_blob(store, keyspace, "img-here", fake_encoder_output("img-here", ROWS))
         put_blob(store, keyspace, "img-late", fake_encoder_output("img-late", ROWS))

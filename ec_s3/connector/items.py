@@ -77,11 +77,11 @@ def classify(result: FetchResult) -> Outcome:
     """The one place a fetch result's class is looked at."""
     match result:
         case Staged():
-            return Outcome(ItemState.STAGED, "lookups_hit", staged=result)
+            return Outcome(ItemState.STAGED, "polls_hit", staged=result)
         case Present():
-            return Outcome(ItemState.PRESENT, "lookups_hit")
-        case Missing():  # one per 404, polls of a promise included
-            return Outcome(ItemState.MISSING, "lookups_miss", "not found")
+            return Outcome(ItemState.PRESENT, "polls_hit")
+        case Missing():  # one per 404, polls of a promise included (a request's outcome is not: lookups_*)
+            return Outcome(ItemState.MISSING, "polls_miss", "not found")
         case Invalid():
             return Outcome(ItemState.INVALID, None, result.reason)
         case Failed():
@@ -132,6 +132,9 @@ class Item:
     outage: bool = False  # the last lookup failed because the store is down
     # Ids of live requests that admitted this item: never evicted while there are any.
     users: set[str] = dataclasses.field(default_factory=set)
+    # Ids of requests that went on without waiting for the running lookup: its answer
+    # is their lookup's outcome (counted when it comes).
+    unawaited: set[str] = dataclasses.field(default_factory=set)
     _last: ItemState | None = dataclasses.field(default=None, repr=False)  # the last lookup's answer
 
     def _move(self, to: ItemState) -> bool:
@@ -285,6 +288,7 @@ class RequestState:
     items: dict[str, Item] = dataclasses.field(default_factory=dict)  # identifier -> item it uses
     # Keys of items marked present that the bucket did not have: reported in the answer.
     gone: set[str] = dataclasses.field(default_factory=set)
+    decided: set[str] = dataclasses.field(default_factory=set)  # identifiers whose lookup outcome is counted
     saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published under its key
 
     def forget(self, identifier: str) -> None:

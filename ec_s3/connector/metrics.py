@@ -52,6 +52,7 @@ __all__ = [
     "GAUGES",
     "HISTOGRAMS",
     "LOOKUP_OUTCOMES",
+    "POLL_OUTCOMES",
     "exported_counter_names",
     "open_stats_reader",
     "open_stats_writer",
@@ -113,8 +114,15 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "(has_pending_push_work; at most 5 s after a step that uploaded or loaded).", "settle_steps"),
     "vllm:ec_s3_promise_timeouts_total": ("Promised items given up: not visible within promised_wait_s, or their producer is down.", "promise_timeouts"),
 }
-# lookups_total{outcome}
-LOOKUP_OUTCOMES: dict[str, str] = {"hit": "lookups_hit", "miss": "lookups_miss", "timeout": "lookup_timeouts"}
+# lookups_total{outcome}: what each request's lookup of an item decided, counted once
+# when it is decided (ec_s3.connector.scheduler); a hit rate is hit / all of them.
+LOOKUP_OUTCOMES: dict[str, str] = {
+    "hit": "lookups_hit", "miss": "lookups_miss", "timeout": "lookup_timeouts", "error": "lookup_errors",
+}
+# lookup_polls_total{outcome}: every answer of the bucket to a lookup's GET or HEAD,
+# each poll of a promised item that is not there yet included (a failed one is a
+# store error).
+POLL_OUTCOMES: dict[str, str] = {"hit": "polls_hit", "miss": "polls_miss"}
 GAUGES: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_inflight_bytes": ("Producer bytes waiting for upload (bounded by max_inflight_bytes).", "inflight_bytes"),
     "vllm:ec_s3_staged_bytes": ("Consumer bytes held in the shared staging area.", "staged_bytes"),
@@ -159,7 +167,8 @@ class ECS3Stats(ECConnectorStats):
         out: dict[str, int | float] = {}
         for label, name in (
             ("uploaded", "blobs_uploaded"), ("downloaded", "blobs_downloaded"), ("loaded", "blobs_loaded"),
-            ("hits", "lookups_hit"), ("misses", "lookups_miss"), ("fallbacks", "fallbacks_local"),
+            ("hits", "lookups_hit"), ("misses", "lookups_miss"), ("timeouts", "lookup_timeouts"),
+            ("fallbacks", "fallbacks_local"),
             ("unavailable", "requests_unavailable"), ("invalid", "invalid_blobs"),
             ("upload_failures", "upload_failed"), ("spooled", "blobs_spooled"),
         ):
@@ -197,16 +206,26 @@ class ECS3PromMetrics(ECConnectorPromMetrics):
             key: per_engine(self._counter_cls(name=name, documentation=doc, labelnames=labelnames))
             for name, (doc, key) in COUNTERS.items()
         }
-        lookups = self._counter_cls(
-            name="vllm:ec_s3_lookups_total",
-            documentation="Item lookups in the bucket by outcome (hit: fetched or present; miss: not there; timeout: "
-                          "not answered within lookup_wait_s).",
-            labelnames=[*labelnames, "outcome"],
+        def by_outcome(name: str, doc: str, outcomes: dict[str, str]) -> dict[str, dict[int, Any]]:
+            family = self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "outcome"])
+            return {
+                key: {idx: family.labels(*values, outcome) for idx, values in per_engine_labelvalues.items()}
+                for outcome, key in outcomes.items()
+            }
+
+        self._lookups = by_outcome(
+            "vllm:ec_s3_lookups_total",
+            "What a request's lookup of an item in the bucket decided, once per request and item (hit: fetched or "
+            "present; miss: not there; timeout: the request's wait, lookup_wait_s or promised_wait_s, ran out first; "
+            "error: a failed lookup, an invalid blob, no room in staging). Polls are lookup_polls_total.",
+            LOOKUP_OUTCOMES,
         )
-        self._lookups = {
-            key: {idx: lookups.labels(*values, outcome) for idx, values in per_engine_labelvalues.items()}
-            for outcome, key in LOOKUP_OUTCOMES.items()
-        }
+        self._lookups.update(by_outcome(
+            "vllm:ec_s3_lookup_polls_total",
+            "Answers of the bucket to lookups' GETs (consumers) and HEADs (producers), each poll of a promised item "
+            "not there yet included (hit: fetched or present; miss: 404).",
+            POLL_OUTCOMES,
+        ))
         self._gauges = {
             key: per_engine(self._gauge_cls(name=name, documentation=doc, labelnames=labelnames,
                                             multiprocess_mode="mostrecent"))
@@ -255,7 +274,7 @@ def scheduler_stats(counters: Counters, workers: SharedStatsReader | None) -> EC
 
 def exported_counter_names() -> set[str]:
     """Every internal counter, gauge and histogram name that reaches Prometheus."""
-    names = {key for _, key in COUNTERS.values()} | set(LOOKUP_OUTCOMES.values())
+    names = {key for _, key in COUNTERS.values()} | set(LOOKUP_OUTCOMES.values()) | set(POLL_OUTCOMES.values())
     return names | {key for _, key in GAUGES.values()} | {key for _, key in HISTOGRAMS.values()}
 
 

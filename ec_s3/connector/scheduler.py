@@ -50,6 +50,7 @@ from ec_s3.blob.format import MISSING_REPORT, PLACEHOLDER_METADATA_KEY
 from ec_s3.blob.placeholder import placeholder_json
 from ec_s3.config import ECS3Config
 from ec_s3.connector.admission import (
+    LATER,
     NO_SPACE_MAX_S,
     POLL_CAP_S,
     Action,
@@ -59,6 +60,7 @@ from ec_s3.connector.admission import (
     ConsumerAdmission,
     Decision,
     ProducerAdmission,
+    answer_outcome,
 )
 from ec_s3.connector.items import (
     PRODUCER_CAPACITY,
@@ -71,7 +73,7 @@ from ec_s3.connector.items import (
     consumer_capacity,
 )
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
-from ec_s3.connector.metrics import ECS3Stats, open_stats_reader, scheduler_stats
+from ec_s3.connector.metrics import LOOKUP_OUTCOMES, ECS3Stats, open_stats_reader, scheduler_stats
 from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_id
 from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.settle import CounterWatch
@@ -219,7 +221,7 @@ class ECS3Scheduler:
         if decision.action is Action.HIT:
             misfit = self._misfit(feature, self._items.peek(key))
             if misfit:
-                decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit)
+                decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit, outcome="error")
         if not decision.uses_item:
             self._unuse(state, identifier)
             self._items.point(identifier, None)
@@ -230,6 +232,7 @@ class ECS3Scheduler:
             assert item is not None
             if self._hold(state, identifier, item):
                 self._stop_waiting(state, identifier, now)
+                self._decided(state, identifier, "hit")
                 return decision
             decision = self._decide(state, feature, key, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
@@ -242,6 +245,12 @@ class ECS3Scheduler:
                 item = self._items.add(key, identifier)
                 self._track(state, identifier, item)
             self._start(item, feature, now)
+        if decision.outcome == LATER:
+            item = self._items.peek(key)
+            if item is not None and item.looking:
+                item.unawaited.add(state.request.request_id)
+            elif item is not None:
+                self._decided(state, identifier, answer_outcome(item.state))
         self._settle(state, identifier, decision, now)
         return decision
 
@@ -297,10 +306,20 @@ class ECS3Scheduler:
         """What the decision leaves behind: its counter, and an item vLLM encodes itself."""
         if decision.counter is not None:
             self._counters.inc(decision.counter)
+        if decision.outcome != LATER:
+            self._decided(state, identifier, decision.outcome)
         if decision.action is Action.ENCODE_LOCALLY:
             self._stop_waiting(state, identifier, now)
             state.local.add(identifier)
             self._unuse(state, identifier)
+
+    def _decided(self, state: RequestState, identifier: str, outcome: str | None) -> None:
+        """Count what the request's lookup of ``identifier`` decided, once per request
+        and item (lookups_total{outcome}); polls are counted apart (polls_*)."""
+        if outcome is None or identifier in state.decided:
+            return
+        state.decided.add(identifier)
+        self._counters.inc(LOOKUP_OUTCOMES[outcome])
 
     def _hold(self, state: RequestState, identifier: str, item: Item) -> bool:
         """Pin ``item``'s staging slot for this request (consumers); False, and the
@@ -383,6 +402,15 @@ class ECS3Scheduler:
             outcome = item.apply(result, now)
             if outcome.counter is not None:
                 self._counters.inc(outcome.counter)
+            if item.unawaited:  # requests that went on without this answer: it is their outcome
+                decided = answer_outcome(outcome.state)
+                for req_id in item.unawaited:
+                    waiter = self._requests.get(req_id)
+                    if waiter is not None:
+                        self._decided(waiter, item.identifier, decided)
+                    elif decided is not None:  # finished meanwhile
+                        self._counters.inc(LOOKUP_OUTCOMES[decided])
+                item.unawaited.clear()
             if outcome.state is ItemState.FAILED:
                 # Outages are logged once by the store's circuit breaker; other
                 # failures (403, bad requests) once per item, then every 50 attempts.
@@ -437,6 +465,7 @@ class ECS3Scheduler:
                 self._items.drop(item)
                 return False
         self._hits[(state.request.request_id, identifier)] = item
+        self._decided(state, identifier, "hit")
         return True
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:

@@ -33,7 +33,7 @@ __all__ = ["Out", "Snapshot", "Windows", "fmt_bytes", "fmt_num", "metric_delta",
 M = "vllm:ec_s3_"
 M_UPLOADED, M_UPLOADED_BYTES = M + "blobs_uploaded_total", M + "bytes_uploaded_total"
 M_DOWNLOADED, M_DOWNLOADED_BYTES = M + "blobs_downloaded_total", M + "bytes_downloaded_total"
-M_LOADED, M_LOOKUPS = M + "blobs_loaded_total", M + "lookups_total"
+M_LOADED, M_LOOKUPS, M_POLLS = M + "blobs_loaded_total", M + "lookups_total", M + "lookup_polls_total"
 M_FALLBACKS, M_UNAVAILABLE = M + "fallbacks_local_total", M + "requests_unavailable_total"
 M_INVALID, M_UPLOAD_FAILURES, M_RETRIES = M + "invalid_blobs_total", M + "upload_failures_total", M + "retries_total"
 M_UPLOAD_S, M_DOWNLOAD_S = M + "upload_seconds", M + "download_seconds"
@@ -50,6 +50,14 @@ def metric_delta(after: MetricSamples, before: MetricSamples, name: str, **label
 
 def fmt_num(v: float | None) -> str:
     return "n/a" if v is None else f"{v:g}"
+
+
+def lookup_hit_rate(hit: float | None, *others: float | None) -> str:
+    """hit / all decided lookups, as the dashboard's panel computes it."""
+    if hit is None:
+        return "hit rate n/a"
+    total = hit + sum(o or 0.0 for o in others)
+    return f"hit rate {hit / total:.0%}" if total else "hit rate n/a"
 
 
 def fmt_bytes(v: float | None) -> str:
@@ -89,7 +97,7 @@ def settle_answered(scrape: Callable[[], Snapshot], start: Snapshot, n: int, wai
         time.sleep(every_s)
 
 
-_COUNTER_NAMES = frozenset({M_UPLOADED, M_DOWNLOADED, M_LOADED, M_LOOKUPS, M_FALLBACKS, M_UNAVAILABLE, M_INVALID,
+_COUNTER_NAMES = frozenset({M_UPLOADED, M_DOWNLOADED, M_LOADED, M_LOOKUPS, M_POLLS, M_FALLBACKS, M_UNAVAILABLE, M_INVALID,
                             M_UPLOAD_S + "_count", M_DOWNLOAD_S + "_count"})
 
 
@@ -288,9 +296,11 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
     else:
         out("  encoder     : uploads n/a (why: see upload above)")
     loaded, downloaded = dc(M_LOADED), dc(M_DOWNLOADED)
-    hit, miss, tmo = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout"))
-    out(f"  prefill/dec : lookups hit {fmt_num(hit)} / miss {fmt_num(miss)} (polls while waiting included)"
-        f" / timeout {fmt_num(tmo)}; downloaded {fmt_num(downloaded)} blobs / "
+    hit, miss, tmo, err = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout", "error"))
+    polled = dc(M_POLLS, outcome="miss")
+    out(f"  prefill/dec : lookups hit {fmt_num(hit)} / miss {fmt_num(miss)} / timeout {fmt_num(tmo)}"
+        f" / error {fmt_num(err)} ({lookup_hit_rate(hit, miss, tmo, err)}; one per image a request asked for,"
+        f" besides {fmt_num(polled)} polls that found nothing yet); downloaded {fmt_num(downloaded)} blobs / "
         f"{fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
     if loaded is not None and downloaded and not c.get(M_LOADED):
         loaded_text = (f"loaded n/a: the consumer's {M_LOADED} stayed 0 for the whole run while it downloaded "
