@@ -2,7 +2,8 @@
 
 Owns the config a command runs with (``--config`` JSON, the flags, ``--set``, then the
 environment, exactly as the connector resolves it, so ``ec-s3 check`` proves what the
-connector will use), the parsing and formatting of sizes and durations, the
+connector will use), the parsing of durations and the formatting of sizes and durations
+(sizes are parsed as config keys are: :func:`ec_s3.config_values.parse_size`), the
 progress-callback type and the failure fields reports share. Does not own any S3
 request (the command modules do), nor printing (:mod:`ec_s3.cli.console`).
 """
@@ -20,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ec_s3.config import ConfigError, ECS3Config
+from ec_s3.config_values import parse_size  # the size syntax of every *_bytes key
 from ec_s3.store.client import S3Store
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
@@ -97,27 +99,6 @@ def parse_duration(text: str) -> float:
         while pos < len(s) and s[pos] == " ":
             pos += 1
     return total
-
-
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"500MiB"``, ``"10GB"``, ``"2G"``, ``"1048576"``: SI units are powers of 1000, ``*iB`` of 1024.
-
-    A bare letter (``"2G"``) means the binary unit, as ``ls -h`` and ``df -h`` print it.
-    """
-    m = _SIZE_RE.match(str(text))
-    if m is None:
-        raise ValueError(f"bad size {text!r}: use e.g. 500MiB, 10GB, 2G or a byte count")
-    number, unit, binary, b = m.group(1), m.group(2).lower(), m.group(3), m.group(4)
-    if not unit:
-        if binary:
-            raise ValueError(f"bad size {text!r}")
-        return int(float(number))
-    power = "kmgtp".index(unit) + 1
-    base = 1024 if (binary or not b) else 1000
-    return int(float(number) * base**power)
 
 
 def format_bytes(n: float) -> str:
