@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -145,6 +146,7 @@ def extra_config_from_json(value: str, *, read_file: Callable[[str], str] | None
         data = data["ec_transfer_config"]
         if isinstance(data, str):
             data = json.loads(data)
+    _check_ec_role(data.get("ec_role"))
     if "ec_connector_extra_config" in data or any(
         k in data for k in ("ec_connector", "ec_role", "ec_connector_module_path", "engine_id")
     ):
@@ -158,6 +160,20 @@ def extra_config_from_json(value: str, *, read_file: Callable[[str], str] | None
             raise ConfigError("ec_connector_extra_config must be a JSON object")
         return dict(extra)
     return dict(data)
+
+
+#: vLLM's ``ECTransferConfig.ec_role`` values (``ECRole`` in vllm/config/ec_transfer.py, 0.32-0.34).
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+
+
+def _check_ec_role(role: Any) -> None:
+    """vLLM refuses any other ``ec_role`` at start-up: say so here, with the closest role."""
+    if role is None or role in EC_ROLES:
+        return
+    close = difflib.get_close_matches(str(role), EC_ROLES, n=1, cutoff=0.6)
+    raise ConfigError(f"ec_role={role!r} is not one of vLLM's EC roles"
+                      + (f" (did you mean {close[0]!r}?)" if close else "")
+                      + f"; use {', '.join(EC_ROLES)}")
 
 
 def _read_text(path: str) -> str:
