@@ -10,7 +10,9 @@ from an invalid one.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -19,7 +21,31 @@ from ec_s3.cli import common
 from ec_s3.config import ConfigError
 from ec_s3.sandbox.net import free_port
 from ec_s3.store.client import S3Store
-from test_cli import PREFIX, Run, _put_blobs, env, run_cli  # noqa: F401
+from support.tls import HTTPSEndpoint
+from test_cli import PREFIX, ReadOnlyS3, Run, _clean_env, _put_blobs, env, readonly_s3, run_cli  # noqa: F401
+
+# What Go's net/http (MinIO, SeaweedFS) answers any plain-HTTP request on a TLS port,
+# before closing the connection.
+_GO_TLS_PORT_ANSWER = b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+
+
+@pytest.fixture
+def tls_port() -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a port that answers like Go's TLS listener does to plain HTTP."""
+
+    class Answer(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            self.rfile.readline()
+            self.wfile.write(_GO_TLS_PORT_ANSWER)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Answer)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # ---------------------------------------------------------------------- ec_role
@@ -38,6 +64,40 @@ def test_misspelt_ec_role_fails_with_a_suggestion(run_cli: Run, env: dict[str, s
         assert role in out
     with pytest.raises(ConfigError, match="ec_role"):
         common.extra_config_from_json(json.dumps({"ec_role": "producer"}))
+
+
+# ---------------------------------------------------------------------- TLS
+def test_tls_row_is_not_ok_when_the_handshake_failed(run_cli: Run, env: dict[str, str],
+                                                     https_endpoint: HTTPSEndpoint) -> None:
+    """A certificate no CA here trusts: the handshake fails, so neither the `tls:` line
+    nor the capability table may say the connection was verified."""
+    rc, out, _ = run_cli("check", "--endpoint-url", https_endpoint.url, "--set", "max_attempts=1")
+    assert rc == 1 and "FAIL: TLS handshake" in out
+    tls_lines = [line for line in out.splitlines() if line.strip().startswith(("tls:", "TLS "))]
+    assert tls_lines, out
+    for line in tls_lines:
+        assert " ok " not in f"{line} " and "verified with" not in line, line
+    assert any("handshake failed" in line for line in tls_lines), tls_lines
+
+
+def test_plain_http_to_a_tls_port_shows_the_servers_words(run_cli: Run, env: dict[str, str], tls_port: str) -> None:
+    rc, out, _ = run_cli("check", "--endpoint-url", tls_port, "--set", "max_attempts=1")
+    assert rc == 1
+    assert "Client sent an HTTP request to an HTTPS server" in out
+    assert "see the S3 error code above" not in out
+    assert "https://127.0.0.1:" in out.split("fix:", 1)[1]
+
+
+# ---------------------------------------------------------------------- permissions
+def test_gc_with_read_only_credentials_names_delete_object(run_cli: Run, readonly_s3: ReadOnlyS3,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """SeaweedFS answers DeleteObjects 200 with a per-key AccessDenied in its body."""
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", readonly_s3.reader.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", readonly_s3.reader.secret_access_key)
+    rc, out, _ = run_cli("gc", "--older-than", "0s", "--bucket", readonly_s3.bucket, "--endpoint-url", readonly_s3.url)
+    assert rc == 1
+    assert "s3:DeleteObject" in out and "see the S3 error code above" not in out
 
 
 # ---------------------------------------------------------------------- stats
