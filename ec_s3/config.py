@@ -16,12 +16,14 @@ contents, trailing newline stripped). A literal secret still works, with a warni
 from __future__ import annotations
 
 import dataclasses
-import math
+import difflib
 import os
 import re
-import types
-from collections.abc import Mapping
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+import textwrap
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, get_type_hints
+
+from ec_s3.config_values import SECRET_KEYS, ConfigError, Secret, coerce, resolve_secret
 
 __all__ = ["ConfigError", "ECS3Config", "Secret", "config_keys"]
 
@@ -40,33 +42,6 @@ AddressingStyle = Literal["auto", "path", "virtual"]
 ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
 StartupCheck = Literal["fatal", "warn", "off"]
 DataPath = Literal["direct", "botocore"]
-
-
-class ConfigError(ValueError):
-    """A configuration key is missing, unknown or has a bad value."""
-
-
-class Secret:
-    """A credential that never shows itself in a repr, str or f-string."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str) -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __repr__(self) -> str:
-        return "Secret('**********')"
-
-    __str__ = __repr__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -358,19 +333,16 @@ class ECS3Config:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(k for k in raw if k not in fields and k not in _FOREIGN_KEYS)
         if unknown:
-            raise ConfigError(
-                f"unknown ec_connector_extra_config key(s) {unknown}; accepted keys: "
-                f"{', '.join(sorted(fields))}"
-            )
+            raise ConfigError(_unknown_keys(unknown, fields))
         for env_key, name in (("EC_S3_BUCKET", "bucket"), ("EC_S3_ENDPOINT_URL", "endpoint_url")):
             if name not in raw and environ.get(env_key):
                 raw[name] = environ[env_key]
-        for name in _SECRET_KEYS:
+        for name in SECRET_KEYS:
             if isinstance(raw.get(name), str):
-                raw[name] = _resolve_secret(name, raw[name], environ)
+                raw[name] = resolve_secret(name, raw[name], environ)
         # Resolved, not compared as strings: ``float | None`` is ``Optional[float]``.
         hints = get_type_hints(cls)
-        values = {name: _coerce(fields[name], value, hints[name]) for name, value in raw.items() if name in fields}
+        values = {name: coerce(fields[name], value, hints[name]) for name, value in raw.items() if name in fields}
         config = cls(**values)
         config.validate()
         return config
@@ -453,6 +425,19 @@ class ECS3Config:
 _FOREIGN_KEYS = frozenset({"shared_storage_path", "ec_enable_nixl", "consumer_ack_timeout_s"})
 
 
+def _unknown_keys(unknown: list[str], accepted: Iterable[str]) -> str:
+    """The error of misspelt keys: each named, with the closest accepted key, then every
+    accepted key wrapped to lines an operator can read."""
+    accepted = sorted(accepted)
+    named = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+        named.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    listing = textwrap.fill(", ".join(accepted), width=88, initial_indent="  ", subsequent_indent="  ",
+                            break_on_hyphens=False)
+    return f"unknown ec_connector_extra_config key {', '.join(named)}; accepted keys:\n{listing}"
+
+
 def _check_key_path(name: str, value: str) -> None:
     """Outer slashes are already stripped; what is left must be plain segments, because
     an empty, '.' or '..' segment in the middle means a different key to each S3 server
@@ -463,123 +448,6 @@ def _check_key_path(name: str, value: str) -> None:
             f"{name}={value!r} must be '/'-separated segments of A-Z a-z 0-9 . _ - "
             "(no empty, '.' or '..' segments), e.g. 'ec-cache' or 'team-a/ec-cache/'"
         )
-
-
-_SECRET_KEYS = ("access_key_id", "secret_access_key", "session_token")
-# Literal values of these are secrets worth a warning; an access key id alone is not.
-_WARN_LITERAL = frozenset({"secret_access_key", "session_token"})
-_warned_literal: set[str] = set()
-
-
-def _resolve_secret(name: str, value: str, environ: Mapping[str, str]) -> str:
-    """Resolve an ``env:NAME`` / ``file:/path`` reference; warn once about a literal."""
-    if value.startswith("env:"):
-        var = value[4:]
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", var):
-            raise ConfigError(f"{name}: 'env:{var}' is not an environment variable name")
-        resolved = environ.get(var)
-        if not resolved:
-            raise ConfigError(f"{name}=env:{var} but ${var} is not set (or empty) in the engine's environment")
-        return resolved
-    if value.startswith("file:"):
-        path = value[5:]
-        try:
-            with open(path, encoding="utf-8") as f:
-                resolved = f.read().strip()
-        except OSError as exc:
-            raise ConfigError(f"{name}=file:{path} cannot be read ({exc.strerror}); check the path and its permissions") from None
-        if not resolved:
-            raise ConfigError(f"{name}=file:{path} is empty")
-        return resolved
-    if name in _WARN_LITERAL and name not in _warned_literal:
-        _warned_literal.add(name)
-        from ec_s3.log import logger
-
-        logger.warning(
-            "ec-s3: %s was given literally in ec_connector_extra_config: it is visible in the engine's "
-            "command line (/proc/<pid>/cmdline) and vLLM logs it with its non-default args; pass "
-            "\"%s\": \"env:NAME\" or \"file:/path\" instead, or use the AWS credential chain "
-            "(AWS_SECRET_ACCESS_KEY, a profile or an instance role)", name, name,
-        )
-    return value
-
-
-def _coerce(f: dataclasses.Field[Any], value: Any, hint: Any) -> Any:
-    """Turn a JSON or CLI value into the field's type (``hint``, resolved), or fail
-    naming the key."""
-    name = f.name
-    if value is None:
-        if f.default is None:
-            return None
-        raise ConfigError(f"{name} may not be null")
-    kind = _without_none(hint)
-    try:
-        if f.metadata.get("secret"):
-            if isinstance(value, Secret):
-                return value
-            if not isinstance(value, str) or not value:
-                raise TypeError("a non-empty string")
-            return Secret(value)
-        parse = _PARSERS.get(kind)
-        if parse is not None:
-            return parse(value)
-        if get_origin(kind) is Literal:
-            if value not in get_args(kind):
-                raise TypeError("one of " + ", ".join(repr(c) for c in get_args(kind)))
-            return value
-    except (TypeError, ValueError) as exc:
-        shown = "<hidden>" if f.metadata.get("secret") else repr(value)
-        expected = exc.args[0] if isinstance(exc, TypeError) and exc.args else getattr(kind, "__name__", kind)
-        raise ConfigError(f"{name}={shown} is invalid: expected {expected}") from None
-    raise AssertionError(f"unhandled config type {hint} for {name}")  # pragma: no cover
-
-
-def _without_none(hint: Any) -> Any:
-    """``X`` for ``X | None`` (and ``Optional[X]``); any other hint as it is."""
-    if get_origin(hint) in (Union, types.UnionType):
-        args = [a for a in get_args(hint) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return hint
-
-
-def _parse_int(value: Any) -> int:
-    if isinstance(value, bool):
-        raise TypeError("an integer")
-    if isinstance(value, float):
-        if not value.is_integer():
-            raise TypeError("an integer")
-        return int(value)
-    return int(str(value).strip().replace("_", ""))
-
-
-def _parse_float(value: Any) -> float:
-    if isinstance(value, bool):
-        raise TypeError("a number")
-    number = float(value)
-    if not math.isfinite(number):
-        raise TypeError("a finite number")
-    return number
-
-
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise TypeError("a boolean (true/false)")
-
-
-def _parse_str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError("a string")
-    return value
-
-
-_PARSERS: dict[Any, Any] = {int: _parse_int, float: _parse_float, bool: _parse_bool, str: _parse_str}
 
 
 def config_keys() -> list[tuple[str, str, str]]:

@@ -639,7 +639,7 @@ def test_inspect_valid_blob(run_cli: Run, env: dict[str, str], make_store: Calla
     rc, out, _ = run_cli("inspect", f"s3://{env['EC_S3_BUCKET']}/{key}")
     assert rc == 0
     rc, out, _ = run_cli("inspect", "never-stored.png")
-    assert rc == 1 and "no blob for identifier" in out
+    assert rc == 3 and "no blob for identifier" in out
 
 
 def test_inspect_reports_corrupt_blobs(run_cli: Run, env: dict[str, str], make_store: Callable[..., S3Store]) -> None:
@@ -662,7 +662,7 @@ def test_inspect_reports_corrupt_blobs(run_cli: Run, env: dict[str, str], make_s
     rc, out, _ = run_cli("inspect", moved)
     assert rc == 1 and "does not match the key" in out
     rc, out, _ = run_cli("inspect", f"{PREFIX}/llava-aaaa/{'0' * 64}.safetensors")
-    assert rc == 1 and "no such key" in out
+    assert rc == 3 and "MISSING" in out
 
 
 # ---------------------------------------------------------------------- bench

@@ -47,7 +47,7 @@ def test_bad_values_name_the_key(extra: dict[str, object], named: str) -> None:
 
 
 def test_unknown_key_lists_accepted_keys() -> None:
-    with pytest.raises(ConfigError, match="accepted keys: .*max_inflight_bytes"):
+    with pytest.raises(ConfigError, match=r"(?s)accepted keys:.*max_inflight_bytes"):
         ECS3Config.from_extra_config({**BASE, "typo": 1})
 
 
@@ -114,9 +114,9 @@ def test_bad_credential_reference_names_the_key(ref: str) -> None:
 
 
 def test_literal_secret_warns_without_showing_it(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ec_s3.config as config_module
+    import ec_s3.config_values as config_values
 
-    monkeypatch.setattr(config_module, "_warned_literal", set())
+    monkeypatch.setattr(config_values, "_warned_literal", set())
     with caplog.at_level(logging.WARNING, logger="vllm.ec_s3"):
         ECS3Config.from_extra_config({**BASE, "access_key_id": "AK", "secret_access_key": "hunter2-literal"}, environ={})
     warnings = [r.getMessage() for r in caplog.records if "literally" in r.getMessage()]
@@ -141,3 +141,25 @@ def test_a_key_typed_float_or_none_is_parsed_by_its_resolved_type() -> None:
         Extended.from_extra_config({**BASE, "grace_s": "soon"}, environ={})
     with pytest.raises(ConfigError, match="grace_s"):
         Extended.from_extra_config({**BASE, "grace_s": -1}, environ={})
+
+
+def test_misspelt_key_suggests_the_right_one_and_lists_keys_readably() -> None:
+    with pytest.raises(ConfigError) as err:
+        ECS3Config.from_extra_config({**BASE, "staging_byte": 1 << 20}, environ={})
+    message = str(err.value)
+    assert "'staging_byte'" in message and "did you mean 'staging_bytes'" in message
+    assert max(len(line) for line in message.splitlines()) <= 100, message
+    assert "max_inflight_bytes" in message
+
+
+@pytest.mark.parametrize(("written", "value"), [("1MiB", 1 << 20), ("2G", 2 << 30), ("500MB", 500 * 1000**2),
+                                                 ("4194304", 4 << 20), (8 << 20, 8 << 20)])
+def test_size_keys_take_units(written: object, value: int) -> None:
+    cfg = ECS3Config.from_extra_config({**BASE, "staging_bytes": written, "spool_max_bytes": written,
+                                        "max_inflight_bytes": written}, environ={})
+    assert cfg.staging_bytes == cfg.spool_max_bytes == cfg.max_inflight_bytes == value
+
+
+def test_a_bad_size_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"staging_bytes='lots' is invalid: .*500MiB"):
+        ECS3Config.from_extra_config({**BASE, "staging_bytes": "lots"}, environ={})

@@ -255,7 +255,7 @@ def test_check_prints_region_and_ca_with_their_sources(
     assert cli.main(["check"]) == 0
     out = capsys.readouterr().out
     assert "region: eu-central-1 (from AWS_DEFAULT_REGION)" in out
-    assert f"tls: verified with {https_endpoint.ca_path} (from AWS_CA_BUNDLE)" in out
+    assert f"tls: certificate checked against {https_endpoint.ca_path} (from AWS_CA_BUNDLE)" in out
     assert cli.main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["region"] == "eu-central-1" and report["region_source"] == "AWS_DEFAULT_REGION"

@@ -17,7 +17,7 @@ from typing import Any
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import add_command, format_bytes, format_duration, opened_store
-from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fail, json_out, out
+from ec_s3.cli.console import EXIT_FAIL, EXIT_MISSING, EXIT_OK, fail, json_out, out
 from ec_s3.cli.listing import list_namespaces_async, namespace_of
 from ec_s3.store.client import IntegrityError, S3Store
 from ec_s3.store.diagnose import Diagnosis, diagnose
@@ -166,14 +166,29 @@ def run(args: argparse.Namespace) -> int:
             if not keys:
                 return _no_blob(args, identifier, looked, config.namespace, config.prefix)
         reports = [inspect_blob(store, key, identifier=identifier) for key in keys]
-        ok = all(r.valid for r in reports)
+        status = _status(reports)
         if args.json:
             data = [r.to_dict() for r in reports]
+            ok = status == EXIT_OK
             json_out({"ok": ok, "blobs": data} if len(data) != 1 else {"ok": ok, **data[0]})
-            return EXIT_OK if ok else EXIT_FAIL
+            return status
         for r in reports:
             _print_report(r)
-        return EXIT_OK if ok else EXIT_FAIL
+        return status
+
+
+def _status(reports: list[InspectReport]) -> int:
+    """0 when every blob is valid; 3 when the only trouble is a blob that is not there
+    (a miss, which the connector expects); 1 for an invalid or unreadable one."""
+    if all(r.valid for r in reports):
+        return EXIT_OK
+    if all(r.valid or _missing(r) for r in reports):
+        return EXIT_MISSING
+    return EXIT_FAIL
+
+
+def _missing(r: InspectReport) -> bool:
+    return not r.exists and r.diagnosis is None
 
 
 def _no_blob(args: argparse.Namespace, identifier: str, looked: list[str], namespace: str | None,
@@ -181,21 +196,23 @@ def _no_blob(args: argparse.Namespace, identifier: str, looked: list[str], names
     where = f"namespace {namespace!r}" if namespace else f"any of the {len(looked)} namespace(s) under {prefix}/"
     msg = f"no blob for identifier {identifier!r} in {where}"
     if args.json:
-        json_out({"ok": False, "identifier": identifier, "looked_at": looked, "error": msg})
+        json_out({"ok": False, "exists": False, "identifier": identifier, "looked_at": looked, "error": msg})
     else:
-        out(f"INVALID: {msg}")
+        out(f"MISSING: {msg}")
         for key in looked[:10]:
             out(f"  looked at {key}")
         out("  fix: pass the full key, the right --namespace, or --cache-salt for a salted request")
-    return EXIT_FAIL
+    return EXIT_MISSING
 
 
 def _print_report(r: InspectReport) -> None:
     out(f"key        {r.key}")
+    if not r.exists and r.diagnosis is not None:  # not read: the store failed
+        out(f"FAIL: {r.diagnosis.cause}")
+        out(f"  fix: {r.diagnosis.fix}")
+        return
     if not r.exists:
-        out(f"INVALID: {'; '.join(r.problems) or 'not found'}")
-        if r.diagnosis is not None:
-            out(f"  fix: {r.diagnosis.fix}")
+        out("MISSING: no object at this key (not found; a consumer takes it as a miss)")
         return
     age = time.time() - r.last_modified if r.last_modified else None
     out(f"size       {r.size} bytes ({format_bytes(r.size or 0)})"
@@ -232,7 +249,8 @@ def register(sub: Any) -> None:
                     "metadata consistent with its key). TARGET is a full key under the prefix (or "
                     "s3://bucket/key), or an item identifier (mm_hash / multi_modal_uuid) whose key is "
                     "computed in --namespace, or looked up in every namespace under the prefix. "
-                    "Exit status 1 if the blob is missing or invalid.",
+                    "Exit status 0 if valid, 3 if missing (not found: MISSING), 1 if invalid (INVALID) "
+                    "or unreadable (FAIL).",
         namespace_help="namespace for an identifier (default: look in every namespace)",
     )
     p.add_argument("target", metavar="KEY|IDENTIFIER")

@@ -6,7 +6,9 @@ printing. Does not own the lifecycle-rule variant of gc (:mod:`ec_s3.cli.lifecyc
 the gc of incomplete multipart uploads (:mod:`ec_s3.cli.uploads`),
 the listing walk (:mod:`ec_s3.cli.listing`) nor retries (the store's).
 
-Ages are since an object was written: S3 keeps no access time.
+Ages are since an object was written: S3 keeps no access time. The probe objects of
+start-up checks, ``ec-s3 check`` and ``ec-s3 bench`` (``<prefix>/_ec_s3_probe/``) are
+not a namespace: stats leaves them out.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ec_s3.blob.format import BLOB_NAME_RE
+from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli import lifecycle, uploads
 from ec_s3.cli.common import (
     CONFIG_HELP,
@@ -97,12 +100,15 @@ class NamespaceStats:
 
 
 def summarize(objects: Iterable[ObjectInfo], prefix: str, *, now: float | None = None) -> dict[str, NamespaceStats]:
-    """Per-namespace counts, bytes and age classes of ``objects`` (pure; sorted by namespace)."""
+    """Per-namespace counts, bytes and age classes of ``objects`` (pure; sorted by
+    namespace), without the probe objects."""
     now = time.time() if now is None else now
     root = key_root(prefix)
     stats: dict[str, NamespaceStats] = {}
     for info in objects:
         ns = namespace_of(prefix, info.key)
+        if ns == PROBE_NAMESPACE:
+            continue
         rest = info.key[len(root) + len(ns) + 1:] if ns else ""
         entry = stats.setdefault(ns, NamespaceStats(ns))
         entry.add(info, max(0.0, now - info.last_modified), blob=BLOB_NAME_RE.fullmatch(rest) is not None)

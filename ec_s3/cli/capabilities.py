@@ -42,7 +42,7 @@ from ec_s3.store.error_map import to_store_error
 
 __all__ = ["Capability", "print_table", "probe_capabilities", "static_rows"]
 
-OK, MISSING, UNKNOWN, SKIPPED, INFO = "ok", "missing", "unknown", "skipped", "info"
+OK, MISSING, UNKNOWN, SKIPPED, INFO, FAILED = "ok", "missing", "unknown", "skipped", "info", "failed"
 _SKEW_WARN_S = 300.0  # SigV4 refuses requests beyond 15 min: warn well before
 _WRONG_CRC32 = "AAAAAA=="  # the CRC32 of no body the probe sends
 
@@ -50,7 +50,7 @@ _WRONG_CRC32 = "AAAAAA=="  # the CRC32 of no body the probe sends
 @dataclasses.dataclass
 class Capability:
     name: str
-    status: str  # ok | missing | unknown | skipped | info
+    status: str  # ok | missing | unknown | skipped | info | failed
     detail: str  # what the endpoint did
     action: str = ""  # what ec-s3 does about it (where not ok)
 
@@ -91,8 +91,9 @@ def _skew_row(answer: _Answer | None, received: float) -> Capability:
                       "15 min; sync this host's clock (NTP) before the connector starts")
 
 
-def static_rows(config: ECS3Config, settings: EndpointSettings) -> list[Capability]:
-    """TLS and region, as the store resolves them (:func:`ec_s3.store.connection.resolve_endpoint`)."""
+def static_rows(config: ECS3Config, settings: EndpointSettings, *, handshake_failed: bool = False) -> list[Capability]:
+    """TLS and region, as the store resolves them (:func:`ec_s3.store.connection.resolve_endpoint`);
+    with ``handshake_failed`` the TLS row says so rather than ok."""
     region = Capability("region", INFO, f"{settings.region} (from {settings.region_source})")
     if (config.endpoint_url or "https://").lower().startswith("http://"):
         return [Capability("TLS", MISSING, f"plain http ({config.endpoint_url})",
@@ -102,6 +103,9 @@ def static_rows(config: ECS3Config, settings: EndpointSettings) -> list[Capabili
         return [Capability("TLS", MISSING, "https, certificate and host name not verified (verify_tls: false)",
                            "anyone on the path can impersonate the server; trust its CA instead "
                            "(ca_bundle or AWS_CA_BUNDLE)"), region]
+    if handshake_failed:
+        return [Capability("TLS", FAILED, f"https, the handshake failed (see FAIL below); the certificate was "
+                           f"checked against {settings.ca_file} (from {settings.ca_source})"), region]
     return [Capability("TLS", OK, f"https, verified with {settings.ca_file} (from {settings.ca_source})"), region]
 
 

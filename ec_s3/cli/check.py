@@ -90,7 +90,8 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
         report.capabilities = await probe_capabilities(store, read_only=read_only, settings=settings,
                                                        existing_key=existing[0] if existing else None)
     else:
-        report.capabilities = static_rows(store.config, settings)
+        failed = report.diagnosis is not None and report.diagnosis.kind == "tls"
+        report.capabilities = static_rows(store.config, settings, handshake_failed=failed)
     return report
 
 

@@ -2,7 +2,8 @@
 
 Owns the config a command runs with (``--config`` JSON, the flags, ``--set``, then the
 environment, exactly as the connector resolves it, so ``ec-s3 check`` proves what the
-connector will use), the parsing and formatting of sizes and durations, the
+connector will use), the parsing of durations and the formatting of sizes and durations
+(sizes are parsed as config keys are: :func:`ec_s3.config_values.parse_size`), the
 progress-callback type and the failure fields reports share. Does not own any S3
 request (the command modules do), nor printing (:mod:`ec_s3.cli.console`).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ec_s3.config import ConfigError, ECS3Config
+from ec_s3.config_values import parse_size  # the size syntax of every *_bytes key
 from ec_s3.store.client import S3Store
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
@@ -99,27 +102,6 @@ def parse_duration(text: str) -> float:
     return total
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``"500MiB"``, ``"10GB"``, ``"2G"``, ``"1048576"``: SI units are powers of 1000, ``*iB`` of 1024.
-
-    A bare letter (``"2G"``) means the binary unit, as ``ls -h`` and ``df -h`` print it.
-    """
-    m = _SIZE_RE.match(str(text))
-    if m is None:
-        raise ValueError(f"bad size {text!r}: use e.g. 500MiB, 10GB, 2G or a byte count")
-    number, unit, binary, b = m.group(1), m.group(2).lower(), m.group(3), m.group(4)
-    if not unit:
-        if binary:
-            raise ValueError(f"bad size {text!r}")
-        return int(float(number))
-    power = "kmgtp".index(unit) + 1
-    base = 1024 if (binary or not b) else 1000
-    return int(float(number) * base**power)
-
-
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -164,6 +146,7 @@ def extra_config_from_json(value: str, *, read_file: Callable[[str], str] | None
         data = data["ec_transfer_config"]
         if isinstance(data, str):
             data = json.loads(data)
+    _check_ec_role(data.get("ec_role"))
     if "ec_connector_extra_config" in data or any(
         k in data for k in ("ec_connector", "ec_role", "ec_connector_module_path", "engine_id")
     ):
@@ -177,6 +160,20 @@ def extra_config_from_json(value: str, *, read_file: Callable[[str], str] | None
             raise ConfigError("ec_connector_extra_config must be a JSON object")
         return dict(extra)
     return dict(data)
+
+
+#: vLLM's ``ECTransferConfig.ec_role`` values (``ECRole`` in vllm/config/ec_transfer.py, 0.32-0.34).
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
+
+
+def _check_ec_role(role: Any) -> None:
+    """vLLM refuses any other ``ec_role`` at start-up: say so here, with the closest role."""
+    if role is None or role in EC_ROLES:
+        return
+    close = difflib.get_close_matches(str(role), EC_ROLES, n=1, cutoff=0.6)
+    raise ConfigError(f"ec_role={role!r} is not one of vLLM's EC roles"
+                      + (f" (did you mean {close[0]!r}?)" if close else "")
+                      + f"; use {', '.join(EC_ROLES)}")
 
 
 def _read_text(path: str) -> str:

@@ -20,6 +20,7 @@ from ec_s3.store.diagnose import Diagnosis
 
 __all__ = [
     "EXIT_FAIL",
+    "EXIT_MISSING",
     "EXIT_OK",
     "EXIT_USAGE",
     "ProgressBar",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+EXIT_MISSING = 3  # ec-s3 inspect: no such blob (not found is not invalid)
 
 
 def out(text: str = "") -> None:

@@ -60,7 +60,7 @@ from ec_s3.store.errors import (
 )
 from ec_s3.store.diagnose import credential_source
 from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
-from ec_s3.store.error_map import to_store_error
+from ec_s3.store.error_map import from_delete_error, to_store_error
 from ec_s3.store.multipart import put_multipart
 from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
 from ec_s3.store.permits import Lease, RequestPermits
@@ -489,7 +489,7 @@ class S3Store:
                 resp = await t.client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
                 errors = resp.get("Errors") or []
                 if errors:
-                    raise StoreRequestError("DeleteObjects", errors[0].get("Key", ""), errors[0].get("Message", ""))
+                    raise from_delete_error(errors[0])
                 return len(batch)
 
             deleted += await self._call("DeleteObjects", batch[0]["Key"], _delete)
@@ -561,3 +561,4 @@ class S3Store:
         if self._exit_stack is not None:
             await self._exit_stack.aclose()
             self._transport = None
+

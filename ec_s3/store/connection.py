@@ -71,7 +71,8 @@ class EndpointSettings:
             return "not used (http endpoint)"
         if not self.trust.verify:
             return "encrypted, certificate and host name not verified (verify_tls: false)"
-        return f"verified with {self.trust.ca_file} (from {self.trust.source})"
+        # Said before any request: what the certificate will be checked against, not that it passed.
+        return f"certificate checked against {self.trust.ca_file} (from {self.trust.source})"
 
 
 def resolve_endpoint(config: ECS3Config) -> EndpointSettings:

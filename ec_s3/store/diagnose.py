@@ -3,7 +3,8 @@
 Used by the connector's start-up checks (:mod:`ec_s3.connector.preflight`) and by
 ``ec-s3 check`` so both word a failure the same way. Owns the wording only, read off
 the error's class and its ``status``/``code`` fields (for a certificate that names
-another host, also the names it carries: one more handshake, blocking, bounded by
+another host, also the names it carries: one more handshake; for an answer with no S3
+error code, what the server's body says: one more GET; each blocking, bounded by
 ``connect_timeout_s``, never on the store's loop); it does not classify exceptions
 (:func:`ec_s3.store.error_map.to_store_error` does), retry, log or decide whether a
 failure is fatal.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
 
 from botocore.configloader import load_config
@@ -279,4 +282,37 @@ def _request(error: StoreRequestError | ObjectNotFound, config: ECS3Config) -> D
     if isinstance(error, StoreConfigError):
         return Diagnosis("other", f"the S3 client cannot build the request ({error.message})",
                          "check endpoint_url, region and addressing_style in the config")
+    if error.code is None and (error.status or 0) >= 400:
+        return _not_s3(error, config)
     return Diagnosis("other", f"{error.op} failed: {error.reason}", "see the S3 error code above; check the config")
+
+
+def _not_s3(error: StoreRequestError | ObjectNotFound, config: ECS3Config) -> Diagnosis:
+    """An error answer without an S3 error code: another service, or a TLS port spoken to
+    in plain http. What its body says (one more GET) is the evidence."""
+    endpoint = _endpoint(config)
+    words = _server_words(config.endpoint_url, config.connect_timeout_s + config.read_timeout_s)
+    says = f"; the server says: {words!r}" if words else ""
+    cause = f"{error.op} failed: {error.reason}, not an S3 error answer{says}"
+    url = config.endpoint_url or ""
+    if url.startswith("http://") and any(w in (words or "").lower() for w in ("https", "tls", "ssl")):
+        return Diagnosis("endpoint", cause, f"the server at {endpoint} speaks TLS: use "
+                         f"endpoint_url={'https://' + url[len('http://'):]!r} (--endpoint-url / EC_S3_ENDPOINT_URL)")
+    return Diagnosis("endpoint", cause, f"check that endpoint_url ({endpoint}) is an S3 endpoint, with the right "
+                     "port and http/https, not another service or a proxy in front of it")
+
+
+def _server_words(endpoint_url: str | None, timeout: float) -> str | None:
+    """The first line of what the endpoint answers a plain GET of ``/`` (at most 200
+    characters); None when there is none or no answer."""
+    if not endpoint_url:
+        return None
+    try:
+        with urllib.request.urlopen(endpoint_url.rstrip("/") + "/", timeout=timeout) as answer:  # noqa: S310
+            body = answer.read(2048)
+    except urllib.error.HTTPError as exc:
+        body = exc.read(2048)
+    except Exception:  # noqa: BLE001 - no words: the diagnosis stands without them
+        return None
+    lines = body.decode("utf-8", "replace").strip().splitlines()
+    return lines[0][:200] if lines else None

@@ -1,6 +1,6 @@
 """Which failure becomes which typed store error: an answer's status and S3 code
-(:func:`from_status`), and an exception of the transport (:func:`to_store_error`,
-:func:`tls_error`).
+(:func:`from_status`; a per-key error of DeleteObjects: :func:`from_delete_error`), and an
+exception of the transport (:func:`to_store_error`, :func:`tls_error`).
 
 The only place in ec-s3 that looks at botocore, aiohttp, asyncio or OS exception types:
 one table, :data:`_TRANSPORT_ERRORS`, maps each family of them to its error. Does not
@@ -16,7 +16,7 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -39,7 +39,7 @@ from ec_s3.store.errors import (
     UntrustedCertificate,
 )
 
-__all__ = ["from_status", "tls_error", "to_store_error"]
+__all__ = ["from_delete_error", "from_status", "tls_error", "to_store_error"]
 
 _TRANSIENT_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
@@ -95,6 +95,15 @@ def _clean(text: str) -> str:
 def _transport_message(exc: BaseException) -> str:
     text = _clean(str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def from_delete_error(entry: Mapping[str, Any]) -> StoreError:
+    """The first per-key error of a DeleteObjects answer (itself a 200): a key refused
+    with ``AccessDenied`` is a refusal like a 403 (its diagnosis names s3:DeleteObject)."""
+    key, code, message = str(entry.get("Key", "")), entry.get("Code") or None, _clean(str(entry.get("Message", "")))
+    if code == "AccessDenied":
+        return from_status("DeleteObjects", key, 403, code, message)
+    return StoreRequestError("DeleteObjects", key, message, code=code)
 
 
 def _from_client_error(op: str, key: str, exc: boto_exc.ClientError) -> StoreError:
