@@ -109,6 +109,7 @@ __all__ = ["build_parser", "main"]
 DEFAULT_BUCKET = "ec-s3-demo"
 WARMUP_SEED = 0  # the image of each phase's warm-up request (not in the schedule)
 FLEET_SEEDS = (5, 6)  # published by the encoder before the schedule, as if for another front
+CPU_ENCODE_TIMEOUT_S = 30.0  # the proxy's encoder limit with the offline tiny model on CPU cores
 EPD, AGGREGATED = "epd", "aggregated"  # --topology
 
 
@@ -391,6 +392,13 @@ class _Demo:
             return None
         return results
 
+    def _encode_timeout_s(self) -> float:
+        """The proxy's whole-encoder-request limit. The default (4 s) is sized for a GPU
+        encoder; the offline tiny model encodes on one CPU core, 1.8-3.4 s per 1024² photo
+        on a 2-core host, and the demo sends two fresh photos at once: past 4 s the second
+        went to prefill/decode without params and was encoded there."""
+        return ProxyConfig.encode_timeout_s if self.args.model else CPU_ENCODE_TIMEOUT_S
+
     def _warm_up(self, url: str, model: str) -> ChatResult:
         """One request with an image outside the schedule: the first image request of a
         fresh server is seconds slower (processor and encoder warm-up), which would
@@ -432,7 +440,8 @@ class _Demo:
         # bucket_lookup: the fleet images (published for another front) are found in the
         # bucket and go to prefill/decode marked present, with no encoder request.
         proxy = ProxyThread(ProxyConfig(encoder_urls=[producer.url], pd_urls=[consumer.url], port=0,
-                                        dispatch="parallel", bucket_lookup=self.bucket_lookup))
+                                        dispatch="parallel", bucket_lookup=self.bucket_lookup,
+                                        encode_timeout_s=self._encode_timeout_s()))
         stack.callback(proxy.stop)
         proxy.start()
         out(f"      encoder {producer.url}, prefill/decode {consumer.url}, proxy {proxy.url}")
