@@ -218,7 +218,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
 
 def _size(text: str) -> int:
     """A byte count as users write one: 1073741824, 1GiB, 512MB, 2G."""
-    from ec_s3.cli.common import parse_size
+    from ec_s3.config_values import parse_size
 
     try:
         return parse_size(text)
