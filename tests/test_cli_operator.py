@@ -130,3 +130,46 @@ def test_inspect_of_an_unreachable_store_is_not_missing(run_cli: Run, env: dict[
     rc, out, _ = run_cli("inspect", key, "--endpoint-url", f"http://127.0.0.1:{free_port()}",
                          "--set", "max_attempts=1", "--set", "connect_timeout_s=1")
     assert rc == 1 and "MISSING" not in out
+
+
+# ---------------------------------------------------------------------- check --create-bucket
+def test_check_create_bucket_creates_a_missing_bucket_once(run_cli: Run, env: dict[str, str]) -> None:
+    """No command created the bucket (issue 43): ``check --create-bucket`` makes a missing
+    one, then proves access to it; run again, it leaves the bucket as it is."""
+    import secrets
+
+    name = f"ec-s3-made-{secrets.token_hex(4)}"
+    rc, out, _ = run_cli("check", "--bucket", name)
+    assert rc == 1 and "missing bucket" in out and "--create-bucket" in out.split("fix:", 1)[1], out
+    rc, out, _ = run_cli("check", "--bucket", name, "--create-bucket")
+    assert rc == 0 and "create-bucket" in out and f"CreateBucket s3://{name}" in out and "PASS" in out, out
+    rc, out, _ = run_cli("check", "--bucket", name, "--create-bucket")
+    assert rc == 0 and "create-bucket" not in out and "PASS" in out, out
+
+
+def test_check_create_bucket_without_the_permission_names_it(run_cli: Run, readonly_s3: ReadOnlyS3,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_env(monkeypatch)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", readonly_s3.reader.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", readonly_s3.reader.secret_access_key)
+    rc, out, _ = run_cli("check", "--create-bucket", "--bucket", "ec-s3-not-made", "--endpoint-url", readonly_s3.url)
+    assert rc == 1 and "create-bucket" in out and "s3:CreateBucket" in out, out
+    assert "arn:aws:s3:::ec-s3-not-made to these credentials" in out, out
+
+
+def test_check_create_bucket_is_not_read_only(run_cli: Run, env: dict[str, str]) -> None:
+    rc, out, _ = run_cli("check", "--create-bucket", "--read-only")
+    assert rc == 1 and "--create-bucket" in out and "--read-only" in out, out
+
+
+def test_a_bucket_name_taken_by_another_account_says_so() -> None:
+    """AWS answers CreateBucket of another account's bucket name 409 BucketAlreadyExists
+    (SeaweedFS has no accounts to show it): the fix is another name, not a permission."""
+    from ec_s3.config import ECS3Config
+    from ec_s3.store.diagnose import diagnose
+    from ec_s3.store.errors import StoreRequestError
+
+    config = ECS3Config.from_extra_config({"bucket": "taken"})
+    taken = StoreRequestError("CreateBucket", "taken", "not yours", status=409, code="BucketAlreadyExists")
+    d = diagnose(taken, config, op="CreateBucket")
+    assert d.kind == "bucket" and "taken by another account" in d.cause and "another name" in d.fix, d

@@ -1,7 +1,8 @@
 """``ec-s3 check``: prove that a configuration works against the real bucket.
 
-Owns the probe sequence (LIST the prefix, HEAD a missing key, then PUT/HEAD/GET/DELETE
-a probe object; reads only with ``--read-only``), its report and its printing. Does not
+Owns the probe sequence (with ``--create-bucket``, the bucket first if missing; LIST the
+prefix, HEAD a missing key, then PUT/HEAD/GET/DELETE a probe object; reads only with
+``--read-only``), its report and its printing. Does not
 own the wording of a failure (:mod:`ec_s3.store.diagnose`, shared with the connector's
 start-up checks), retries (the store's), nor the endpoint's capability table that
 follows a passing check (:mod:`ec_s3.cli.capabilities`).
@@ -24,7 +25,7 @@ from ec_s3.cli.common import add_command, config_from_args
 from ec_s3.cli.console import EXIT_FAIL, EXIT_OK, fmt_ms, json_out, out, print_diagnosis, where
 from ec_s3.cli.listing import list_page
 from ec_s3.config import ConfigError, ECS3Config, config_keys
-from ec_s3.store.client import AccessDenied, ObjectNotFound, S3Store, StoreError, StoreRequestError
+from ec_s3.store.client import AccessDenied, BucketNotFound, ObjectNotFound, S3Store, StoreError, StoreRequestError
 from ec_s3.store.connection import resolve_endpoint
 from ec_s3.store.diagnose import Diagnosis, credential_source, diagnose
 
@@ -80,11 +81,11 @@ async def _timed(aw: Awaitable[T]) -> tuple[T, float]:
 
 
 async def check_access_async(store: S3Store, *, read_only: bool = False, probe_bytes: int = 4096,
-                             environ: Mapping[str, str] | None = None) -> CheckReport:
+                             environ: Mapping[str, str] | None = None, create_bucket: bool = False) -> CheckReport:
     """The access steps; once they pass, the endpoint's capabilities are probed (the
     TLS and region rows come either way)."""
     existing: list[str] = []
-    report = await _check_steps(store, read_only, probe_bytes, environ, existing)
+    report = await _check_steps(store, read_only, probe_bytes, environ, existing, create_bucket)
     settings = resolve_endpoint(store.config)  # as the report's region and CA fields
     if report.ok:
         report.capabilities = await probe_capabilities(store, read_only=read_only, settings=settings,
@@ -95,8 +96,25 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
     return report
 
 
+async def _create_bucket(store: S3Store, report: CheckReport) -> None:
+    """``--create-bucket``: create the bucket when a LIST answers NoSuchBucket (on AWS S3,
+    in the resolved region). Any other answer creates nothing: step 1's LIST reports it."""
+    bucket = store.config.bucket
+    try:
+        await list_page(store, f"{store.config.prefix}/", max_keys=1)
+        return
+    except BucketNotFound:
+        pass
+    except Exception:  # noqa: BLE001 - the LIST step diagnoses it
+        return
+    region = resolve_endpoint(store.config).region if store.config.endpoint_url is None else None
+    _, ms = await _timed(store.create_bucket_async(region, taken_is_error=True))
+    report.steps.append(CheckStep("create-bucket", True, ms,
+                                  f"CreateBucket s3://{bucket}" + (f" in {region}" if region else "") + " (it was missing)"))
+
+
 async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, environ: Mapping[str, str] | None,
-                       existing: list[str]) -> CheckReport:
+                       existing: list[str], create_bucket: bool = False) -> CheckReport:
     config = store.config
     root = f"{config.prefix}/"
     probe = f"{root}{PROBE_NAMESPACE}/check-{int(time.time())}-{secrets.token_hex(6)}.bin"
@@ -116,6 +134,11 @@ async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, enviro
     # 1. LIST on the prefix: the answer carries an error code, so it tells wrong
     #    credentials, a missing bucket and an unreachable endpoint apart.
     first: dict[str, Any] | None = None
+    if create_bucket:
+        try:
+            await _create_bucket(store, report)
+        except Exception as exc:  # noqa: BLE001
+            return fail("create-bucket", exc, "CreateBucket")
     try:
         page, ms = await _timed(list_page(store, root, max_keys=1))
         contents = page.get("Contents") or []
@@ -214,7 +237,8 @@ async def _check_round_trip(store: S3Store, report: CheckReport, probe: str, pro
 
 
 def check_access(config: ECS3Config, *, read_only: bool = False, probe_bytes: int = 4096,
-                 timeout: float | None = 300.0, environ: Mapping[str, str] | None = None) -> CheckReport:
+                 timeout: float | None = 300.0, environ: Mapping[str, str] | None = None,
+                 create_bucket: bool = False) -> CheckReport:
     """Prove that ``config`` works: list, HEAD-miss, then PUT/HEAD/GET/DELETE a probe.
 
     ``read_only`` checks only what a consumer needs (LIST, HEAD and GET of a missing key
@@ -223,7 +247,7 @@ def check_access(config: ECS3Config, *, read_only: bool = False, probe_bytes: in
     store = S3Store(config)
     try:
         return store.run(check_access_async(store, read_only=read_only, probe_bytes=probe_bytes,
-                                            environ=environ), timeout)
+                                            environ=environ, create_bucket=create_bucket), timeout)
     except (concurrent.futures.TimeoutError, TimeoutError):
         return CheckReport(
             ok=False, read_only=read_only, bucket=config.bucket, prefix=config.prefix,
@@ -252,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
             out(f"FAIL: bad configuration: {exc}")
             out("  fix: correct the named key in --config / --set / the flags (`ec-s3 check --list-keys` lists them)")
         return EXIT_FAIL
+    if args.create_bucket and args.read_only:
+        out("FAIL: --create-bucket writes (CreateBucket) and --read-only checks read access only: drop one of them")
+        return EXIT_FAIL
     if not args.json:
         mode = "read-only (consumer)" if args.read_only else "read/write"
         out(f"ec-s3 check, {mode}: {where(config)}")
@@ -259,13 +286,13 @@ def run(args: argparse.Namespace) -> int:
         resolved = resolve_endpoint(config)
         out(f"region: {resolved.region} (from {resolved.region_source})")
         out(f"tls: {resolved.tls_words(config.endpoint_url)}")
-    report = check_access(config, read_only=args.read_only, timeout=args.timeout)
+    report = check_access(config, read_only=args.read_only, timeout=args.timeout, create_bucket=args.create_bucket)
     if args.json:
         json_out(report.to_dict())
         return EXIT_OK if report.ok else EXIT_FAIL
     for step in report.steps:
         status = "ok  " if step.ok and not step.warning else ("WARN" if step.ok else "FAIL")
-        out(f"  {status}  {step.name:<11} {fmt_ms(step.latency_ms)}  {step.detail}")
+        out(f"  {status}  {step.name:<13} {fmt_ms(step.latency_ms)}  {step.detail}")
     for note in report.warnings:
         out(f"warning: {note}")
     if report.capabilities:
@@ -286,7 +313,8 @@ def register(sub: Any) -> None:
                     "step's latency: LIST the prefix, HEAD a missing key (must answer 404: that is a miss), "
                     "then PUT, HEAD, GET and DELETE a probe object under <prefix>/_ec_s3_probe/. "
                     "With --read-only only reads are tried (LIST, HEAD and GET of a missing key), so a "
-                    "consumer's read-only credentials pass. Then a table of the endpoint's capabilities "
+                    "consumer's read-only credentials pass; --create-bucket first creates the bucket if it is "
+                    "missing. Then a table of the endpoint's capabilities "
                     "(ranged GET, If-None-Match: * on PUT and on CompleteMultipartUpload, multipart, "
                     "checksum headers verified, TLS and its CA, region, clock skew) and what ec-s3 does "
                     "about each one that is missing; its probes delete their objects and abort their "
@@ -297,6 +325,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--read-only", action="store_true",
                    help="check only read access (consumers): no PUT/DELETE")
+    p.add_argument("--create-bucket", action="store_true",
+                   help="create the bucket first if it does not exist (needs s3:CreateBucket; on AWS S3 in the "
+                        "configured region); an existing bucket is left as it is")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S",
                    help="give up after S seconds (default 300; each request also has its own timeouts)")
     p.add_argument("--list-keys", action="store_true", help="list every config key with default and meaning, then exit")

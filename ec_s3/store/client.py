@@ -516,13 +516,18 @@ class S3Store:
             if not page.get("IsTruncated") or not token:
                 return
 
-    async def create_bucket_async(self) -> None:
-        """Create the bucket if it does not exist (tests, demo, CLI)."""
-
+    async def create_bucket_async(self, region: str | None = None, *, taken_is_error: bool = False) -> None:
+        """Create the bucket if it does not exist (tests, demo, ``check --create-bucket``).
+        ``region``: AWS S3 creates a bucket outside us-east-1 only when told where.
+        ``taken_is_error``: BucketAlreadyExists (on AWS: another account's bucket) raises."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket}
+        if region and region != "us-east-1":
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        exists = ("BucketAlreadyOwnedByYou",) if taken_is_error else ("BucketAlreadyOwnedByYou", "BucketAlreadyExists")
         try:
-            await self._call("CreateBucket", self.bucket, lambda t: t.client.create_bucket(Bucket=self.bucket))
+            await self._call("CreateBucket", self.bucket, lambda t: t.client.create_bucket(**kwargs))
         except StoreRequestError as exc:
-            if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if exc.code not in exists:
                 raise
 
     # ------------------------------------------------------------------ lifecycle

@@ -88,6 +88,7 @@ class Diagnosis:
     fix: str
 
 
+_BUCKET_PERMISSIONS = ("s3:ListBucket", "s3:CreateBucket")  # granted on the bucket's ARN, not its objects'
 _PERMISSION_FOR_OP = {
     "LIST": "s3:ListBucket",
     "HEAD": "s3:GetObject",
@@ -95,6 +96,7 @@ _PERMISSION_FOR_OP = {
     "PUT": "s3:PutObject",
     "DELETE": "s3:DeleteObject",
     "DeleteObjects": "s3:DeleteObject",
+    "CreateBucket": "s3:CreateBucket",
     "PutLifecycle": "s3:PutLifecycleConfiguration",
     "GetLifecycle": "s3:GetLifecycleConfiguration",
 }
@@ -257,7 +259,7 @@ def _denied(error: AccessDenied, config: ECS3Config, op: str) -> Diagnosis:
         "permission",
         f"permission missing: {error.op} was refused ({error.status or 403} {code}); it needs {permission}",
         f"grant {permission} on "
-        + (f"arn:aws:s3:::{bucket}" if permission == "s3:ListBucket" else f"arn:aws:s3:::{bucket}/{config.prefix}/*")
+        + (f"arn:aws:s3:::{bucket}" if permission in _BUCKET_PERMISSIONS else f"arn:aws:s3:::{bucket}/{config.prefix}/*")
         + " to these credentials"
         + (" (or run `ec-s3 check --read-only` if this host only consumes)" if permission == "s3:PutObject" else ""),
     )
@@ -269,10 +271,13 @@ def _request(error: StoreRequestError | ObjectNotFound, config: ECS3Config) -> D
         return Diagnosis(
             "bucket",
             f"missing bucket: {bucket!r} does not exist at {_endpoint(config)} (404 NoSuchBucket)",
-            f"create it (e.g. `aws s3 mb s3://{bucket}"
+            f"create it (`ec-s3 check --create-bucket` with these settings, or `aws s3 mb s3://{bucket}"
             + (f" --endpoint-url {config.endpoint_url}`)" if config.endpoint_url else "`)")
             + " or fix the bucket name (--bucket / EC_S3_BUCKET / bucket in the config)",
         )
+    if error.code == "BucketAlreadyExists":
+        return Diagnosis("bucket", f"the bucket name {bucket!r} is taken by another account (409 BucketAlreadyExists)",
+                         "bucket names are global on AWS S3: choose another name (--bucket / bucket in the config)")
     if error.code in _REGION_CODES or error.status == 301:
         return Diagnosis("region", f"the bucket lives in another region ({error.reason})",
                          "set the bucket's region (--region / region in the config)")
