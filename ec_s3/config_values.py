@@ -1,9 +1,9 @@
 """How one value of ``ec_connector_extra_config`` becomes a typed value.
 
 Owns :class:`ConfigError`, :class:`Secret`, the parsers of JSON / CLI values (integers,
-sizes with units, numbers, booleans, strings, choices) and credential references
-(``env:NAME``, ``file:/path``). Sizes take the same units everywhere: every
-``*_bytes`` key and the commands' size flags (``ec-s3 gc --max-bytes``) go through
+sizes with units, numbers, booleans, strings, choices), credential references
+(``env:NAME``, ``file:/path``) and vLLM's ``ec_role`` values. Sizes take the same units
+everywhere: every ``*_bytes`` key and the commands' size flags (``ec-s3 gc --max-bytes``) go through
 :func:`parse_size`. Does not own which keys exist, their defaults or bounds
 (:mod:`ec_s3.config` declares them) nor rules across keys.
 """
@@ -17,7 +17,10 @@ import types
 from collections.abc import Mapping
 from typing import Any, Literal, Union, get_args, get_origin
 
-__all__ = ["ConfigError", "Secret", "coerce", "parse_size", "resolve_secret", "SECRET_KEYS"]
+__all__ = ["EC_ROLES", "ConfigError", "Secret", "coerce", "parse_size", "resolve_secret", "SECRET_KEYS"]
+
+#: vLLM's ``ECTransferConfig.ec_role`` values (``ECRole`` in vllm/config/ec_transfer.py, 0.32-0.34).
+EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 
 
 class ConfigError(ValueError):

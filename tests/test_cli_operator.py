@@ -49,6 +49,16 @@ def tls_port() -> Iterator[str]:
 
 
 # ---------------------------------------------------------------------- ec_role
+def test_ec_roles_are_the_ones_the_installed_vllm_accepts() -> None:
+    from typing import get_args
+
+    from vllm.config.ec_transfer import ECRole
+
+    from ec_s3.config_values import EC_ROLES
+
+    assert set(get_args(ECRole)) == set(EC_ROLES)
+
+
 @pytest.mark.parametrize("role", ["ec_producer", "ec_consumer", "ec_both"])
 def test_ec_role_of_vllm_is_accepted(role: str) -> None:
     extra = common.extra_config_from_json(json.dumps({"ec_role": role, "ec_connector_extra_config": {"bucket": "b"}}))

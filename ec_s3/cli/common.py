@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ec_s3.config import ConfigError, ECS3Config
-from ec_s3.config_values import parse_size  # the size syntax of every *_bytes key
+from ec_s3.config_values import EC_ROLES, parse_size  # the size syntax of every *_bytes key
 from ec_s3.store.client import S3Store
 from ec_s3.store.diagnose import Diagnosis, diagnose
 
@@ -160,10 +160,6 @@ def extra_config_from_json(value: str, *, read_file: Callable[[str], str] | None
             raise ConfigError("ec_connector_extra_config must be a JSON object")
         return dict(extra)
     return dict(data)
-
-
-#: vLLM's ``ECTransferConfig.ec_role`` values (``ECRole`` in vllm/config/ec_transfer.py, 0.32-0.34).
-EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 
 
 def _check_ec_role(role: Any) -> None:

@@ -40,6 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
 
+from ec_s3.config_values import EC_ROLES
 from ec_s3.log import logger
 from ec_s3.sandbox.cpus import OMP_BIND_ENV, format_cpus, plan_cores, vllm_is_cpu_build
 from ec_s3.sandbox.metrics import MetricSamples, scrape_metrics
@@ -78,7 +79,6 @@ QWEN_MODEL_ARGS: tuple[str, ...] = (
 )
 
 _SECRET_KEYS = ("secret_access_key", "session_token")
-_EC_ROLES = ("ec_producer", "ec_consumer", "ec_both")
 # Flags that give a server more than one worker process (vLLM binds those itself).
 _PARALLEL_FLAGS = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp",
                    "--data-parallel-size": "-dp"}
@@ -101,7 +101,7 @@ def ec_transfer_config(
     ``ec_connector_module_path`` out (vLLM's own connectors, or ec-s3 found through its
     plugin). For a server, leave credentials out of ``extra_config`` and pass them
     through its environment, so they never appear on a command line."""
-    if role not in _EC_ROLES:
+    if role not in EC_ROLES:
         raise ValueError(f"role: {role!r} is not ec_producer, ec_consumer or ec_both")
     config: dict[str, Any] = {"ec_connector": connector, "ec_role": role,
                               "ec_connector_extra_config": dict(extra_config)}
