@@ -21,19 +21,14 @@ Tenants share identifiers (client uuids), never keys (``cache_salt`` is in the k
 serves a request only if it fits that request's placeholders (rows and width); a
 mismatch is a miss for that request alone (encoded locally, or the request fails).
 
-Staging pins, the hold-and-wait rule: a request pins a staged slot only while it will
-read it (not once it encodes the item itself or vLLM freed its output), and a request
-deferred for a blob holds no slot while it waits, except the senior (the oldest
-request waiting): the others pin their slots all at once, in the call that admits
-them. So staging never fills with first items whose requests all wait for their
-second ones; the senior's downloads may evict what the others staged, so one request
-at a time always progresses when it alone fits. :meth:`ECS3Scheduler.check_invariants`
-states the rules a test checks after every step.
+Staging pins follow the hold-and-wait rule (:mod:`ec_s3.connector.pins`); a test
+checks its rules after every step (:meth:`ECS3Scheduler.check_invariants`).
 
 Owns applying admission decisions (the item table, lookups, staging pins, counters), the
 hit answers and the per-step load list. Does not own the admission rules, wait budgets
 and retry timing (:mod:`ec_s3.connector.admission`, a pure decision), the item state
-machine and its bounded table (:mod:`ec_s3.connector.items`), the
+machine and its bounded table (:mod:`ec_s3.connector.items`), what a producer publishes
+under which keys (:mod:`ec_s3.connector.publishing`), the
 ``ec_transfer_params`` format (:mod:`ec_s3.connector.transfer_params`), transfers
 (:mod:`ec_s3.transfer`) or the S3 protocol (:mod:`ec_s3.store`).
 """
@@ -43,11 +38,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver, collect_ec_item_metadata
+from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
 from ec_s3.blob.codec import BlobExpectation
-from ec_s3.blob.format import MISSING_REPORT, PLACEHOLDER_METADATA_KEY
-from ec_s3.blob.placeholder import placeholder_json
+from ec_s3.blob.format import MISSING_REPORT
 from ec_s3.config import ECS3Config
 from ec_s3.connector.admission import (
     LATER,
@@ -75,7 +69,9 @@ from ec_s3.connector.items import (
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.connector.metrics import LOOKUP_OUTCOMES, ECS3Stats, open_stats_reader, scheduler_stats
 from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_id
+from ec_s3.connector.pins import StagingPins
 from ec_s3.connector.preflight import check_engine_start
+from ec_s3.connector.publishing import PublishLedger
 from ec_s3.connector.settle import CounterWatch
 from ec_s3.connector.topology import Topology, WorkerReach
 from ec_s3.connector.transfer_params import build_transfer_params, probe_answer, read_promises
@@ -102,6 +98,18 @@ _PRUNE_EVERY_STEPS = 256
 _IDLE_WAIT_S = 0.001
 
 
+def _role_parts(vllm_config: VllmConfig, config: ECS3Config, host: str, *, producer: bool,
+                consumer: bool) -> tuple[StagingArea | None, Topology, ItemTable, Admission]:
+    """The role is chosen here, once: a consumer stages blobs for its workers (and must
+    know whether they can read them); a producer only asks the bucket."""
+    if consumer:
+        staging = StagingArea(config.staging_dir, config.staging_bytes)
+        admission = AggregatedAdmission if producer else ConsumerAdmission
+        return (staging, Topology.from_vllm(vllm_config, host), ItemTable(consumer_capacity(config.staging_bytes)),
+                admission(config, staging.capacity))
+    return None, Topology(WorkerReach.LOCAL, host), ItemTable(PRODUCER_CAPACITY), ProducerAdmission(config)
+
+
 class ECS3Scheduler:
     def __init__(self, vllm_config: VllmConfig, config: ECS3Config, model: ModelInfo, counters: Counters) -> None:
         ec_config = vllm_config.ec_transfer_config
@@ -116,20 +124,10 @@ class ECS3Scheduler:
         self._store = S3Store.shared(config)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._host = host_id()
-        # The role is chosen here, once: a consumer stages blobs for its workers (and
-        # must know whether they can read them); a producer only asks the bucket.
-        if consumer:
-            self._staging: StagingArea | None = StagingArea(config.staging_dir, config.staging_bytes)
-            self._topology = Topology.from_vllm(vllm_config, self._host)
-            self._items = ItemTable(consumer_capacity(config.staging_bytes))
-            admission = AggregatedAdmission if self._is_producer else ConsumerAdmission
-            self._admission: Admission = admission(config, self._staging.capacity)
-        else:
-            self._staging = None
-            self._topology = Topology(WorkerReach.LOCAL, self._host)
-            self._items = ItemTable(PRODUCER_CAPACITY)
-            self._admission = ProducerAdmission(config)
+        self._staging, self._topology, self._items, self._admission = _role_parts(
+            vllm_config, config, self._host, producer=self._is_producer, consumer=consumer)
         self._fetcher = ItemFetcher(self._store, self._staging, counters)
+        self._pins = StagingPins(self._staging)
         self._requests: dict[str, RequestState] = {}
         # This step's hits: (request id, identifier) -> the item answered for (until
         # build_connector_meta).
@@ -140,19 +138,8 @@ class ECS3Scheduler:
         # Requests deferred for blobs, oldest first: the first is the senior (the one
         # request that may hold staged slots while it waits; see _release_partial).
         self._waiting: dict[str, None] = {}
-        # Producer: live requests by identifier (their keys are published together),
-        # and identifiers vLLM skips for every request because of a bucket hit under
-        # one key (its encoder cache is keyed by identifier) -> that key.
-        self._by_identifier: dict[str, set[str]] = {}
-        self._skipped: dict[str, str] = {}
-        # Producer: identifier -> the cache_salt of the request whose media vLLM last
-        # encoded it from. vLLM shares one encoder output among every request with the
-        # identifier, tenants included (a client may reuse a uuid for another image): it
-        # is published only under keys of that tenant, never under another's.
-        self._encoded_for: dict[str, str | None] = {}
-        # ec_both: key -> when this engine last published it (newest last, bounded like
-        # the item table), so that a repeat waits for its GET (AggregatedAdmission).
-        self._published: dict[str, float] = {}
+        # Producer (and ec_both): what this engine's workers publish, under which keys.
+        self._ledger = PublishLedger(self._requests, model, self._resolver, self._known_present)
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
         self._looking = 0  # lookups running on the I/O loop
@@ -187,17 +174,10 @@ class ECS3Scheduler:
         return ready
 
     def _release_partial(self, state: RequestState) -> None:
-        """The hold-and-wait rule: a request deferred for a blob holds no staged slot
-        while it waits, unless it is the senior (the oldest request waiting): it pins
-        its slots only once it has them all (then it is admitted in the same call).
-        Staging full of first items whose requests wait for their second ones would
-        otherwise never drain; the senior's allocations can always evict what the
-        others staged, so one request at a time always progresses if it alone fits."""
-        if self._staging is None or not state.pins or next(iter(self._waiting)) == state.request.request_id:
-            return
-        for slot in state.pins.values():
-            self._staging.unpin(slot)
-        state.pins.clear()
+        """The hold-and-wait rule (:mod:`ec_s3.connector.pins`): a deferred request that
+        is not the senior pins its slots only once it has them all."""
+        if next(iter(self._waiting)) != state.request.request_id:
+            self._pins.release_all(state)
 
     def _state_of(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
@@ -205,8 +185,7 @@ class ECS3Scheduler:
             promises = read_promises(request, self._model, self._config.max_blob_bytes, self._counters)
             state = self._requests[request.request_id] = RequestState(request=request, promises=promises)
             if self._is_producer:
-                for feature in request.mm_features:
-                    self._by_identifier.setdefault(feature.identifier, set()).add(request.request_id)
+                self._ledger.track(request)
         return state
 
     def _admit(self, state: RequestState, feature: MultiModalFeatureSpec, now: float) -> Decision:
@@ -223,7 +202,7 @@ class ECS3Scheduler:
             if misfit:
                 decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit, outcome="error")
         if not decision.uses_item:
-            self._unuse(state, identifier)
+            self._pins.unuse(state, identifier)
             self._items.point(identifier, None)
             self._settle(state, identifier, decision, now)
             return decision
@@ -267,21 +246,13 @@ class ECS3Scheduler:
             return ""
         return f"the staged blob is {list(staged.shape)} but this request has {rows} placeholders of width {width}"
 
-    def _unuse(self, state: RequestState, identifier: str) -> None:
-        """The request will not read ``identifier``'s item (encoded locally, freed, or
-        failing): it stops using it and unpins its slot."""
-        slot = state.pins.pop(identifier, None)
-        if slot is not None and self._staging is not None:
-            self._staging.unpin(slot)
-        state.forget(identifier)
-
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, key: str, item: Item | None,
                 now: float) -> Decision:
         identifier = feature.identifier
         return self._admission.decide(Ask(
             item=item, promise=state.promises.get(identifier), has_media=self._carries_media(feature),
             since=state.waiting_since.get(identifier), now=now, workers_read_staging=self._topology.workers_read_staging,
-            published_at=self._published.get(key),
+            published_at=self._ledger.published_at(key),
         ))
 
     def _carries_media(self, feature: MultiModalFeatureSpec) -> bool:
@@ -311,7 +282,7 @@ class ECS3Scheduler:
         if decision.action is Action.ENCODE_LOCALLY:
             self._stop_waiting(state, identifier, now)
             state.local.add(identifier)
-            self._unuse(state, identifier)
+            self._pins.unuse(state, identifier)
 
     def _decided(self, state: RequestState, identifier: str, outcome: str | None) -> None:
         """Count what the request's lookup of ``identifier`` decided, once per request
@@ -322,19 +293,9 @@ class ECS3Scheduler:
         self._counters.inc(LOOKUP_OUTCOMES[outcome])
 
     def _hold(self, state: RequestState, identifier: str, item: Item) -> bool:
-        """Pin ``item``'s staging slot for this request (consumers); False, and the
-        item is forgotten, if staging evicted it meanwhile."""
-        if self._staging is None:
-            return True  # a producer's hit is in the bucket: nothing here to hold
-        slot = item.slot
-        assert slot is not None
-        pinned = state.pins.get(identifier)
-        if pinned is slot and not slot.evicted:
-            return True
-        if pinned is not None:  # evicted, or a slot of an earlier lookup of this item
-            self._staging.unpin(state.pins.pop(identifier))
-        if self._staging.pin(slot):
-            state.pins[identifier] = slot
+        """Pin ``item``'s staging slot for this request; False, and the item is
+        forgotten, if staging evicted it meanwhile."""
+        if self._pins.hold(state, identifier, item):
             return True
         self._items.drop(item)
         return False
@@ -370,7 +331,7 @@ class ECS3Scheduler:
         self._stop_waiting(state, identifier, time.monotonic())
         if self._carries_media(feature):
             state.local.add(identifier)
-            self._unuse(state, identifier)
+            self._pins.unuse(state, identifier)
             self._counters.inc("fallbacks_local")
             quiet = self._store.breaker.is_open or not self._topology.workers_read_staging
             (logger.debug if quiet else logger.warning)(
@@ -451,11 +412,7 @@ class ECS3Scheduler:
         if item is None or item.state is not self._admission.hit_state:
             return False
         if self._is_producer:
-            # vLLM skips this identifier for every request while its encoder cache
-            # holds it: a request under another key then has nothing published.
-            self._skipped[identifier] = item.key
-            if len(self._skipped) > PRODUCER_CAPACITY:  # bounded like the item table
-                del self._skipped[next(iter(self._skipped))]
+            self._ledger.skipped_after_hit(identifier, item.key)
             state.saved.add(identifier)
         if self._staging is not None:
             assert item.slot is not None
@@ -507,10 +464,10 @@ class ECS3Scheduler:
         self._loads = []
         self._hits.clear()
         if self._is_producer:
-            meta.save_keys = self._save_keys(scheduler_output)
-            meta.save_metadata = self._save_metadata(meta.save_keys)
+            meta.save_keys = self._ledger.save_keys(scheduler_output)
+            meta.save_metadata = self._ledger.save_metadata(meta.save_keys)
             if self._staging is not None:
-                self._note_published(meta.save_keys)
+                self._ledger.note_published(meta.save_keys)
         self._watch.note_step(bool(scheduler_output.total_num_scheduled_tokens or encoded))
         if meta.loads or meta.save_keys:
             meta.watch = self._watch.watch()  # its worker counters must reach /metrics
@@ -518,94 +475,6 @@ class ECS3Scheduler:
         if self._steps % _PRUNE_EVERY_STEPS == 0:
             self._prune()
         return meta
-
-    def _note_published(self, save_keys: dict[str, list[str]]) -> None:
-        """ec_both: remember what this step's workers publish (their upload starts now)."""
-        now = time.monotonic()
-        for keys in save_keys.values():
-            for key in keys:
-                self._published.pop(key, None)
-                self._published[key] = now
-        while len(self._published) > PRODUCER_CAPACITY:
-            del self._published[next(iter(self._published))]
-
-    def _save_keys(self, scheduler_output: SchedulerOutput) -> dict[str, list[str]]:
-        """Producer: identifier -> every key this step's workers publish it under
-        (tenants may share an identifier; each promises its own key)."""
-        keys: dict[str, list[str]] = {}
-
-        def add(identifier: str, state: RequestState) -> None:
-            key = self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt)
-            listed = keys.setdefault(identifier, [])
-            if key not in listed:
-                listed.append(key)
-            state.saved.add(identifier)
-
-        # An identifier encoded in this step is published under the key of every live
-        # request of the same tenant that has it: vLLM encodes it once for all of them.
-        for req_id, input_ids in scheduler_output.scheduled_encoder_inputs.items():
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            salt = state.request.cache_salt
-            for index in input_ids:
-                identifier = state.request.mm_features[index].identifier
-                self._skipped.pop(identifier, None)
-                self._encoded_for.pop(identifier, None)  # newest last: the oldest goes first
-                self._encoded_for[identifier] = salt
-                if len(self._encoded_for) > PRODUCER_CAPACITY:
-                    del self._encoded_for[next(iter(self._encoded_for))]
-                for other in self._by_identifier.get(identifier, ()):
-                    other_state = self._requests.get(other)
-                    if other_state is not None and other_state.request.cache_salt == salt:
-                        add(identifier, other_state)
-        # Every item of a request's first step that vLLM encoded for this tenant: the
-        # worker publishes those vLLM serves from its own encoder cache (save_caches
-        # never fires for them), so a blob deleted since (gc) or never uploaded (an
-        # outage) is published again; the publisher skips what it published within
-        # present_ttl_s. Items a HEAD found in the bucket are left out: nothing to
-        # publish again; so are those vLLM skips after a bucket hit (its cache holds no
-        # tensor), and those encoded from another tenant's media (request_finished
-        # withholds their promise).
-        for new_req in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new_req.req_id)
-            if state is not None:
-                salt = state.request.cache_salt
-                for feature in state.request.mm_features:
-                    identifier = feature.identifier
-                    if identifier in self._skipped or self._encoded_for.get(identifier, salt) != salt:
-                        continue
-                    key = self._model.keyspace.key_for(identifier, cache_salt=salt)
-                    if identifier not in state.saved and not self._known_present(key):
-                        add(identifier, state)
-        return keys
-
-    def _save_metadata(self, save_keys: dict[str, list[str]]) -> dict[str, dict[str, str]]:
-        """Producer: the object metadata to store with each blob of this step: its
-        placeholder metadata (e.g. Qwen-VL's grid), which lets a proxy that finds the
-        blob by HEAD send prefill/decode a metadata-only part (ec_s3/proxy/embeds.py).
-        Only for models that declare placeholder fields, and only for items of a live
-        request (their data holds the values)."""
-        out: dict[str, dict[str, str]] = {}
-        for identifier in save_keys:
-            feature = self._live_feature(identifier)
-            if feature is None or not self._resolver.fields_for(feature.modality):
-                continue
-            entry = collect_ec_item_metadata([feature], self._resolver).get(identifier) or {}
-            # vllm 0.32's entry has no "modality" (0.33 adds it): the feature's.
-            text = placeholder_json({**entry, "modality": feature.modality})
-            if text is not None:
-                out[identifier] = {PLACEHOLDER_METADATA_KEY: text}
-        return out
-
-    def _live_feature(self, identifier: str) -> MultiModalFeatureSpec | None:
-        """Producer: the feature of a live request whose item is ``identifier``."""
-        for req_id in self._by_identifier.get(identifier, ()):
-            state = self._requests.get(req_id)
-            for feature in state.request.mm_features if state is not None else ():
-                if feature.identifier == identifier:
-                    return feature
-        return None
 
     def _known_present(self, key: str) -> bool:
         item = self._items.peek(key)
@@ -627,14 +496,14 @@ class ECS3Scheduler:
                 for req_id in list(item.users):
                     state = self._requests.get(req_id)
                     if state is not None and state.pins.get(identifier) is slot:
-                        self._unuse(state, identifier)  # nobody reads a discarded slot
+                        self._pins.unuse(state, identifier)  # nobody reads a discarded slot
                 self._staging.discard(slot)
                 self._items.drop(item)
 
     def update_state_after_free(self, request: Request, index: int) -> None:
         state = self._requests.get(request.request_id)
         if state is not None:  # vLLM freed its output: the request no longer reads the slot
-            self._unuse(state, request.mm_features[index].identifier)
+            self._pins.unuse(state, request.mm_features[index].identifier)
 
     def take_unavailable_requests(self) -> set[str]:
         if not self._unavailable:
@@ -649,10 +518,7 @@ class ECS3Scheduler:
         if self._asking is state:
             self._asking = None
         if state is not None:
-            if self._staging is not None:
-                for slot in state.pins.values():
-                    self._staging.unpin(slot)
-            state.pins.clear()
+            self._pins.release_all(state)
             state.release()
             if state.gone:
                 # The proxy reads this from the answer and forgets those blobs.
@@ -660,27 +526,7 @@ class ECS3Scheduler:
         probe = probe_answer(request, self._role, self._model)
         if not self._is_producer:
             return False, {**gone, **probe} or None
-        withhold: set[str] = set()
-        for feature in request.mm_features:
-            identifier = feature.identifier
-            users = self._by_identifier.get(identifier)
-            if users is not None:
-                users.discard(request.request_id)
-                if not users:
-                    del self._by_identifier[identifier]
-            skipped_for = self._skipped.get(identifier)
-            if state is not None and identifier not in state.saved and skipped_for is not None and (
-                skipped_for != self._model.keyspace.key_for(identifier, cache_salt=request.cache_salt)
-            ):
-                # A bucket hit under another key made vLLM skip it for this request
-                # too: nothing is published under this request's key, so no promise.
-                withhold.add(identifier)
-            elif state is not None and identifier not in state.saved and (
-                self._encoded_for.get(identifier, request.cache_salt) != request.cache_salt
-            ):
-                # vLLM served it from an output encoded from another tenant's media:
-                # never published under this request's key, so no promise.
-                withhold.add(identifier)
+        withhold = self._ledger.finish(request, state)
         # A producer whose store is down (circuit open) cannot keep a promise: sending
         # none lets consumers encode at once instead of waiting out promised_wait_s.
         promise = not self._store.breaker.is_open
@@ -691,29 +537,9 @@ class ECS3Scheduler:
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> list[str]:
-        """Broken rules of staging slots and their pins (tests and the chaos soak call
-        it after every step; vLLM never does): no pinned slot is free (evicted or
-        discarded); no pin by a request that will not read the slot (it encodes the
-        item itself, vLLM freed it, or the slot is not its item's); a slot's pin
-        count is its requests' pins; staged bytes in use are the live slots' bytes."""
-        if self._staging is None:
-            return []
-        out = self._staging.violations()
-        counts: dict[int, int] = {}
-        for req_id, state in self._requests.items():
-            for identifier, slot in state.pins.items():
-                counts[id(slot)] = counts.get(id(slot), 0) + 1
-                item = state.items.get(identifier)
-                if slot.evicted:
-                    out.append(f"request {req_id} pins the free slot {slot.name} ({identifier[:32]})")
-                if identifier in state.local:
-                    out.append(f"request {req_id} pins {identifier[:32]}, which it encodes itself")
-                if item is None or item.slot is not slot:
-                    out.append(f"request {req_id} pins a slot of {identifier[:32]} that is not its item's")
-        for slot in self._staging.slots():
-            if slot.pins != counts.get(id(slot), 0):
-                out.append(f"slot {slot.name} has {slot.pins} pins, its requests hold {counts.get(id(slot), 0)}")
-        return out
+        """Broken rules of staging slots and their pins (:meth:`StagingPins.violations`;
+        tests and the chaos soak call it after every step, vLLM never does)."""
+        return self._pins.violations(self._requests)
 
     # ------------------------------------------------------------------ metrics
     def has_pending_push_work(self) -> bool:
