@@ -131,30 +131,13 @@ async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, enviro
         report.diagnosis = d
         return report
 
-    # 1. LIST on the prefix: the answer carries an error code, so it tells wrong
-    #    credentials, a missing bucket and an unreachable endpoint apart.
-    first: dict[str, Any] | None = None
     if create_bucket:
         try:
             await _create_bucket(store, report)
         except Exception as exc:  # noqa: BLE001
             return fail("create-bucket", exc, "CreateBucket")
     try:
-        page, ms = await _timed(list_page(store, root, max_keys=1))
-        contents = page.get("Contents") or []
-        first = contents[0] if contents else None
-        if first and int(first.get("Size") or 0) >= 5:  # the capability probe reads bytes 1-4
-            existing.append(str(first["Key"]))
-        report.steps.append(CheckStep("list", True, ms, f"ListObjectsV2 s3://{config.bucket}/{root} answers"
-                                      + (" (prefix has objects)" if first else " (prefix is empty)")))
-    except AccessDenied as exc:
-        d = diagnose(exc, config, op="LIST")
-        if d.kind != "permission":
-            return fail("list", exc, "LIST")
-        note = ("no s3:ListBucket: `ec-s3 stats` and `gc` will not work, and on AWS a missing key "
-                "answers 403 instead of 404")
-        report.steps.append(CheckStep("list", True, None, "refused (403 AccessDenied): " + note, warning=True))
-        report.warnings.append(note)
+        first = await _check_list(store, report, existing)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a diagnosis
         return fail("list", exc, "LIST")
 
@@ -170,6 +153,31 @@ async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, enviro
     if read_only:
         return await _check_reads(store, report, probe, first, fail)
     return await _check_round_trip(store, report, probe, probe_bytes, fail)
+
+
+async def _check_list(store: S3Store, report: CheckReport, existing: list[str]) -> dict[str, Any] | None:
+    """1. LIST on the prefix: the answer carries an error code, so it tells wrong
+    credentials, a missing bucket and an unreachable endpoint apart. Returns the first
+    object listed; raises what failed (a missing s3:ListBucket is only a warning)."""
+    config = store.config
+    root = f"{config.prefix}/"
+    try:
+        page, ms = await _timed(list_page(store, root, max_keys=1))
+    except AccessDenied as exc:
+        if diagnose(exc, config, op="LIST").kind != "permission":
+            raise
+        note = ("no s3:ListBucket: `ec-s3 stats` and `gc` will not work, and on AWS a missing key "
+                "answers 403 instead of 404")
+        report.steps.append(CheckStep("list", True, None, "refused (403 AccessDenied): " + note, warning=True))
+        report.warnings.append(note)
+        return None
+    contents = page.get("Contents") or []
+    first: dict[str, Any] | None = contents[0] if contents else None
+    if first and int(first.get("Size") or 0) >= 5:  # the capability probe reads bytes 1-4
+        existing.append(str(first["Key"]))
+    report.steps.append(CheckStep("list", True, ms, f"ListObjectsV2 s3://{config.bucket}/{root} answers"
+                                  + (" (prefix has objects)" if first else " (prefix is empty)")))
+    return first
 
 
 async def _check_reads(store: S3Store, report: CheckReport, probe: str, first: dict[str, Any] | None,
