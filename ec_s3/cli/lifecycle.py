@@ -80,6 +80,39 @@ def _lifecycle_unsupported(status: int, code: str, config: ECS3Config) -> Diagno
     )
 
 
+def _failed(report: LifecycleReport, store: S3Store, exc: BaseException, op: str) -> LifecycleReport:
+    """``report`` with the diagnosis of ``op``'s failure (an unsupported API is no error of the operator's)."""
+    config = store.config
+    if isinstance(exc, boto_exc.ClientError):
+        status, code, message = _client_error_parts(exc)
+        if status in (501, 405) or code in _UNSUPPORTED_CODES:
+            report.supported = False
+            report.diagnosis = _lifecycle_unsupported(status, code, config)
+            return report
+        if status in (401, 403) or (status == 404 and code == "NoSuchBucket"):
+            exc = to_store_error(op, store.bucket, exc) or exc
+        else:
+            report.diagnosis = Diagnosis("other", f"{op} failed: {status} {code} {message}".strip(),
+                                         "check the rule and the server's lifecycle support")
+            return report
+    elif isinstance(exc, (asyncio.TimeoutError, TimeoutError, boto_exc.BotoCoreError, OSError)):
+        exc = to_store_error(op, store.bucket, exc) or exc
+    report.diagnosis = diagnose(exc, config, op=op)
+    return report
+
+
+async def _rules(client: Any, bucket: str, timeout: float) -> list[dict[str, Any]]:
+    """The bucket's lifecycle rules ([] when it has none)."""
+    try:
+        resp = await asyncio.wait_for(client.get_bucket_lifecycle_configuration(Bucket=bucket), timeout)
+    except boto_exc.ClientError as exc:
+        status, code, _ = _client_error_parts(exc)
+        if code in ("NoSuchLifecycleConfiguration", "NoSuchLifecycle") or (status == 404 and code != "NoSuchBucket"):
+            return []
+        raise
+    return list(resp.get("Rules") or [])
+
+
 async def install_lifecycle_async(store: S3Store, days: int, *, prefix: str | None = None,
                                   namespace: str | None = None, dry_run: bool = False) -> LifecycleReport:
     config = store.config
@@ -88,39 +121,11 @@ async def install_lifecycle_async(store: S3Store, days: int, *, prefix: str | No
     rule = lifecycle_rule(prefix or config.prefix, days, namespace=namespace)
     report = LifecycleReport(ok=False, supported=None, bucket=store.bucket, rule=rule, dry_run=dry_run)
     timeout = config.read_timeout_s + config.connect_timeout_s + 5.0
-
-    def failed(exc: BaseException, op: str) -> LifecycleReport:
-        if isinstance(exc, boto_exc.ClientError):
-            status, code, message = _client_error_parts(exc)
-            if status in (501, 405) or code in _UNSUPPORTED_CODES:
-                report.supported = False
-                report.diagnosis = _lifecycle_unsupported(status, code, config)
-                return report
-            if status in (401, 403) or (status == 404 and code == "NoSuchBucket"):
-                exc = to_store_error(op, store.bucket, exc) or exc
-            else:
-                report.diagnosis = Diagnosis("other", f"{op} failed: {status} {code} {message}".strip(),
-                                             "check the rule and the server's lifecycle support")
-                return report
-        elif isinstance(exc, (asyncio.TimeoutError, TimeoutError, boto_exc.BotoCoreError, OSError)):
-            exc = to_store_error(op, store.bucket, exc) or exc
-        report.diagnosis = diagnose(exc, config, op=op)
-        return report
-
     try:
         client = await store._get_client()
-        try:
-            resp = await asyncio.wait_for(
-                client.get_bucket_lifecycle_configuration(Bucket=store.bucket), timeout)
-            existing = list(resp.get("Rules") or [])
-        except boto_exc.ClientError as exc:
-            status, code, _ = _client_error_parts(exc)
-            if code in ("NoSuchLifecycleConfiguration", "NoSuchLifecycle") or (status == 404 and code != "NoSuchBucket"):
-                existing = []
-            else:
-                raise
+        existing = await _rules(client, store.bucket, timeout)
     except Exception as exc:  # noqa: BLE001
-        return failed(exc, "GetLifecycle")
+        return _failed(report, store, exc, "GetLifecycle")
     others = [r for r in existing if r.get("ID") != rule["ID"]]
     report.other_rules_kept = len(others)
     if dry_run:
@@ -133,12 +138,10 @@ async def install_lifecycle_async(store: S3Store, days: int, *, prefix: str | No
             timeout,
         )
     except Exception as exc:  # noqa: BLE001
-        return failed(exc, "PutLifecycle")
-    report.installed = True
-    report.supported = True
+        return _failed(report, store, exc, "PutLifecycle")
+    report.installed = report.supported = True
     try:
-        resp = await asyncio.wait_for(client.get_bucket_lifecycle_configuration(Bucket=store.bucket), timeout)
-        mine = [r for r in resp.get("Rules") or [] if r.get("ID") == rule["ID"]]
+        mine = [r for r in await _rules(client, store.bucket, timeout) if r.get("ID") == rule["ID"]]
         report.verified = bool(mine) and (mine[0].get("Expiration") or {}).get("Days") == days
     except Exception:  # noqa: BLE001 - installed; the read-back is a bonus
         report.verified = False
