@@ -63,7 +63,7 @@ class InspectReport:
 
 async def inspect_blob_async(store: S3Store, key: str, *, identifier: str | None = None,
                              prefix: str | None = None) -> InspectReport:
-    from ec_s3.blob.codec import BlobError, identifier_digest, read_header  # imports torch
+    from ec_s3.blob.codec import BlobError, read_header  # imports torch
 
     prefix = prefix or store.config.prefix
     report = InspectReport(key=key, exists=False, namespace=namespace_of(prefix, key))
@@ -99,7 +99,16 @@ async def inspect_blob_async(store: S3Store, key: str, *, identifier: str | None
     report.dtype = str(entry["dtype"]).removeprefix("torch.")
     report.shape = list(entry["shape"])
     report.data_offset = offset
-    # Consistency of the header with itself and with where the blob lives.
+    _check_consistency(report, key, identifier)
+    report.valid = not report.problems
+    return report
+
+
+def _check_consistency(report: InspectReport, key: str, identifier: str | None) -> None:
+    """The header against itself and against where the blob lives (its key, its namespace)."""
+    from ec_s3.blob.codec import identifier_digest
+
+    metadata = report.metadata
     if metadata.get("dtype") not in (None, report.dtype):
         report.problems.append(f"metadata dtype {metadata.get('dtype')!r} != tensor dtype {report.dtype!r}")
     if metadata.get("shape") not in (None, ",".join(map(str, report.shape))):
@@ -114,8 +123,6 @@ async def inspect_blob_async(store: S3Store, key: str, *, identifier: str | None
         report.problems.append(f"header namespace {metadata.get('namespace')!r} != key namespace {report.namespace!r}")
     if identifier is not None and identifier_digest(identifier) != digest:
         report.problems.append("blob belongs to another identifier")
-    report.valid = not report.problems
-    return report
 
 
 def inspect_blob(store: S3Store, key: str, *, identifier: str | None = None,
