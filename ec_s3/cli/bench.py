@@ -14,8 +14,8 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import Outcome, Progress, add_command, format_bytes, no_progress, opened_store
@@ -24,6 +24,8 @@ from ec_s3.cli.listing import key_root
 from ec_s3.store.client import S3Store
 
 __all__ = ["TransferReport", "latency_summary", "register", "transfer_check", "transfer_check_async"]
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -72,6 +74,25 @@ def latency_summary(values: Sequence[float]) -> dict[str, float]:
             "mean": sum(ordered) / len(ordered)}
 
 
+async def _timed_each(phase: str, keys: list[str], call: Callable[[str], Awaitable[T]], sem: asyncio.Semaphore,
+                      latencies_ms: list[float], progress: Progress) -> list[T]:
+    """``call`` on every key, at most ``sem``'s count at once, each one timed."""
+    done = 0
+    progress(phase, 0, len(keys))
+
+    async def one(key: str) -> T:
+        nonlocal done
+        async with sem:
+            t0 = time.perf_counter()
+            result = await call(key)
+            latencies_ms.append((time.perf_counter() - t0) * 1000.0)
+            done += 1
+            progress(phase, done, len(keys))
+            return result
+
+    return list(await asyncio.gather(*(one(k) for k in keys)))
+
+
 async def transfer_check_async(store: S3Store, size_bytes: int, count: int, *, concurrency: int = 1,
                                progress: Progress | None = None, key_prefix: str | None = None) -> TransferReport:
     if size_bytes < 1 or count < 1 or concurrency < 1:
@@ -84,47 +105,28 @@ async def transfer_check_async(store: S3Store, size_bytes: int, count: int, *, c
     body = bytearray(os.urandom(size_bytes))
     sem = asyncio.Semaphore(concurrency)
     written: list[str] = []
-    done = 0
 
     async def put(key: str) -> None:
-        nonlocal done
-        async with sem:
-            t0 = time.perf_counter()
-            await store.put_async(key, body)
-            report.put_latencies_ms.append((time.perf_counter() - t0) * 1000.0)
-            written.append(key)
-            done += 1
-            progress("put", done, count)
+        await store.put_async(key, body)
+        written.append(key)
 
     async def get(key: str) -> bool:
-        nonlocal done
-        async with sem:
-            t0 = time.perf_counter()
-            got = await store.get_async(key)
-            report.get_latencies_ms.append((time.perf_counter() - t0) * 1000.0)
-            done += 1
-            progress("get", done, count)
-            # bytearray == memoryview is one memcmp; memoryview == bytearray unpacks and
-            # compares byte by byte, on the loop and inside the timed phase: at 8 in
-            # flight that cost, not the GETs, set the reported rate.
-            return body == got
+        # bytearray == memoryview is one memcmp; memoryview == bytearray unpacks and
+        # compares byte by byte, on the loop and inside the timed phase: at 8 in
+        # flight that cost, not the GETs, set the reported rate.
+        return body == await store.get_async(key)
 
     op = "HEAD"
     try:
         t0 = time.perf_counter()
         await store.head_async(keys[0])
         report.first_request_ms = (time.perf_counter() - t0) * 1000.0
-        op = "PUT"
-        progress("put", 0, count)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(put(k) for k in keys))
+        op, t0 = "PUT", time.perf_counter()
+        await _timed_each("put", keys, put, sem, report.put_latencies_ms, progress)
         report.put_wall_s = time.perf_counter() - t0
-        op, done = "GET", 0
-        progress("get", 0, count)
-        t0 = time.perf_counter()
-        same = await asyncio.gather(*(get(k) for k in keys))
+        op, t0 = "GET", time.perf_counter()
+        report.verified = all(await _timed_each("get", keys, get, sem, report.get_latencies_ms, progress))
         report.get_wall_s = time.perf_counter() - t0
-        report.verified = all(same)
         if not report.verified:
             report.error = "a GET returned different bytes than were PUT"
     except Exception as exc:  # noqa: BLE001
