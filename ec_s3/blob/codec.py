@@ -188,12 +188,8 @@ def encode_blob(tensor: torch.Tensor, meta: BlobMeta) -> bytearray:
     return out
 
 
-def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30) -> tuple[dict[str, Any], dict[str, str], int]:
-    """Parse and structurally validate a blob header.
-
-    Returns ``(tensor_entry, metadata, data_offset)``. Checks sizes before parsing
-    anything and that the data region exactly fills the rest of the buffer.
-    """
+def _header_json(buf: bytes | bytearray | memoryview, max_bytes: int) -> tuple[Any, int]:
+    """The header's JSON and its length, sizes checked before anything is parsed."""
     total = len(buf)
     if total > max_bytes:
         raise BlobError("too_large", f"blob of {total} bytes exceeds the {max_bytes}-byte limit")
@@ -205,22 +201,15 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30
     if 8 + hlen > total:
         raise BlobError("truncated", f"header length {hlen} runs past the {total}-byte blob")
     try:
-        header = json.loads(bytes(buf[8 : 8 + hlen]).decode("utf-8"))
+        return json.loads(bytes(buf[8 : 8 + hlen]).decode("utf-8")), hlen
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise BlobError("header_json", f"header is not valid JSON ({type(exc).__name__})") from None
-    # The version first: a later format may change everything below, and its blob must be
-    # refused as "another version", not as a malformed header.
-    _check_format_version(header)
-    if not isinstance(header, dict) or set(header) != {TENSOR_NAME, "__metadata__"}:
-        keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
-        raise BlobError("header_keys", f"expected exactly {TENSOR_NAME!r} and '__metadata__', got {keys}")
-    entry, metadata = header[TENSOR_NAME], header["__metadata__"]
+
+
+def _tensor_of(entry: Any) -> tuple[torch.dtype, list[int]]:
+    """The tensor entry's dtype and shape, each checked."""
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise BlobError("header_tensor", "tensor entry must have exactly dtype, shape, data_offsets")
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
-        raise BlobError("header_metadata", "metadata must map strings to strings")
     dtype = _ST_TO_DTYPE.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
     if dtype is None:
         raise BlobError("dtype", f"unsupported dtype {entry['dtype']!r}")
@@ -231,7 +220,29 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30
         or not all(type(d) is int and 0 <= d < (1 << 40) for d in shape)
     ):
         raise BlobError("shape", f"bad shape {shape!r}")
-    nbytes = math.prod(shape) * _itemsize(dtype)
+    return dtype, shape
+
+
+def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Parse and structurally validate a blob header.
+
+    Returns ``(tensor_entry, metadata, data_offset)``. Checks sizes before parsing
+    anything and that the data region exactly fills the rest of the buffer.
+    """
+    header, hlen = _header_json(buf, max_bytes)
+    # The version first: a later format may change everything below, and its blob must be
+    # refused as "another version", not as a malformed header.
+    _check_format_version(header)
+    if not isinstance(header, dict) or set(header) != {TENSOR_NAME, "__metadata__"}:
+        keys = sorted(map(str, header)) if isinstance(header, dict) else type(header).__name__
+        raise BlobError("header_keys", f"expected exactly {TENSOR_NAME!r} and '__metadata__', got {keys}")
+    entry, metadata = header[TENSOR_NAME], header["__metadata__"]
+    dtype, shape = _tensor_of(entry)
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise BlobError("header_metadata", "metadata must map strings to strings")
+    nbytes, total = math.prod(shape) * _itemsize(dtype), len(buf)
     if entry["data_offsets"] != [0, nbytes]:
         raise BlobError("data_offsets", f"data_offsets {entry['data_offsets']!r} != [0, {nbytes}]")
     if 8 + hlen + nbytes != total:
@@ -239,8 +250,7 @@ def read_header(buf: bytes | bytearray | memoryview, *, max_bytes: int = 1 << 30
         raise BlobError(reason, f"data region of {nbytes} bytes does not fill the {total}-byte blob")
     if metadata.get("format") != FORMAT_TAG:
         raise BlobError("format", f"format {metadata.get('format')!r} is not {FORMAT_TAG!r}")
-    entry = {"dtype": dtype, "shape": tuple(shape), "nbytes": nbytes}
-    return entry, metadata, 8 + hlen
+    return {"dtype": dtype, "shape": tuple(shape), "nbytes": nbytes}, metadata, 8 + hlen
 
 
 def decode_blob(buf: bytearray | memoryview | bytes, expect: BlobExpectation) -> DecodedBlob:
