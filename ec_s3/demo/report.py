@@ -21,7 +21,7 @@ from ec_s3.blob.keys import PROBE_NAMESPACE
 from ec_s3.cli.common import format_bytes
 from ec_s3.cli.listing import key_root, list_objects_async
 from ec_s3.demo.chat import AGAIN, FLEET, FRESH, ChatResult, DemoRequest, compare_results
-from ec_s3.demo.timing import H_E2E, Part, Snapshot, StepTimes, step_times
+from ec_s3.demo.timing import H_E2E, Part, Snapshot, step_times
 from ec_s3.sandbox.metrics import MetricSamples
 
 S = TypeVar("S")  # a snapshot of the servers' /metrics (EPD or aggregated)
@@ -177,43 +177,40 @@ def uploads_unreported(final: Snapshot, run_blob_count: int | None) -> str | Non
             "ec-s3's worker-side metrics are not reported by this vLLM executor")
 
 
-def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: dict[int, ChatResult],
-                  results: dict[int, ChatResult], windows: Windows, blobs: list[Any] | None, prefix: str,
-                  timings: Mapping[str, float], tolerance: float, *, parallel: bool = False) -> bool:
-    """The per-request table and the totals; True only if every EPD answer equals
-    the baseline's (token ids, and logprobs within ``tolerance``). ``parallel``: the
-    proxy dispatched in parallel (the encoder's hop overlaps prefill/decode)."""
-    requests = [r for step in schedule for r in step]
-    base, final = windows.start, windows.final
-    no_uploads = uploads_unreported(final, len(blobs) if blobs is not None else None)
+def _step_cells(step_reqs: Sequence[DemoRequest], results: dict[int, ChatResult], windows: Windows,
+                no_uploads: str | None, parallel: bool, why_na: dict[str, str]) -> tuple[list[str], str]:
+    """One step's time-split cells and where p/d took its image from (n/a, and why, when
+    a /metrics scrape is missing)."""
+    step = step_reqs[0].step
+    before, answered, flushed = windows.flushed.get(step - 1), windows.answered.get(step), windows.flushed.get(step)
+    if before is None or answered is None or flushed is None:
+        why_na["time split"] = f"step {step}: its /metrics were not scraped"
+        return ["n/a"] * 8, "n/a"
+    times = step_times(before, answered, flushed, uploads_reported=no_uploads is None,
+                       uploads_unreported_why=no_uploads or "")
+    ok_lat = [results[r.index].latency_s for r in step_reqs if results[r.index].ok]
+    step_lat = statistics.fmean(ok_lat) if ok_lat else None
+    named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
+             ("p/d front", times.pd_front()), ("wait", times.wait),
+             ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
+    other = times.other(step_lat, parallel=parallel) if step_lat is not None else Part(None, why="no answer")
+    cells: list[str] = []
+    for col, part in [*named, ("other", other)]:
+        if not part.measured and part.why:
+            why_na.setdefault(col, part.why)
+        cells.append(part.cell())
+    return cells, image_source(step_reqs, before, flushed)
+
+
+def _print_requests(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: dict[int, ChatResult],
+                    results: dict[int, ChatResult], windows: Windows, no_uploads: str | None, tolerance: float,
+                    parallel: bool) -> int:
+    """The per-request table and its legend; returns how many answers equal the baseline's."""
     rows: list[list[str]] = []
     why_na: dict[str, str] = {}  # column -> why it is n/a (one line each)
     matches = 0
     for step_reqs in schedule:
-        step = step_reqs[0].step
-        before, answered, flushed = windows.flushed.get(step - 1), windows.answered.get(step), windows.flushed.get(step)
-        if before is None or answered is None or flushed is None:
-            times: StepTimes | None = None
-            why_na["time split"] = f"step {step}: its /metrics were not scraped"
-            src = "n/a"
-        else:
-            times = step_times(before, answered, flushed, uploads_reported=no_uploads is None,
-                               uploads_unreported_why=no_uploads or "")
-            src = image_source(step_reqs, before, flushed)
-        ok_lat = [results[r.index].latency_s for r in step_reqs if results[r.index].ok]
-        step_lat = statistics.fmean(ok_lat) if ok_lat else None
-        cells: list[str] = []
-        if times is not None:
-            named = [("to encoder", times.to_encoder), ("encoder", times.encoder), ("upload", times.upload),
-                     ("p/d front", times.pd_front()), ("wait", times.wait),
-                     ("fetch", times.fetch), ("prefill+decode", times.prefill_decode)]
-            other = times.other(step_lat, parallel=parallel) if step_lat is not None else Part(None, why="no answer")
-            for col, part in [*named, ("other", other)]:
-                if not part.measured and part.why:
-                    why_na.setdefault(col, part.why)
-                cells.append(part.cell())
-        else:
-            cells = ["n/a"] * 8
+        cells, src = _step_cells(step_reqs, results, windows, no_uploads, parallel, why_na)
         for k, r in enumerate(step_reqs):
             got, want = results[r.index], baseline[r.index]
             same, verdict = compare_results(got, want, tolerance)
@@ -247,61 +244,87 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
     out("  front (in the bucket, new to this p/d; the plain server encodes it)")
     for col, why in why_na.items():
         out(f"  {col}: n/a: {why}")
+    return matches
 
+
+def _print_latency(out: Out, requests: Sequence[DemoRequest], baseline: dict[int, ChatResult],
+                   results: dict[int, ChatResult]) -> None:
     ok_base = [baseline[r.index].latency_s for r in requests if baseline[r.index].ok]
     ok_epd = [results[r.index].latency_s for r in requests if results[r.index].ok]
-    if ok_base and ok_epd:
-        med_e, med_b = statistics.median(ok_epd), statistics.median(ok_base)
-        worst = max(results[r.index].latency_s / baseline[r.index].latency_s for r in requests
-                    if results[r.index].ok and baseline[r.index].ok)
-        out("")
-        out(f"  latency     : EPD median {1000 * med_e:.0f} ms vs plain {1000 * med_b:.0f} ms "
-            f"({med_e / med_b:.1f}x); slowest EPD {1000 * max(ok_epd):.0f} ms; worst request {worst:.1f}x its plain time")
-        for line in kind_lines(requests, results, baseline):
-            out(line)
+    if not (ok_base and ok_epd):
+        return
+    med_e, med_b = statistics.median(ok_epd), statistics.median(ok_base)
+    worst = max(results[r.index].latency_s / baseline[r.index].latency_s for r in requests
+                if results[r.index].ok and baseline[r.index].ok)
+    out("")
+    out(f"  latency     : EPD median {1000 * med_e:.0f} ms vs plain {1000 * med_b:.0f} ms "
+        f"({med_e / med_b:.1f}x); slowest EPD {1000 * max(ok_epd):.0f} ms; worst request {worst:.1f}x its plain time")
+    for line in kind_lines(requests, results, baseline):
+        out(line)
 
+
+def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: dict[int, ChatResult],
+                  results: dict[int, ChatResult], windows: Windows, blobs: list[Any] | None, prefix: str,
+                  timings: Mapping[str, float], tolerance: float, *, parallel: bool = False) -> bool:
+    """The per-request table and the totals; True only if every EPD answer equals
+    the baseline's (token ids, and logprobs within ``tolerance``). ``parallel``: the
+    proxy dispatched in parallel (the encoder's hop overlaps prefill/decode)."""
+    requests = [r for step in schedule for r in step]
+    no_uploads = uploads_unreported(windows.final, len(blobs) if blobs is not None else None)
+    matches = _print_requests(out, schedule, baseline, results, windows, no_uploads, tolerance, parallel)
+    _print_latency(out, requests, baseline, results)
+    _print_totals(out, requests, windows, blobs, prefix, no_uploads)
+    return print_verdict(out, matches, len(requests), tolerance, timings, against="the non-disaggregated run",
+                         phase=("EPD", "epd"), verdicts=("the disaggregated answers equal the baseline's",
+                                                         "some disaggregated answers differ from the baseline's"))
+
+
+def _mean_ms(after: MetricSamples, before: MetricSamples, name: str) -> str:
+    total, count = metric_delta(after, before, name + "_sum"), metric_delta(after, before, name + "_count")
+    return "n/a" if total is None or not count else f"{1000 * total / count:.1f} ms"
+
+
+def _print_totals(out: Out, requests: Sequence[DemoRequest], windows: Windows, blobs: list[Any] | None,
+                  prefix: str, no_uploads: str | None) -> None:
+    """What moved: the bucket's new blobs, the encoder's uploads, prefill/decode's lookups
+    and loads, and the proxy's counts, each as the run's delta."""
+    base, final = windows.start, windows.final
     distinct = len({r.image_seed for r in requests if r.kind != FLEET})  # fleet images were published before
-    p, c, x = final.producer, final.consumer, final.proxy
-    bp, bc, bx = base.producer, base.consumer, base.proxy
-
-    def dp(name: str, **labels: str) -> float | None:
-        return metric_delta(p, bp, name, **labels)
-
-    def dc(name: str, **labels: str) -> float | None:
-        return metric_delta(c, bc, name, **labels)
-
-    def dx(name: str, **labels: str) -> float | None:
-        return metric_delta(x, bx, name, **labels)
-
-    def mean_ms(after: MetricSamples, before: MetricSamples, name: str) -> str:
-        total, count = metric_delta(after, before, name + "_sum"), metric_delta(after, before, name + "_count")
-        return "n/a" if total is None or not count else f"{1000 * total / count:.1f} ms"
-
+    p, bp = final.producer, base.producer
     out(f"  totals of the {len(requests)} requests (the warm-up request excluded):")
-    new_blobs = None
     if blobs is None:
         out("  bucket      : n/a (listing failed)")
     else:
         known = base.blobs or frozenset()
         fresh = [o for o in blobs if o.key not in known]
-        new_blobs = len(fresh)
-        flag = "" if new_blobs == distinct else "   <-- expected one per distinct image"
-        out(f"  bucket      : {new_blobs} new blobs, {fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
-            f"for {distinct} distinct images{flag} (+{len(blobs) - new_blobs} from the warm-up"
+        flag = "" if len(fresh) == distinct else "   <-- expected one per distinct image"
+        out(f"  bucket      : {len(fresh)} new blobs, {fmt_bytes(sum(o.size for o in fresh))} under {prefix}/ "
+            f"for {distinct} distinct images{flag} (+{len(blobs) - len(fresh)} from the warm-up"
             f"{' and the other front' if any(r.kind == FLEET for r in requests) else ''})")
     if no_uploads is None:
+        def dp(name: str) -> float | None:
+            return metric_delta(p, bp, name)
+
         out(f"  encoder     : uploaded {fmt_num(dp(M_UPLOADED))} blobs / {fmt_bytes(dp(M_UPLOADED_BYTES))}"
-            f", mean upload {mean_ms(p, bp, M_UPLOAD_S)}, upload failures {fmt_num(dp(M_UPLOAD_FAILURES))}"
+            f", mean upload {_mean_ms(p, bp, M_UPLOAD_S)}, upload failures {fmt_num(dp(M_UPLOAD_FAILURES))}"
             f", retries {fmt_num(dp(M_RETRIES))}")
     else:
         out("  encoder     : uploads n/a (why: see upload above)")
+    _print_consumer_totals(out, final.consumer, base.consumer)
+    _print_proxy_totals(out, final.proxy, base.proxy)
+
+
+def _print_consumer_totals(out: Out, c: MetricSamples, bc: MetricSamples) -> None:
+    def dc(name: str, **labels: str) -> float | None:
+        return metric_delta(c, bc, name, **labels)
+
     loaded, downloaded = dc(M_LOADED), dc(M_DOWNLOADED)
     hit, miss, tmo, err = (dc(M_LOOKUPS, outcome=o) for o in ("hit", "miss", "timeout", "error"))
     polled = dc(M_POLLS, outcome="miss")
     out(f"  prefill/dec : lookups hit {fmt_num(hit)} / miss {fmt_num(miss)} / timeout {fmt_num(tmo)}"
         f" / error {fmt_num(err)} ({lookup_hit_rate(hit, miss, tmo, err)}; one per image a request asked for,"
         f" besides {fmt_num(polled)} polls that found nothing yet); downloaded {fmt_num(downloaded)} blobs / "
-        f"{fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {mean_ms(c, bc, M_DOWNLOAD_S)})")
+        f"{fmt_bytes(dc(M_DOWNLOADED_BYTES))} (mean {_mean_ms(c, bc, M_DOWNLOAD_S)})")
     if loaded is not None and downloaded and not c.get(M_LOADED):
         loaded_text = (f"loaded n/a: the consumer's {M_LOADED} stayed 0 for the whole run while it downloaded "
                        f"{fmt_num(downloaded)} blobs: ec-s3's worker-side metrics are not reported by this "
@@ -311,25 +334,23 @@ def print_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline:
     out(f"                {loaded_text}")
     out(f"                local fallbacks {fmt_num(dc(M_FALLBACKS))}; requests failed for want of a blob "
         f"{fmt_num(dc(M_UNAVAILABLE))}; invalid blobs {fmt_num(dc(M_INVALID))}")
-    without = dx(P + "items_without_params_total")
-    out(f"  proxy       : {fmt_num(dx(P + 'requests_total'))} requests, "
-        f"{fmt_num(dx(P + 'mm_items_total'))} media items; encoder answers ok "
-        f"{fmt_num(dx(P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
-        f"{fmt_num(without if without is not None else (0.0 if x.ok else None))}")
 
+
+def _print_proxy_totals(out: Out, x: MetricSamples, bx: MetricSamples) -> None:
     def dx0(name: str, **labels: str) -> str:  # a series not created yet is 0 on a proxy that answered
-        v = dx(name, **labels)
+        v = metric_delta(x, bx, name, **labels)
         return fmt_num(v if v is not None else (0.0 if x.ok else None))
 
+    out(f"  proxy       : {fmt_num(metric_delta(x, bx, P + 'requests_total'))} requests, "
+        f"{fmt_num(metric_delta(x, bx, P + 'mm_items_total'))} media items; encoder answers ok "
+        f"{fmt_num(metric_delta(x, bx, P + 'encoder_requests_total', outcome='ok'))}, items sent without params "
+        f"{dx0(P + 'items_without_params_total')}")
     out(f"                metadata-only items sent to prefill/decode (no image to decode or process there): "
         f"{dx0(P + 'metadata_only_items_total')}")
     out(f"                encoder skips (items known to be in the bucket, no encoder request): "
         f"{dx0(P + 'encoder_skips_total', source='answer')} from its encoder's answers, "
         f"{dx0(P + 'encoder_skips_total', source='bucket')} found by a HEAD; "
         f"forgotten as missing {dx0(P + 'known_forgotten_total', reason='missing')}")
-    return print_verdict(out, matches, len(requests), tolerance, timings, against="the non-disaggregated run",
-                         phase=("EPD", "epd"), verdicts=("the disaggregated answers equal the baseline's",
-                                                         "some disaggregated answers differ from the baseline's"))
 
 
 def print_verdict(out: Out, matches: int, total: int, tolerance: float, timings: Mapping[str, float], *,
