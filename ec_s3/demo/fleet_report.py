@@ -156,21 +156,14 @@ def _step_cells(before: FleetSnapshot, after: FleetSnapshot, urls: Mapping[str, 
     return served, "; ".join(f"{name}: {did(name, int(sum(p.values())))}" for name, p in picks.items()), None
 
 
-def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: Mapping[int, ChatResult],
-                        results: Mapping[int, ChatResult], windows: FleetWindows, urls: Mapping[str, str],
-                        published: Mapping[int, str], blobs: list[Any] | None, prefix: str,
-                        timings: Mapping[str, float], tolerance: float) -> bool:
-    """The per-request table, the per-server counts and the claim; True only if every
-    answer equals the baseline's (token ids, logprobs within ``tolerance``).
-    ``urls``: server name -> URL (the proxy's upstream label); ``published``: image seed
-    -> the server that published it for another front before the schedule."""
-    requests = [r for step in schedule for r in step]
-    names = list(urls)
+def _print_requests(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: Mapping[int, ChatResult],
+                    results: Mapping[int, ChatResult], windows: FleetWindows, urls: Mapping[str, str],
+                    published: Mapping[int, str], loads: Mapping[str, bool], tolerance: float,
+                    repeats: dict[str, int]) -> int:
+    """The per-request table and its legend; counts where each repeat went into
+    ``repeats`` and returns how many answers equal the baseline's."""
     rows, matches = [], 0
-    start, final = windows.start, windows.final
-    loads = {name: worker_reported(final.servers[name]) for name in names}
     holder: dict[int, str] = dict(published)  # image seed -> the server that encoded or published it
-    repeats: dict[str, int] = {"holder": 0, "other": 0, "unknown": 0}
     prev = windows.published
     for step_reqs in schedule:
         snap = windows.steps.get(step_reqs[0].step)
@@ -204,11 +197,17 @@ def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], bas
     out(f"  schedule, fleet = published before the schedule as for another front of this fleet ({pub or 'none'});")
     out("  cached = neither encoded nor loaded: vLLM's encoder cache on that server still held it; GET unused =")
     out("  the connector fetched the blob all the same (a server waits for the GET of an image it published)")
+    return matches
 
+
+def _print_servers(out: Out, windows: FleetWindows, urls: Mapping[str, str],
+                   loads: Mapping[str, bool]) -> dict[str, float | None]:
+    """Each server's counts over the phase; returns the fleet's totals (None: n/a on some server)."""
+    start, final = windows.start, windows.final
     out("")
     out("  per server, over the phase (warm-ups excluded, the publishing for another front included):")
     totals: dict[str, float | None] = {"encoded": 0.0, "loaded": 0.0, "downloaded": 0.0, "uploaded": 0.0}
-    for name in names:
+    for name in urls:
         c = server_counts(start.servers[name], final.servers[name], loads_reported=loads[name])
         picks = _picks(windows.published, final, {name: urls[name]}).get(name, {})
         for key, total in totals.items():
@@ -221,12 +220,45 @@ def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], bas
             f"{fmt_num(c.lookup_misses)}), uploaded {fmt_num(c.uploaded)} blobs / "
             f"{fmt_bytes(c.uploaded_bytes)}; local fallbacks "
             f"{fmt_num(c.fallbacks)}; {urls[name]}")
+    return totals
+
+
+def _print_latency(out: Out, requests: Sequence[DemoRequest], baseline: Mapping[int, ChatResult],
+                   results: Mapping[int, ChatResult]) -> None:
+    ok_pairs = [(results[r.index].latency_s, baseline[r.index].latency_s) for r in requests
+                if results[r.index].ok and baseline[r.index].ok]
+    if not ok_pairs:
+        return
+    med_f, med_b = statistics.median(f for f, _ in ok_pairs), statistics.median(b for _, b in ok_pairs)
+    out(f"  latency     : fleet median {1000 * med_f:.0f} ms vs plain {1000 * med_b:.0f} ms ({med_f / med_b:.2f}x)")
+    for kind in (FRESH, AGAIN, FLEET):
+        pairs = [(results[r.index].latency_s, baseline[r.index].latency_s) for r in requests
+                 if r.kind == kind and results[r.index].ok and baseline[r.index].ok]
+        if pairs:
+            f, b = statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
+            out(f"    {kind:<9} : fleet median {1000 * f:.0f} ms vs plain {1000 * b:.0f} ms "
+                f"({f / b:.2f}x, {len(pairs)} requests)")
+
+
+def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], baseline: Mapping[int, ChatResult],
+                        results: Mapping[int, ChatResult], windows: FleetWindows, urls: Mapping[str, str],
+                        published: Mapping[int, str], blobs: list[Any] | None, prefix: str,
+                        timings: Mapping[str, float], tolerance: float) -> bool:
+    """The per-request table, the per-server counts and the claim; True only if every
+    answer equals the baseline's (token ids, logprobs within ``tolerance``).
+    ``urls``: server name -> URL (the proxy's upstream label); ``published``: image seed
+    -> the server that published it for another front before the schedule."""
+    requests = [r for step in schedule for r in step]
+    loads = {name: worker_reported(windows.final.servers[name]) for name in urls}
+    repeats: dict[str, int] = {"holder": 0, "other": 0, "unknown": 0}
+    matches = _print_requests(out, schedule, baseline, results, windows, urls, published, loads, tolerance, repeats)
+    totals = _print_servers(out, windows, urls, loads)
     distinct = len({r.image_seed for r in requests})
     encoded = totals["encoded"]
     verdict = ("each encoded once" if encoded == distinct
                else "n/a: a server exports no ec-s3 counters" if encoded is None
                else f"<-- expected {distinct}: one encode per distinct image")
-    out(f"  encoded     : {fmt_num(encoded)} items across the {len(names)} servers for {distinct} distinct images "
+    out(f"  encoded     : {fmt_num(encoded)} items across the {len(urls)} servers for {distinct} distinct images "
         f"sent: {verdict}")
     out(f"                and {fmt_num(totals['loaded'])} loaded from the bucket ({fmt_num(totals['downloaded'])} GETs), "
         f"{fmt_num(totals['uploaded'])} blobs published (both servers)")
@@ -237,24 +269,12 @@ def print_fleet_summary(out: Out, schedule: Sequence[Sequence[DemoRequest]], bas
     if blobs is None:
         out("  bucket      : n/a (listing failed)")
     else:
-        known = start.blobs or frozenset()
+        known = windows.start.blobs or frozenset()
         new = [o for o in blobs if o.key not in known]
         flag = "" if len(new) == distinct else f"   <-- expected {distinct}: one per distinct image"
         out(f"  bucket      : {len(new)} new blobs, {format_bytes(sum(o.size for o in new))} under {prefix}/ for "
             f"{distinct} distinct images{flag} (+{len(blobs) - len(new)} from the warm-ups)")
-
-    ok_pairs = [(results[r.index].latency_s, baseline[r.index].latency_s) for r in requests
-                if results[r.index].ok and baseline[r.index].ok]
-    if ok_pairs:
-        med_f, med_b = statistics.median(f for f, _ in ok_pairs), statistics.median(b for _, b in ok_pairs)
-        out(f"  latency     : fleet median {1000 * med_f:.0f} ms vs plain {1000 * med_b:.0f} ms ({med_f / med_b:.2f}x)")
-        for kind in (FRESH, AGAIN, FLEET):
-            pairs = [(results[r.index].latency_s, baseline[r.index].latency_s) for r in requests
-                     if r.kind == kind and results[r.index].ok and baseline[r.index].ok]
-            if pairs:
-                f, b = statistics.median(x for x, _ in pairs), statistics.median(y for _, y in pairs)
-                out(f"    {kind:<9} : fleet median {1000 * f:.0f} ms vs plain {1000 * b:.0f} ms "
-                    f"({f / b:.2f}x, {len(pairs)} requests)")
+    _print_latency(out, requests, baseline, results)
     return print_verdict(out, matches, len(requests), tolerance, timings, against="the plain server's",
                          phase=("aggregated", "aggregated"),
                          verdicts=("the aggregated fleet's answers equal the baseline's",
