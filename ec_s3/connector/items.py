@@ -289,7 +289,7 @@ class RequestState:
     # Keys of items marked present that the bucket did not have: reported in the answer.
     gone: set[str] = dataclasses.field(default_factory=set)
     decided: set[str] = dataclasses.field(default_factory=set)  # identifiers whose lookup outcome is counted
-    saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published under its key
+    saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published (or found) under its key
 
     def forget(self, identifier: str) -> None:
         """The request will not read ``identifier``'s item (any more)."""

@@ -233,6 +233,13 @@ class ECS3Scheduler:
             if self._hold(state, identifier, item):
                 self._stop_waiting(state, identifier, now)
                 self._decided(state, identifier, "hit")
+                if self._is_producer and item.key == self._model.keyspace.key_for(
+                    identifier, cache_salt=state.request.cache_salt
+                ):
+                    # Its own key holds the blob: its promise holds, even where vLLM then
+                    # serves it from an output encoded from another tenant's media (that
+                    # request's miss was answered first) and never asks has_cache_item.
+                    state.saved.add(identifier)
                 return decision
             decision = self._decide(state, feature, key, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
