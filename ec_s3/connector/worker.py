@@ -286,11 +286,6 @@ class ECS3Worker:
         self._host_reported = True
         return ECS3WorkerMetadata(failed_loads=failed, hosts={self._host})
 
-    def flush_stats(self) -> None:
-        """Mirror the counters to the scheduler side now (they also go every 0.5 s)."""
-        if self._stats_writer is not None:
-            self._stats_writer.flush(force=True)
-
     def take_stats(self) -> ECS3Stats | None:
         """Nothing: worker counters reach vLLM through the scheduler side (shared memory),
         whether or not this vLLM version asks workers; asking twice would count twice."""

@@ -83,7 +83,6 @@ class HostBufferPool:
         self.held = 0
         self.peak = 0
         self.allocations = 0
-        self.evictions = 0
         # size class -> idle buffers, most recently returned last (reused first: warm pages).
         self._idle: dict[int, list[HostBuffer]] = collections.defaultdict(list)
         # classes in the order their idle buffers were last touched, oldest first (eviction order)
@@ -197,7 +196,6 @@ class HostBufferPool:
             bufs = self._idle[oldest]
             bufs.pop(0)
             self.held -= oldest
-            self.evictions += 1
             if not bufs:
                 del self._idle[oldest]
                 del self._idle_order[oldest]

@@ -125,7 +125,6 @@ class BlobPublisher:
         self._deferred = False
         base = BlobLayout.plan(BlobMeta("", torch.float32, (1 << 62,) * 4, namespace, producer))
         self._header_base = len(base.header) + _HEADER_MARGIN
-        self.wakeups = 0  # wake-ups posted to the loop (tests, benches)
         # Called on the loop each time the last upload in flight is done (the worker
         # flushes its stats snapshot then: ec_s3.transfer.shared_stats).
         self.on_idle: Callable[[], None] | None = None
@@ -195,7 +194,6 @@ class BlobPublisher:
         """Ask the loop to drain the queue; False if the loop is gone (then every queued
         job ends here, counted)."""
         self._wake_pending = True
-        self.wakeups += 1
         try:
             self._store.background.call_soon(self._drain)
         except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown): never crash the step
