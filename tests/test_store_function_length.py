@@ -41,7 +41,7 @@ def test_no_store_function_is_over_50_lines() -> None:
 def test_the_scan_reads_the_store() -> None:
     """An empty answer above means short functions, not a scan that saw none."""
     seen = dict(_all_functions(STORE))
-    assert len(seen) > 100 and "client:S3Store.__init__" in seen
+    assert len(seen) > 100 and len({name.split(":")[0] for name in seen}) > 10
 
 
 def test_the_rule_catches_a_long_function(tmp_path: Path) -> None:
