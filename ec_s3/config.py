@@ -1,16 +1,10 @@
 """Typed, validated configuration of ec-s3.
 
-vLLM hands a connector an untyped ``ec_connector_extra_config`` dict, whose values may
-arrive as JSON numbers or as strings from a CLI flag. Every key is declared once here
-(type, default, bounds, one-line doc) so that parsing, validation, error messages and
-the table in docs/config.md cannot drift apart. A bad or unknown key fails at start-up with an
-error that names it; secrets never appear in a repr, a log line or an error.
-
-Credentials given in ``ec_connector_extra_config`` are visible to anyone who can read
-the engine's command line (``/proc/<pid>/cmdline``) and vLLM prints them in its
-``non-default args`` log line, so credential keys also accept a *reference*:
-``env:NAME`` (read from that environment variable) or ``file:/path`` (the file's
-contents, trailing newline stripped). A literal secret still works, with a warning.
+Every key of ``ec_connector_extra_config`` is declared once here (type, default, bounds,
+one-line doc), so parsing, validation, errors and the table in docs/config.md cannot
+drift apart. A bad or unknown key fails at start-up naming it; secrets never appear in a
+repr, log line or error, and credential keys accept ``env:NAME`` / ``file:/path``
+references. Does not own how one value is parsed (:mod:`ec_s3.config_values`).
 """
 
 from __future__ import annotations
@@ -133,7 +127,7 @@ class ECS3Config:
     )
     # vLLM's CPU backend pins every thread of a worker to its OMP cores (one core per
     # worker by default): the I/O thread, started there, would share that core with the
-    # model step and its busy-wait after each step (NOTES.md; bench/epd_stack.py measures
+    # model step and its busy-wait after each step (bench/epd_stack.py measures
     # what that costs an upload). GPU workers are not pinned: `auto` changes nothing there.
     io_cpus: str = dataclasses.field(
         default="auto",
@@ -241,7 +235,7 @@ class ECS3Config:
         metadata=_doc("Consumer: `always` look up every item in the bucket, or only items `promised` in `ec_transfer_params`."),
     )
     # 5 s: about 3x the p99 time from save_caches to a visible 64 MiB blob
-    # (bench/producer_save.py; today's numbers in bench/results/summary.md). A promise
+    # (measured by a producer-save bench since retired; docs/operations.md). A promise
     # later than that is a dead or overloaded producer; waiting longer (30 s was the old
     # default) only adds the wait to the request.
     promised_wait_s: float = dataclasses.field(

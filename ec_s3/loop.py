@@ -1,12 +1,8 @@
 """One asyncio event loop per process, in a daemon thread, for all of ec-s3's I/O.
 
-vLLM calls the connector from its engine loop (scheduler side) and its model step
-(worker side), neither of which may wait on the network. Both hand coroutines to
-this loop and get ``concurrent.futures.Future`` objects back. One loop per process
-(recreated after ``fork``) keeps the thread count and connection pools small when a
-scheduler-role and a worker-role connector share a process. Owns that thread,
-including which CPUs it may run on (``io_cpus``, applied by the connector); does
-not own what runs on it.
+vLLM's engine loop and model step hand coroutines to it and get futures back; one loop
+per process (recreated after ``fork``) keeps threads and pools few. Owns that thread and
+which CPUs it may run on (``io_cpus``); does not own what runs on it.
 """
 
 from __future__ import annotations

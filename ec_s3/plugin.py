@@ -1,14 +1,9 @@
 """vLLM general plugin: makes ``"ec_connector": "ECS3Connector"`` a shortcut.
 
-vLLM loads every ``vllm.general_plugins`` entry point in each of its processes, so
-the name works without ``ec_connector_module_path``. vLLM's factory looks a name up in
-its registry *before* it reads ``ec_connector_module_path``; registering the name alone
-would therefore make an explicit module path silently ignored (someone who wraps or
-subclasses the connector under the same class name would get ours). So the plugin
-also gives the module path precedence, for this one name only: with
-``ec_connector_module_path`` set, exactly ``<module>.ECS3Connector`` is loaded, as
-vLLM does for every unregistered name. Owns the registration only; nothing of the
-connector is imported until vLLM asks for the class.
+Registers the name in vLLM's connector registry in each vLLM process, and gives
+``ec_connector_module_path`` precedence for this one name (vLLM's factory would otherwise
+ignore an explicit module path). Owns the registration only; nothing of the connector is
+imported until vLLM asks for the class.
 """
 
 from __future__ import annotations

@@ -56,22 +56,32 @@ def test_every_fetch_result_maps_to_one_state(result: Any, state: ItemState, rea
     assert item.outage is isinstance(result, Failed)
 
 
-@pytest.mark.parametrize(("result", "counter", "transient"), [
-    (_staged(), "polls_hit", False),
-    (Present(size=10), "polls_hit", False),
-    (Missing(), "polls_miss", False),
-    (Invalid("bad magic"), None, False),
-    (Failed("503", transient=True), "store_errors", True),
-    (Failed("403"), "store_errors", False),
-    (NoSpace(), None, False),
-])
-def test_apply_returns_the_one_classification(result: Any, counter: str | None, transient: bool) -> None:
-    """The scheduler counts and logs from what apply classified, never from the class."""
-    outcome = _looking().apply(result, now=1.0)
-    assert outcome == items.classify(result)
-    assert (outcome.counter, outcome.transient) == (counter, transient)
-    assert outcome.state in items.ANSWERS
-    assert items.ANSWERS == TRANSITIONS[ItemState.LOOKING]
+_RESULTS = [
+    (_staged(), ItemState.STAGED, "polls_hit", False),
+    (Present(size=10), ItemState.PRESENT, "polls_hit", False),
+    (Missing(), ItemState.MISSING, "polls_miss", False),
+    (Invalid("bad magic"), ItemState.INVALID, None, False),
+    (Failed("503", transient=True), ItemState.FAILED, "store_errors", True),
+    (Failed("403"), ItemState.FAILED, "store_errors", False),
+    (NoSpace(), ItemState.NO_SPACE, None, False),
+]
+
+
+@pytest.mark.parametrize(("result", "state", "counter", "transient"), _RESULTS)
+def test_apply_returns_the_one_classification(result: Any, state: ItemState, counter: str | None,
+                                              transient: bool) -> None:
+    """The scheduler counts and logs from what apply classified, never from the class:
+    apply's answer is the state it moved the item to, with that answer's counter."""
+    item = _looking()
+    outcome = item.apply(result, now=1.0)
+    assert (outcome.state, outcome.counter, outcome.transient) == (state, counter, transient)
+    assert item.state is outcome.state
+
+
+def test_a_lookup_answers_exactly_the_answer_states() -> None:
+    """``ANSWERS`` (what a LOOKING item may become) is what the fetch results map to:
+    no answer state that no result reaches, no result that lands outside it."""
+    assert {items.classify(result).state for result, *_ in _RESULTS} == items.ANSWERS
 
 
 def test_illegal_transitions_raise_when_strict_and_are_logged_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:

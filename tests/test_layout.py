@@ -19,6 +19,8 @@ cannot be broken by a lazy import either:
 from __future__ import annotations
 
 import ast
+import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -230,10 +232,29 @@ def test_no_import_cycles() -> None:
     assert cycles == []
 
 
+# A module docstring says what the module owns and what it does not, in at most this
+# many lines; reasons, history and figures go to docs/architecture.md (issue 43).
+MAX_DOC_LINES = 8
+# Packages whose docstrings are being shortened in other work (issue 43): held to the
+# median below, not yet to the cap. Remove a package once its docstrings fit.
+LONG_DOCS_PENDING = ("ec_s3.store", "ec_s3.proxy", "ec_s3.sandbox")
+
+
+def _module_doc(mod: str) -> str:
+    return ast.get_docstring(ast.parse(MODULES[mod].read_text())) or ""
+
+
 @pytest.mark.parametrize("mod", sorted(MODULES))
 def test_every_module_says_what_it_owns(mod: str) -> None:
-    doc = ast.get_docstring(ast.parse(MODULES[mod].read_text()))
-    assert doc and len(doc) >= 40, f"{mod} has no docstring saying what it owns"
+    doc = _module_doc(mod)
+    assert doc, f"{mod} has no docstring saying what it owns"
+    if not mod.startswith(LONG_DOCS_PENDING):
+        assert len(doc.splitlines()) <= MAX_DOC_LINES, f"{mod}: move the reasons to docs/architecture.md"
+
+
+def test_median_module_docstring_is_at_most_8_lines() -> None:
+    lengths = sorted(len(_module_doc(mod).splitlines()) for mod in MODULES)
+    assert statistics.median(lengths) <= MAX_DOC_LINES
 
 
 def test_rules_catch_a_violation(tmp_path: Path) -> None:
@@ -259,3 +280,49 @@ def test_contributing_tree_is_current() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.block() in (PKG.parent / "CONTRIBUTING.md").read_text(), "run scripts/module_tree.py"
+
+
+# A path a docstring cites in this repository: under one of its top-level folders (or
+# a package of ec_s3/, read from there), or one of its top-level files. NOTES.md is a
+# team file outside the repository: a docstring citing it points at nothing a reader has.
+_REPO_DIRS = ("ec_s3", "bench", "tests", "docs", "scripts", "deploy", ".ci")
+_PATH = re.compile(
+    r"(?<![\w./-])((?:" + "|".join(re.escape(d) for d in _REPO_DIRS + TOOLS + ("connector", "transfer", "store", "blob"))
+    + r")/[\w./-]*[\w/]|(?:README|CONTRIBUTING|NOTES)\.md|compose\.yaml|pyproject\.toml)"
+)
+
+
+def _docstrings(tree: ast.AST) -> Iterator[str]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                yield doc
+
+
+def cited_paths(doc: str) -> Iterator[str]:
+    for match in _PATH.finditer(doc):
+        yield match.group(1).rstrip(".")
+
+
+def _exists(cited: str) -> bool:
+    root = PKG.parent
+    return (root / cited).exists() or (PKG / cited).exists()
+
+
+def test_every_path_a_docstring_cites_exists() -> None:
+    missing = sorted(
+        f"{mod}: {cited}"
+        for mod, path in MODULES.items()
+        for doc in _docstrings(ast.parse(path.read_text()))
+        for cited in cited_paths(doc)
+        if not _exists(cited)
+    )
+    assert missing == []
+
+
+def test_a_cited_path_is_found_and_checked() -> None:
+    doc = "See ec_s3/connector/items.py, ``bench/gone.py``, NOTES.md, store/client.py and vLLM's v1/core/x.py."
+    found = list(cited_paths(doc))
+    assert found == ["ec_s3/connector/items.py", "bench/gone.py", "NOTES.md", "store/client.py"]
+    assert [_exists(p) for p in found] == [True, False, False, True]

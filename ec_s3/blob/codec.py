@@ -1,17 +1,10 @@
 """The blob format: one encoder output as a standard safetensors file.
 
-A blob is readable by stock ``safetensors.torch.load`` (one tensor named
-``ec_cache``, as vLLM's disk connector writes, plus string metadata), but ec-s3
-writes and reads it itself so that neither side makes a needless copy:
-
-* encoding plans the header from (dtype, shape, metadata) alone, so a producer can
-  allocate one buffer ``[header | data]`` and copy the tensor straight into it; the
-  buffer *is* the upload body;
-* decoding validates the header before touching the data and returns a tensor that
-  is a view of the downloaded buffer.
-
-Everything read from the bucket is untrusted: any deviation from exactly what the
-caller expects raises :class:`BlobError`, never a crash and never a wrong tensor.
+Readable by stock ``safetensors.torch.load`` (one tensor ``ec_cache`` plus string
+metadata), but written and read here without needless copies: the header is planned from
+(dtype, shape, metadata) alone so the upload body is one buffer, and decoding returns a
+view of the downloaded buffer. Everything read is untrusted: any deviation raises
+:class:`BlobError`.
 """
 
 from __future__ import annotations

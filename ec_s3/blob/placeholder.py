@@ -1,12 +1,9 @@
 """An item's placeholder metadata as stored with its blob: the S3 object metadata a
-producer writes and a proxy's HEAD reads (:data:`~ec_s3.blob.format.PLACEHOLDER_METADATA_KEY`).
+producer writes and a proxy's HEAD reads.
 
-``{"modality": "image", "metadata": {"image_grid_thw": [1, 70, 70]}}`` as compact JSON:
-vLLM's ``ec_transfer_params`` entry reduced to what a metadata-only part needs. Both
-directions check the shape (a modality name, and metadata of numbers or arrays of
-numbers) and the size, so a bucket object can never make a proxy send anything else.
-
-Owns the encoding and its checks. No I/O, no torch.
+``{"modality": "image", "metadata": {"image_grid_thw": [1, 70, 70]}}`` as compact JSON.
+Owns the encoding and its shape and size checks, both ways, so a bucket object can never
+make a proxy send anything else. No I/O, no torch.
 """
 
 from __future__ import annotations

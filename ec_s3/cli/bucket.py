@@ -1,14 +1,10 @@
 """``ec-s3 stats`` and ``ec-s3 gc``: what the cache holds, and deleting what is old.
 
-Owns the per-namespace summary (counts, bytes, age classes), the choice of what gc
-deletes (:func:`plan_gc`, pure) and the batched deletes, with their reports and
-printing. Does not own the lifecycle-rule variant of gc (:mod:`ec_s3.cli.lifecycle`),
-the gc of incomplete multipart uploads (:mod:`ec_s3.cli.uploads`),
-the listing walk (:mod:`ec_s3.cli.listing`) nor retries (the store's).
-
-Ages are since an object was written: S3 keeps no access time. The probe objects of
-start-up checks, ``ec-s3 check`` and ``ec-s3 bench`` (``<prefix>/_ec_s3_probe/``) are
-not a namespace: stats leaves them out.
+Owns the per-namespace summary (counts, bytes, ages since written; the probe objects are
+not a namespace), what gc deletes (:func:`plan_gc`, pure) and the batched deletes, with
+their reports. Does not own gc by lifecycle rule (:mod:`ec_s3.cli.lifecycle`), of
+incomplete uploads (:mod:`ec_s3.cli.uploads`), the listing (:mod:`ec_s3.cli.listing`) nor
+retries (the store's).
 """
 
 from __future__ import annotations

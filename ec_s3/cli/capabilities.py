@@ -1,22 +1,11 @@
 """What the endpoint of ``ec-s3 check`` can do, and what ec-s3 does where it cannot.
 
-Owns the capability probes (ranged GET; ``If-None-Match: *`` honoured on PUT and on
-CompleteMultipartUpload; multipart upload; a wrong ``x-amz-checksum-crc32`` refused;
-TLS and the CA trusted; region; clock skew from the server's ``Date``), their rows and
-the table. The probes talk to the S3 client directly (each call with a timeout, no
-retries: one answer is the evidence) under ``<prefix>/_ec_s3_probe/``, and remove what
-they wrote (probe objects deleted, probe uploads aborted) on every way out. With
-``read_only`` only reads are probed; the writing rows say they were skipped.
-
-Correctness never depends on these: ec-s3 writes with ``If-None-Match: *`` where it is
-honoured, but blob keys are content digests, so an overwrite stores the same bytes, and
-later ranges of a multi-part GET carry ``If-Match`` with the first answer's ETag, so a
-blob replaced between ranges is never read as a blend. What a missing capability costs
-is said per row (``action``).
-
-Does not own the access check around it (:mod:`ec_s3.cli.check`) nor how the client
-resolves the region and the CA (:func:`ec_s3.store.connection.resolve_endpoint`, whose
-answer the TLS and region rows show).
+Owns the capability probes (ranged GET, conditional PUT and Complete, multipart, checksum
+refusal, TLS and CA, region, clock skew), their rows and the table; the probes write under
+``<prefix>/_ec_s3_probe/`` and remove what they wrote. Correctness never depends on them:
+each row says what a missing capability costs. Does not own the access check around it
+(:mod:`ec_s3.cli.check`) nor how the client resolves region and CA
+(:func:`ec_s3.store.connection.resolve_endpoint`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Listing a bucket the way the commands need it: whole prefixes, one page, or the
 namespaces (first key segments) under ``<prefix>/``.
 
-Owns the walk over ListObjectsV2 pages and what a key's namespace is. Does not own
-what is done with the objects (``stats``, ``gc``, ``inspect`` decide), nor retries or
-errors (the store's).
-
-Sync functions take an :class:`~ec_s3.store.client.S3Store` and block on its
-background loop; the ``*_async`` variants are for code already on that loop.
+Owns the walk over ListObjectsV2 pages and what a key's namespace is; ``*_async``
+variants are for code on the store's loop. Does not own what is done with the objects,
+nor retries or errors (the store's).
 """
 
 from __future__ import annotations

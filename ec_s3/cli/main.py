@@ -1,17 +1,9 @@
 """``ec-s3``: the operator's command line for an ec-s3 bucket.
 
-Subcommands: ``check`` (prove a config works), ``stats`` (what the cache holds),
-``gc`` (delete old blobs or install a lifecycle rule), ``inspect`` (validate one
-blob), ``bench`` (a quick transfer check), and ``proxy`` / ``demo`` (passed through to
-their own ``main(argv)``).
-
-Owns the top-level parser, the dispatch to a command, the pass-throughs and the
-errors every command can end with (bad configuration, a store error, a timeout,
-Ctrl-C). Does not own any command: each lives in its own module
-(:mod:`~ec_s3.cli.check`, :mod:`~ec_s3.cli.bucket` for stats and gc,
-:mod:`~ec_s3.cli.lifecycle`, :mod:`~ec_s3.cli.blobs` for inspect,
-:mod:`~ec_s3.cli.bench`) with its parser, its work and its printing. Importing it
-imports neither vLLM nor torch (``inspect`` imports torch when it reads a blob).
+Owns the top-level parser, the dispatch to ``check``, ``stats``, ``gc``, ``inspect``,
+``bench`` and the ``proxy`` / ``demo`` pass-throughs, and the errors every command can
+end with. Does not own any command: each lives in its own module with its parser, work
+and printing. Imports neither vLLM nor torch.
 """
 
 from __future__ import annotations

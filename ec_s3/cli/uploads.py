@@ -1,12 +1,9 @@
 """``ec-s3 gc --uploads``: report and abort stale incomplete multipart uploads under the prefix.
 
-An upload that was neither completed nor aborted (a producer killed mid-upload, an
-abort that kept failing) keeps its parts in the bucket, billed and invisible to
-ListObjects, until someone aborts it. Owns the choice of which go (:func:`plan_uploads`,
-pure: started at least ``--older-than`` ago, default one day, since ec-s3's own uploads
-finish in seconds), the aborts, their report and its printing. Does not own listing or
-aborting one upload (:mod:`ec_s3.store.multipart`), the blob gc (:mod:`ec_s3.cli.bucket`)
-nor the lifecycle rule that does this server-side (:mod:`ec_s3.cli.lifecycle`).
+An upload neither completed nor aborted keeps its parts billed and invisible until
+aborted. Owns which go (:func:`plan_uploads`, pure: older than ``--older-than``, default a
+day), the aborts and their report. Does not own listing or aborting one upload
+(:mod:`ec_s3.store.multipart`), the blob gc nor the lifecycle rule.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Admission as a decision: for one item of one request, what the scheduler does next.
 
-:meth:`Admission.decide` is a pure function of what is known at one moment (the item's
-state, the request's promise, whether the request carries the media, when its wait
-began, whether this engine's workers read staging, the time) and of the role's policy
-(the configuration, and for a consumer the size of staging). It answers with one
-:class:`Decision`: a hit, a wait, a lookup to start first, local encoding, or "the store
-cannot serve it" with the reason and the counter to bump. A producer and a consumer
-each have their own policy (:class:`ProducerAdmission`, :class:`ConsumerAdmission`, and
-:class:`AggregatedAdmission` for an engine that is both), so the rules of one role never
-ask which role they serve.
-
-Owns the admission rules, the wait budgets and the lookup timing (when a finished
-lookup may run again, :func:`promise_poll_interval`). Does not apply a decision: the
-item table, counters, lookups, staging pins and the request's state are changed by
-:mod:`ec_s3.connector.scheduler`; the item state machine is :mod:`ec_s3.connector.items`'s.
-No I/O, no clock: the caller passes the time.
-
-A promise is *pending* (an encoder is encoding the item: a miss means "not yet", polled
-within ``promised_wait_s``) or *present* (the proxy knew the blob was in the bucket: a
-miss seen since the request came means it was deleted, and is answered at once).
+:meth:`Admission.decide` is a pure function of what is known at one moment and of the
+role's policy (:class:`ProducerAdmission`, :class:`ConsumerAdmission`,
+:class:`AggregatedAdmission`); it answers one :class:`Decision`. Owns the admission rules,
+the wait budgets and the lookup timing. Does not apply a decision
+(:mod:`ec_s3.connector.scheduler`) nor own the item states (:mod:`ec_s3.connector.items`).
+No I/O, no clock. Pending and present promises: the glossary in docs/architecture.md.
 """
 
 from __future__ import annotations

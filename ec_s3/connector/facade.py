@@ -1,17 +1,10 @@
 """ECS3Connector: vLLM's encoder-cache connector API over an S3 bucket.
 
-A switchboard, as vLLM's Mooncake connector is: each process role gets one part,
-:class:`~ec_s3.connector.scheduler.ECS3Scheduler` in the scheduler process and
-:class:`~ec_s3.connector.worker.ECS3Worker` in each worker, and every method delegates
-to the part of its role in one line. Load it with::
-
-    --ec-transfer-config '{"ec_connector": "ECS3Connector", "ec_connector_module_path": "ec_s3",
-                           "ec_role": "ec_producer",
-                           "ec_connector_extra_config": {"bucket": "...", "endpoint_url": "..."}}'
-
-Owns the mapping of vLLM's hooks to the roles, and the parsed config, model facts and
-counters both roles share. Does not own any behaviour: start-up checks, admission,
-loading, publishing and metrics live in the roles and :mod:`ec_s3.connector.metrics`.
+A switchboard: :class:`~ec_s3.connector.scheduler.ECS3Scheduler` in the scheduler
+process, :class:`~ec_s3.connector.worker.ECS3Worker` in each worker, every method
+delegating in one line. Owns the mapping of vLLM's hooks to the roles and what both share
+(config, model facts, counters). Does not own any behaviour. How to load it: README.md
+and docs/config.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Admission state of the scheduler side: one :class:`Item` per key in the bucket, one
 :class:`RequestState` per request, and the bounded table that holds the items.
 
-Owns the item state machine (its states, the allowed transitions in one table, and the
-one classification of a lookup's result: :func:`classify`), the LRU bound on how many items are
-remembered, and what one request holds while it is admitted (checked promises,
-when each wait began, pinned staging slots, items to encode locally).
-
-Does not own when to look an item up, retry or give up (:mod:`ec_s3.connector.admission`),
-nor what to answer vLLM (:mod:`ec_s3.connector.scheduler`); it does not run lookups (:mod:`ec_s3.transfer.fetcher`,
-whose result classes it maps) and does not own staging memory
-(:mod:`ec_s3.transfer.staging`: an item only refers to a slot).
+Owns the item state machine (states, the transition table, :func:`classify`), the LRU
+bound, and what one request holds while admitted. Does not own when to look up, retry
+or give up (:mod:`ec_s3.connector.admission`), what to answer vLLM
+(:mod:`ec_s3.connector.scheduler`), running lookups or staging memory.
 """
 
 from __future__ import annotations
@@ -289,7 +284,7 @@ class RequestState:
     # Keys of items marked present that the bucket did not have: reported in the answer.
     gone: set[str] = dataclasses.field(default_factory=set)
     decided: set[str] = dataclasses.field(default_factory=set)  # identifiers whose lookup outcome is counted
-    saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published under its key
+    saved: set[str] = dataclasses.field(default_factory=set)  # producer: identifiers published (or found) under its key
 
     def forget(self, identifier: str) -> None:
         """The request will not read ``identifier``'s item (any more)."""

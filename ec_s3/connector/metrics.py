@@ -1,29 +1,11 @@
 """ec-s3 in vLLM's metrics: the stats payload and its Prometheus families.
 
-vLLM asks each connector for stats every engine step (``get_ec_connector_stats``),
-aggregates them across workers (``ECConnectorStats.aggregate``), logs a summary
-periodically (``reduce``) and hands the aggregate to the connector's Prometheus
-class (``observe``). The payload is a plain dict, so it survives vLLM's IPC::
-
-    {"counters": {name: increment}, "gauges": {name: value}, "samples": {name: [s]}}
-
-Counter names below are ec-s3's internal counter names (see the modules that
-increment them); ``COUNTERS``, ``GAUGES`` and ``HISTOGRAMS`` map them to Prometheus metrics.
-
-Worker-role counters (uploads, loads) reach vLLM through the scheduler-role connector:
-vLLM's multiprocess executor never collects worker stats on its V1 model runner, and an
-encoder-only producer drops its worker metadata. The first worker of each engine (TP
-and PP rank 0, so nothing is counted twice) mirrors its counters into shared memory
-(:mod:`ec_s3.transfer.shared_stats`) and the scheduler side adds them to its own
-(:func:`scheduler_stats`). A worker-role connector therefore reports nothing itself,
-which also keeps vLLM's model runner V2, which does ask workers, from counting twice.
-Store counters (retries, lost answers) come the same way: each role pulls its store's
-increments (:meth:`~ec_s3.transfer.counters.Counters.pull`) before it reports, so a
-worker process's own store is counted, and a store both roles of one process share is
-counted once.
-
-Owns the payload, its aggregation and the Prometheus families. Does not own the counting
-(:class:`ec_s3.transfer.counters.Counters`) or when vLLM collects.
+The payload is a plain dict (counters, gauges, samples) that survives vLLM's IPC;
+``COUNTERS``, ``GAUGES`` and ``HISTOGRAMS`` map ec-s3's counter names to Prometheus
+metrics. Worker counters arrive through the scheduler side (:func:`scheduler_stats`), so a
+worker-role connector reports nothing itself. Owns the payload, its aggregation and the
+Prometheus families. Does not own the counting (:class:`ec_s3.transfer.counters.Counters`)
+or when vLLM collects. Details: docs/architecture.md.
 """
 
 from __future__ import annotations

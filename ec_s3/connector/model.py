@@ -1,12 +1,8 @@
 """What ec-s3 needs to know about the served model, read from vLLM's config.
 
-Both sides must agree on where a model's blobs live (the namespace) and on what an
-encoder output looks like (dtype, row width), without exchanging anything: the
-producer and every consumer derive the same answers from the same model.
-
-Owns those derived facts (and this host's identity, which the roles compare). Does not
-own keys or the blob format (:mod:`ec_s3.blob`) or the parsing of ec-s3's own config
-(:mod:`ec_s3.config`).
+Producer and consumers derive the same namespace, dtype and row widths from the same
+model, exchanging nothing. Owns those facts and this host's identity. Does not own keys
+or the blob format (:mod:`ec_s3.blob`) or ec-s3's own config (:mod:`ec_s3.config`).
 """
 
 from __future__ import annotations

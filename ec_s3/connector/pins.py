@@ -1,15 +1,9 @@
 """A consumer's pins on staged blobs, by request: the hold-and-wait rule.
 
-A request pins a staged slot only while it will read it (not once it encodes the item
-itself or vLLM freed its output), and a request deferred for a blob holds no slot while
-it waits, except the senior (the oldest request waiting): the others pin their slots
-all at once, in the call that admits them. So staging never fills with first items
-whose requests all wait for their second ones; the senior's downloads may evict what
-the others staged, so one request at a time progresses whenever it alone fits.
-
-Owns pinning, unpinning and the rules' check (:meth:`StagingPins.violations`). Does
-not own the staging area (:mod:`ec_s3.transfer.staging`) nor which request is senior
-(:mod:`ec_s3.connector.scheduler`).
+A request pins a slot only while it will read it, and a request deferred for a blob pins
+none while it waits unless it is the senior (the oldest waiting): so staging never fills
+with first items whose requests wait for their second ones. Owns pinning, unpinning and
+the rules' check. Does not own staging (:mod:`ec_s3.transfer.staging`) nor seniority.
 """
 
 from __future__ import annotations

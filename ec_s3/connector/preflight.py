@@ -1,24 +1,11 @@
 """Start-up checks: fail fast on misconfiguration, degrade on an unreachable store.
 
-A wrong bucket name or credentials would otherwise show up as a stream of per-item
-failures long after the engine started. One attempt each, with the configured
-timeouts:
-
-* every role: a GET of a probe key. Unlike HEAD, a GET's error carries its code, so
-  one request tells a missing bucket (NoSuchBucket), wrong credentials
-  (InvalidAccessKeyId, SignatureDoesNotMatch) and missing read permission
-  (AccessDenied) apart; 200 and 404 are both fine;
-* producers: a conditional PUT of the tiny probe object (412 = already there = fine).
-
-Failures are worded by :func:`ec_s3.store.diagnose.diagnose`, as ``ec-s3 check`` words them.
-Misconfiguration raises :class:`StartupCheckError` (``startup_check="fatal"``, the
-default) or logs an error (``"warn"``); an unreachable or failing endpoint only warns:
-the circuit breaker keeps the engine serving (encoding locally) until it answers.
-
-:func:`check_engine_start` is what the scheduler role runs once per engine: these
-checks plus warnings about vLLM settings that defeat ec-s3 (``--shutdown-timeout 0``
-on a producer). Owns the checks and their wording; does not own the store client
-(:mod:`ec_s3.store.client`) or the diagnosis (:mod:`ec_s3.store.diagnose`).
+One attempt each: every role GETs a probe key (its error code tells a missing bucket,
+wrong credentials and missing permission apart); a producer also makes a conditional PUT.
+Misconfiguration raises :class:`StartupCheckError` (or warns, ``startup_check="warn"``);
+an unreachable store only warns. :func:`check_engine_start` adds warnings about vLLM
+settings that defeat ec-s3. Owns the checks and their wording. Does not own the store
+client or the diagnosis (:mod:`ec_s3.store.diagnose`).
 """
 
 from __future__ import annotations

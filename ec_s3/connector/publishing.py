@@ -1,14 +1,9 @@
 """A producer scheduler's ledger of what its workers publish, under which keys.
 
-vLLM keys its encoder cache by identifier, which tenants may share; ec-s3 keys blobs
-by identifier and ``cache_salt``. So a producer tracks which live requests hold each
-identifier, which tenant's media vLLM last encoded it from, and which identifiers vLLM
-skips after a bucket hit under one key: from these it lists each step's keys to
-publish and the promises ``request_finished`` must withhold.
-
-Owns that bookkeeping (each table bounded like the item table). Does not own the
-uploads (:mod:`ec_s3.transfer.publisher`) nor the ``ec_transfer_params`` format
-(:mod:`ec_s3.connector.transfer_params`).
+vLLM keys its encoder cache by identifier, which tenants share; blob keys add the
+``cache_salt``. Owns which live requests hold each identifier, whose media vLLM last
+encoded it from, which identifiers vLLM skips after a bucket hit, hence each step's keys
+and the promises to withhold. Does not own uploads (:mod:`ec_s3.transfer.publisher`).
 """
 
 from __future__ import annotations

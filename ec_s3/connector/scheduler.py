@@ -1,36 +1,11 @@
 """Scheduler-role part of ECS3Connector: which items a request waits for, which are hits.
 
-Every method here runs on vLLM's engine loop and answers from memory: lookups,
-downloads and validation run on ec-s3's I/O loop (:mod:`ec_s3.transfer.fetcher`), and their
-results are picked up at the next call. That is also why transfers are driven from
-here and not from the workers: a step that schedules no tokens never reaches the
-worker-side connector, so a deferred request would otherwise wait forever.
-
-A request is deferred while an item it needs is being looked up, within a per-item
-wait budget (an ``ec_both`` engine encodes an item nobody promised at once, and asks the
-bucket only on the side: :class:`ec_s3.connector.admission.AggregatedAdmission` has the
-rule and its cost); when the budget runs out or the blob is bad it falls back to local
-encoding if it still carries the media, or is reported through
-``take_unavailable_requests`` so vLLM fails just that request. A consumer answers "hit"
-only for a blob staged on this host, pinned, and only while its workers can read the
-staging area (:mod:`ec_s3.connector.topology`): vLLM gathers a hit's embedding in the
-same step, and a worker that cannot deliver it would stop the engine.
-
-Tenants share identifiers (client uuids), never keys (``cache_salt`` is in the key):
-``has_cache_item`` answers about the asking request's own item, and a staged blob
-serves a request only if it fits that request's placeholders (rows and width); a
-mismatch is a miss for that request alone (encoded locally, or the request fails).
-
-Staging pins follow the hold-and-wait rule (:mod:`ec_s3.connector.pins`); a test
-checks its rules after every step (:meth:`ECS3Scheduler.check_invariants`).
-
-Owns applying admission decisions (the item table, lookups, staging pins, counters), the
-hit answers and the per-step load list. Does not own the admission rules, wait budgets
-and retry timing (:mod:`ec_s3.connector.admission`, a pure decision), the item state
-machine and its bounded table (:mod:`ec_s3.connector.items`), what a producer publishes
-under which keys (:mod:`ec_s3.connector.publishing`), the
-``ec_transfer_params`` format (:mod:`ec_s3.connector.transfer_params`), transfers
-(:mod:`ec_s3.transfer`) or the S3 protocol (:mod:`ec_s3.store`).
+Runs on vLLM's engine loop and answers from memory; lookups run on the I/O loop
+(:mod:`ec_s3.transfer.fetcher`). Owns applying admission decisions (item table, lookups,
+counters), the hit answers, tenants' keys and the per-step load list. Does not own the
+admission rules (:mod:`ec_s3.connector.admission`), the item state machine
+(:mod:`ec_s3.connector.items`), staging pins (:mod:`ec_s3.connector.pins`), what a producer
+publishes (:mod:`ec_s3.connector.publishing`), transfers or the S3 protocol.
 """
 
 from __future__ import annotations
@@ -93,7 +68,7 @@ __all__ = ["ECS3Scheduler"]
 _PRUNE_EVERY_STEPS = 256
 # The longest an engine step that scheduled nothing waits for a lookup's result while
 # requests wait for blobs: its loop does not sleep between steps, and spinning kept the
-# GIL from the I/O thread that runs those lookups (bench/ttft.py). A result ends the
+# GIL from the I/O thread that runs those lookups (measured by a TTFT bench since retired). A result ends the
 # wait at once; a new request waits this long at most before its first schedule.
 _IDLE_WAIT_S = 0.001
 
@@ -212,6 +187,13 @@ class ECS3Scheduler:
             if self._hold(state, identifier, item):
                 self._stop_waiting(state, identifier, now)
                 self._decided(state, identifier, "hit")
+                if self._is_producer and item.key == self._model.keyspace.key_for(
+                    identifier, cache_salt=state.request.cache_salt
+                ):
+                    # Its own key holds the blob: its promise holds, even where vLLM then
+                    # serves it from an output encoded from another tenant's media (that
+                    # request's miss was answered first) and never asks has_cache_item.
+                    state.saved.add(identifier)
                 return decision
             decision = self._decide(state, feature, key, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:

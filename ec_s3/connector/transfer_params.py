@@ -1,35 +1,11 @@
 """``ec_transfer_params``, both ways: what a producer returns for a finished request, and
 what a consumer accepts of them.
 
-vLLM carries the params from the producer's ``request_finished`` through the client to
-the consumer's request unchanged, so they are untrusted by the time a consumer reads
-them: an entry is a :class:`Promise` only if its key is exactly the key this consumer
-derives for that item (same model namespace, same cache salt) and its shape, dtype and
-size agree with what the model expects.
-
-An entry marked pending (``ec_s3_pending``: ``ec-s3 proxy``'s parallel dispatch sent
-the request while an encoder still encodes the item) is a promise of the consumer's own
-key for that item, without a size. An entry marked present (``ec_s3_present``: the proxy
-knew the blob was in the bucket and sent no encoder request) is a promise too, of a blob
-that is already there: a miss means it is gone, not late (:mod:`ec_s3.connector.admission`).
-It is either the producer's entry, remembered by the proxy (checked as above), or, when
-the proxy's HEAD found the blob, a mark like a pending one (the consumer's own key).
-
-Every entry a producer sends, and every mark a proxy that knows the producers' location
-sends, names where its blob is published (``ec_s3_namespace``: bucket, prefix and model
-namespace). A consumer whose own location differs (a fleet configured inconsistently:
-another bucket, prefix or model path) refuses the entry at once: the blob will never
-appear at its key, so waiting ``promised_wait_s`` for it would only delay the answer. The
-item is then treated as not promised (looked up at the consumer's own key, encoded
-locally, or, without media, its request fails at once), counted
-(``promises_foreign``), and logged with both locations, once per pair per
-``FOREIGN_WARN_INTERVAL_S``. An entry without the field (older producers) is refused the
-same way when its key lies outside the consumer's namespace.
-
 Owns the format of an ec-s3 entry (vLLM's per-item metadata plus ``key``, ``dtype``,
-``shape``, ``size_bytes``) and its checks. Does not own when a promise is waited for
-(:mod:`ec_s3.connector.scheduler`), keys (:mod:`ec_s3.blob.keys`) or the blob layout
-(:mod:`ec_s3.blob.codec`).
+``shape``, ``size_bytes``, and the proxy's pending/present marks and ``ec_s3_namespace``)
+and its checks: the params are untrusted, so an entry is a promise only for the key this
+consumer derives itself, in its own namespace. Does not own when a promise is waited
+for (:mod:`ec_s3.connector.scheduler`), keys or the blob layout. Details: docs/architecture.md.
 """
 
 from __future__ import annotations

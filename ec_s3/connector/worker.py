@@ -1,28 +1,11 @@
 """Worker-role part of ECS3Connector.
 
-Loading: the scheduler side has already fetched and validated each blob into host
-shared memory, so ``start_load_caches`` only maps the staging file and copies the
-tensor to the device (:mod:`ec_s3.transfer.device`: on CUDA through a pinned buffer
-and a side stream that the current stream waits on; the host never blocks on the copy). It never touches the
-network, with one exception: when a staged file cannot be read (or a load names another
-host's staging), it fetches the blob from S3 itself, synchronously, for at most
-``remote_load_timeout_s`` (the store's own attempts are its only retries), counts the
-wait, and reports a failure to the scheduler.
-
-Why a load must not fail: vLLM gathers the embeddings right after ``start_load_caches``,
-so an item it was told is a hit and that is missing from ``encoder_cache`` stops the
-engine (``RuntimeError("Encoder cache miss")``). The scheduler therefore answers "hit"
-only when every worker maps its staging area (:mod:`ec_s3.connector.topology`); this
-module makes sure no exception escapes a load, and tells the scheduler the host it runs
-on with its first metadata.
-
-Saving: ``save_caches`` hands the encoder output to :class:`BlobPublisher` and
-returns; only the first tensor-parallel rank publishes, since every rank holds the
-same encoder output.
-
-Owns the worker side of each step. Does not own transfers in the background or the
-device copies (:mod:`ec_s3.transfer`), the S3 protocol (:mod:`ec_s3.store`) or
-admission decisions (:mod:`ec_s3.connector.scheduler`).
+Loading maps the staged file the scheduler validated and copies the tensor to the device
+(:mod:`ec_s3.transfer.device`); only an unreadable slot makes it GET the blob itself,
+bounded by ``remote_load_timeout_s``, and no exception escapes a load (vLLM would stop
+on an encoder cache miss). Saving hands outputs to the publisher (first TP rank only).
+Owns the worker side of each step. Does not own background transfers or device copies
+(:mod:`ec_s3.transfer`), the S3 protocol or admission decisions.
 """
 
 from __future__ import annotations
@@ -285,11 +268,6 @@ class ECS3Worker:
         failed, self._failed_loads = self._failed_loads, set()
         self._host_reported = True
         return ECS3WorkerMetadata(failed_loads=failed, hosts={self._host})
-
-    def flush_stats(self) -> None:
-        """Mirror the counters to the scheduler side now (they also go every 0.5 s)."""
-        if self._stats_writer is not None:
-            self._stats_writer.flush(force=True)
 
     def take_stats(self) -> ECS3Stats | None:
         """Nothing: worker counters reach vLLM through the scheduler side (shared memory),

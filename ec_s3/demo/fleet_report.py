@@ -1,19 +1,10 @@
 """The summary of ``ec-s3 demo --topology aggregated``: two ``ec_both`` servers on one
 bucket behind the ec-s3 proxy (affinity routing, no encoder).
 
-What it shows, from the deltas of each server's and the proxy's ``/metrics``: per
-request, which server the proxy picked and whether that server encoded the image,
-loaded it from the bucket or had it cached; per server, items encoded
-(``vllm:ec_s3_items_encoded_total``), encoder outputs loaded from the bucket, GETs and
-blobs uploaded; the proxy's route picks, and whether each repeat went to the server
-holding its image. The claim it checks: across the servers each distinct image was
-encoded once (the sum of items encoded equals the distinct images sent), and every
-answer equals the plain server's (exit status).
-
-Owns the fleet's scrapes (:class:`FleetSnapshot`, settled until they stop moving), their
-deltas and the lines printed. Does not own running anything (:mod:`ec_s3.demo.run`),
-the EPD summary (:mod:`ec_s3.demo.report`) nor the metrics themselves
-(:mod:`ec_s3.connector.metrics`, :mod:`ec_s3.proxy.metrics`).
+It checks that each distinct image was encoded once across the servers and that every
+answer equals the plain server's. Owns the fleet's scrapes (:class:`FleetSnapshot`), their
+deltas and the lines printed. Does not own running anything (:mod:`ec_s3.demo.run`), the
+EPD summary (:mod:`ec_s3.demo.report`) nor the metrics themselves.
 """
 
 from __future__ import annotations

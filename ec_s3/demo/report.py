@@ -1,13 +1,10 @@
-"""The demo's summary: per request its latency next to the plain server's, where
-that time went (:mod:`ec_s3.demo.timing`) and where prefill/decode took the image
-from; in total, the latency ratio, what moved through the bucket, what the connector
-and the proxy counted, and whether the answers equal the baseline's.
+"""The demo's summary: per request its latency next to the plain server's, where that time
+went and where prefill/decode took the image from; in total, what moved through the
+bucket, what was counted, and whether the answers equal the baseline's.
 
-Owns the reading of counter deltas (scrapes before and after each step, settled until
-they stop moving), what is n/a and why (one line each), and the tables. Does not own
-the metrics themselves (the connector's and the proxy's ``/metrics``, parsed by
-:mod:`ec_s3.sandbox.metrics`), the time split (:mod:`ec_s3.demo.timing`), nor running
-anything (:mod:`ec_s3.demo.run`).
+Owns the counter deltas (settled scrapes), the n/a lines and the tables. Does not own the
+metrics (parsed by :mod:`ec_s3.sandbox.metrics`), the time split (:mod:`ec_s3.demo.timing`)
+nor running anything (:mod:`ec_s3.demo.run`).
 """
 
 from __future__ import annotations

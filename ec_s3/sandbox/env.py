@@ -1,5 +1,5 @@
 """The environment a vLLM process needs on a CPU host without internet: a small KV
-cache, no model-hub look-ups, no usage reporting (measured in NOTES.md).
+cache, no model-hub look-ups, no usage reporting.
 
 Owns the one copy of those variables, for the servers the demo and the tests start,
 the in-process engines of the tests and the benches. Does not own anything a real

@@ -147,9 +147,9 @@ DEFAULT_SHAPE = TinyShape()
 #: A stand-in whose encoder costs what a real one costs relative to its language model:
 #: a 112x112 image (64 image tokens) through 4 CLIP layers of width 128 (MLP 512), sized
 #: for tens of milliseconds per image in a vLLM server whose worker has one core, while
-#: the text model stays as small as the default's. ``bench/ttft.py`` measures it in vLLM
-#: (the encoder step, in ``bench/results/summary.md``); ``python -m
-#: ec_s3.sandbox.tiny_model --time`` times the tower alone in transformers.
+#: the text model stays as small as the default's (measured in vLLM by a TTFT bench since
+#: retired); ``python -m ec_s3.sandbox.tiny_model --time`` times the tower alone in
+#: transformers.
 HEAVY_VISION = TinyShape(image_size=112, vision_hidden=128, vision_layers=4)
 
 CHAT_TEMPLATE = (

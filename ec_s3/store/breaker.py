@@ -39,7 +39,6 @@ class CircuitBreaker:
         self.failures = 0
         self.opened_at: float | None = None
         self.probing = False
-        self.transitions = 0
         self._tickets = 0  # the last probe ticket handed out
 
     @property
@@ -68,7 +67,6 @@ class CircuitBreaker:
         self.failures = 0
         if self.opened_at is not None:
             logger.warning("ec-s3: S3 store is answering again; circuit closed after %.1fs", time.monotonic() - self.opened_at)
-            self.transitions += 1
         self.opened_at, self.probing, self.cooldown_s = None, False, self.base_cooldown_s
 
     def failure(self, reason: str, ticket: int = 0) -> None:
@@ -83,7 +81,6 @@ class CircuitBreaker:
             return
         if self.failures >= self.threshold:
             self.opened_at = time.monotonic()
-            self.transitions += 1
             logger.warning(
                 "ec-s3: S3 store unavailable (%d requests failed in a row, last: %s); circuit open: "
                 "producers spool or drop, consumers encode locally; next probe in %.1fs",

@@ -1,7 +1,7 @@
 """One attempt of a store request, on the data path chosen once when the store connects.
 
 Why: with ``data_path: direct`` HEAD, single PUT, UploadPart and ranged GET go through
-:mod:`.wire` (botocore-signed, ec-s3's own pool and receiver); with ``botocore``, and
+:mod:`.wire` (signed by :mod:`.sigv4`, ec-s3's own pool and receiver); with ``botocore``, and
 for the PUTs whose checksum only botocore computes (``CRC32C`` needs awscrt), through
 the aiobotocore client. The store decides which once, by building a
 :class:`DirectTransport` or a :class:`BotocoreTransport`, and never asks again.

@@ -170,11 +170,6 @@ class DirectWire:
         return f"DirectWire(endpoint={self._endpoint!r}, bucket={self._bucket!r}, addressing_style={self._style!r})"
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        """The pool (tests hold a connection of it to fill it)."""
-        return self._session
-
-    @property
     def recv_pool(self) -> RecvPool | None:
         """The GET pool reading into callers' buffers; None through a proxy."""
         return self._recv

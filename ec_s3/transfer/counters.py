@@ -1,16 +1,10 @@
 """Counters, gauges and latency samples shared by the engine thread and the I/O loop.
 
-Increments come from two threads (the engine's and ec-s3's loop), so they take a
-lock; it is uncontended in practice and costs well under a microsecond.
-``snapshot`` is what tests and logs read; ``take_delta`` is what vLLM's stats hooks
-ship to the metrics process (only what changed since the last call).
-
-One counters model: every increment is handed to exactly one reader. Other counters
-of the process (the store's :class:`~ec_s3.store.client.StoreStats`) are a
-:class:`DeltaSource`; :meth:`Counters.pull` folds what the source hands out into these
-counters, so whichever role pulls it (the scheduler side, or a worker that mirrors its
-counters to the scheduler process through :mod:`ec_s3.transfer.shared_stats`) reports
-it, once.
+Increments from both threads take an uncontended lock. ``snapshot`` is for tests and
+logs; ``take_delta`` is what vLLM's stats hooks ship. Every increment reaches exactly one
+reader: other counters of the process are a :class:`DeltaSource` that
+:meth:`Counters.pull` folds in. Owns the counting, not what the names mean
+(:mod:`ec_s3.connector.metrics`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Device copies of the data path: host → device for a load, device → pinned host for
 an upload, each on a side stream that the host never waits for.
 
-:class:`DeviceLoader` (the consumer's worker) turns a staged blob (a mapped staging
-file, checked by :func:`~ec_s3.transfer.slot_reader.map_verified_slot`) or a decoded
-tensor into a tensor on the device: on CUDA through a pinned buffer and an
-asynchronous copy on a side stream that the current stream waits on through an event.
-:class:`HostCopier` (the producer's publisher) queues the copy of an encoder output
-into a pinned host buffer on a side stream, after the current stream's work, and
-returns the event that says when the buffer holds it.
-
-Imports torch and nothing of vLLM or of the S3 store, so a GPU host with torch alone
-(``python -m bench.gpu_check``) runs the very code the connector runs.
-
-Owns the side streams and the order of the copies on them. Does not own host buffers
-(:mod:`ec_s3.transfer.hostpool`), what a load spec names or which device a worker uses
-(:mod:`ec_s3.connector.worker`), nor when an upload reads the buffer
-(:mod:`ec_s3.transfer.publisher`).
+:class:`DeviceLoader` (consumer worker) and :class:`HostCopier` (producer publisher).
+Imports torch and nothing of vLLM or the S3 store (tests/test_gpu_path.py). Owns the side
+streams and the order of the copies on them. Does not own host buffers
+(:mod:`ec_s3.transfer.hostpool`), load specs or devices (:mod:`ec_s3.connector.worker`),
+nor when an upload reads the buffer (:mod:`ec_s3.transfer.publisher`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Lookups and downloads for the scheduler side, run on the I/O loop.
 
-The scheduler thread starts a lookup with :meth:`ItemFetcher.start` (a thread-safe
-hand-off that returns at once) and collects finished ones with :meth:`drain` at its
-next call. A consumer lookup is a GET straight into a staging slot followed by full
-validation of the blob against what the model expects, so a "staged" answer means
-the worker can use the bytes as they are. A producer lookup is only a HEAD.
-
-Every lookup started reports exactly one result, whatever happens to it (an error of
-any type, cancellation at shutdown, a loop that is gone): an item without a result
-would wait for it forever. A slot is kept only for a ``Staged`` result.
-
-Words: a *lookup* is admission's question to the bucket about one item, whatever it
-costs (a producer's HEAD, a consumer's GET), counted in ``lookups_started`` and bounded
-by ``lookup_wait_s``; a *fetch* is a GET of a blob's bytes, here (a consumer's lookup
-fetches into a slot) or in a worker that cannot read staging (its own fetch, bounded
-by ``remote_load_timeout_s``). So every fetch here is a lookup, and a producer's lookup
-fetches nothing. A :data:`FetchResult` is the result of any lookup.
-
-Owns lookups in flight and the mapping of their outcomes to results. Does not own
-item states or retries (the scheduler), slot lifetimes (staging) or S3 (the store).
+The scheduler starts a lookup (:meth:`ItemFetcher.start`, returns at once) and collects
+results with :meth:`ItemFetcher.drain`. A consumer's lookup is a GET into a staging slot
+plus full validation; a producer's is a HEAD. Every lookup started reports exactly one
+:data:`FetchResult`, whatever happens to it. Owns lookups in flight and the mapping of
+outcomes to results. Does not own item states or retries (the scheduler), slot lifetimes
+(staging) or S3 (the store). Lookup vs fetch: the glossary in docs/architecture.md.
 """
 
 from __future__ import annotations

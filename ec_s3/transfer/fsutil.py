@@ -1,15 +1,9 @@
 """Safe local files for the data path: private directories and exclusive, no-follow files.
 
-The staging area (``staging_dir``, on tmpfs shared with other containers under
-``ipc: host``) and the producer spool (``spool_dir``) hold bytes that ec-s3 later
-hands to a model or uploads under a key. Anyone who can write into those directories
-could substitute a blob, or plant a symlink that makes ec-s3 write through it, so
-directories are created ``0700``, a directory someone else could write into is
-refused at start-up with an error naming the config key, and every file is created
-with ``O_CREAT|O_EXCL|O_NOFOLLOW`` (mode ``0600``) and opened with ``O_NOFOLLOW``.
-
-Owns those checks and flags. Does not own what goes into the files (staging,
-spool) or any clean-up policy.
+Directories are created ``0700`` and one someone else could write into is refused naming
+its config key; files are created ``O_CREAT|O_EXCL|O_NOFOLLOW`` (``0600``) and opened
+``O_NOFOLLOW``, so nobody can substitute a blob or plant a symlink. Owns those checks and
+flags. Does not own what goes into the files (staging, spool) or any clean-up policy.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """Producer host buffers: a bounded pool of reusable byte buffers (pinned on CUDA).
 
-An upload holds its blob in host memory from the model step until its PUT ends. Taking
-a fresh buffer per blob leaves the memory to the allocator: freed pinned blocks stay in
-torch's pinned cache, and glibc keeps freed encoder outputs interleaved with live ones
-(bench/memory.py: RSS well past ``max_inflight_bytes``, see bench/results/summary.md). This pool allocates each
-buffer once, lends it out again and again, and counts what it *holds*, lent or idle,
-against ``capacity``: the in-flight bound is the memory the pool holds, whatever the
-allocator does, and pinned memory is pinned once per buffer, never per blob.
-
-A caller that sends memory of its own (a CPU tensor uploaded in place) takes a *loan*
-instead: room counted against the same bound, exactly its size, with no buffer.
-
-Buffers come in size classes so that different blob sizes can reuse them: sixteen per
-octave for plain host memory (at most 6.25% rounding), powers of two for pinned memory
-(torch's pinned allocator rounds every block up to a power of two: the class is what is
-actually pinned). A request that fits no idle buffer allocates a new one while the pool
-has room; when it has none, idle buffers of other classes are freed to make room; when
-everything is lent out the caller waits (``acquire``) or gives up (``try_acquire``).
-(A freed pinned buffer goes back to torch's pinned cache, which keeps it for torch's
-next pinned allocation of that size: outside this count, and only when sizes change.)
-
-Owns buffer memory and the bound. Does not own what goes into a buffer (the publisher
-lays out the blob), the device copy or the upload.
+Each buffer is allocated once and lent again and again; the pool counts what it holds,
+lent or idle, against ``capacity``, so the in-flight bound is real memory whatever the
+allocator does. Buffers come in size classes; a caller that sends its own memory takes a
+*loan* of the same bound. Owns buffer memory and the bound. Does not own what goes into
+a buffer (the publisher), the device copy or the upload. Why: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -83,7 +66,6 @@ class HostBufferPool:
         self.held = 0
         self.peak = 0
         self.allocations = 0
-        self.evictions = 0
         # size class -> idle buffers, most recently returned last (reused first: warm pages).
         self._idle: dict[int, list[HostBuffer]] = collections.defaultdict(list)
         # classes in the order their idle buffers were last touched, oldest first (eviction order)
@@ -197,7 +179,6 @@ class HostBufferPool:
             bufs = self._idle[oldest]
             bufs.pop(0)
             self.held -= oldest
-            self.evictions += 1
             if not bufs:
                 del self._idle[oldest]
                 del self._idle_order[oldest]

@@ -1,36 +1,11 @@
 """Producer side: publish encoder outputs to S3 without stalling the model step.
 
-``publish`` runs inside vLLM's model step, so it does no network I/O, no
-serialization, no header planning and no blocking device sync. On CUDA it takes a
-pinned buffer from the host pool (:mod:`ec_s3.transfer.hostpool`), queues the copy of
-the encoder output into it on a side stream (:mod:`ec_s3.transfer.device`)
-and queues the upload; the loop writes the header in front of the data and uploads
-the buffer as one body. On CPU it takes a loan of the same bound and keeps a
-reference: the loop sends the header and the tensor's own memory without joining
-them. (Copying CPU outputs into pool buffers was measured and rejected: in bench/memory.py
-it grows RSS further past the bound than sending in place, since an output exists until
-it is copied and glibc keeps it after; numbers in bench/results/summary.md.)
-
-The loop is woken once per batch of saves, not per item: ``publish`` queues the job
-and posts a wake-up only when none is pending, and between ``defer_wakeups`` and
-``wake`` (the worker brackets a model step with them) not at all.
-
-Memory is bounded by ``max_inflight_bytes``: the pool never holds more, buffers lent
-out or idle and CPU loans together. When it is full, ``block`` makes the step wait
-for room (backpressure slows the encoder to the store's pace) and ``drop`` skips the
-upload and counts it.
-
-Every upload ends in one of: uploaded, already there, spooled, or dropped with a
-count and a log line, whatever the store raises; its buffer goes back to the pool on
-every path, a task cancelled before it first ran and a loop that is gone included.
-
-Importable without S3 client libraries (a GPU host with torch only): the store is a
-parameter, and its result types come from the plain :mod:`ec_s3.store.errors`.
-
-Owns the in-flight bound and upload jobs. Does not own retries (the store), the
-outage spool's files (:mod:`ec_s3.transfer.spool`), buffer memory (the pool), the
-device copy (:mod:`ec_s3.transfer.device`) or which key an output gets (the
-connector's key space).
+``publish`` runs inside vLLM's model step: it takes a buffer or loan of the in-flight
+bound, queues the device copy and the upload, and returns; the I/O loop writes the header
+and uploads. Owns the in-flight bound (``max_inflight_bytes``: block or drop) and upload
+jobs, each of which ends uploaded, already there, spooled or dropped. Does not own
+retries (the store), the spool's files, buffer memory, the device copy or keys.
+Importable without S3 client libraries. Details: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -125,7 +100,6 @@ class BlobPublisher:
         self._deferred = False
         base = BlobLayout.plan(BlobMeta("", torch.float32, (1 << 62,) * 4, namespace, producer))
         self._header_base = len(base.header) + _HEADER_MARGIN
-        self.wakeups = 0  # wake-ups posted to the loop (tests, benches)
         # Called on the loop each time the last upload in flight is done (the worker
         # flushes its stats snapshot then: ec_s3.transfer.shared_stats).
         self.on_idle: Callable[[], None] | None = None
@@ -195,7 +169,6 @@ class BlobPublisher:
         """Ask the loop to drain the queue; False if the loop is gone (then every queued
         job ends here, counted)."""
         self._wake_pending = True
-        self.wakeups += 1
         try:
             self._store.background.call_soon(self._drain)
         except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown): never crash the step

@@ -1,34 +1,11 @@
 """Worker counters made visible to the scheduler process through shared memory.
 
-vLLM's multiprocess executor never collects worker-side connector stats on the V1
-model runner, and an encoder-only producer drops its worker metadata, so uploads,
-upload failures and loads counted in a worker would never reach ``/metrics``. Each
-publishing worker therefore mirrors its :class:`~ec_s3.transfer.counters.Counters` into
-a small file named after the engine (``ec_transfer_config.engine_id``, the same in the
-scheduler and its workers) in a directory of its own under ``staging_dir`` (tmpfs); the
-scheduler process collects every such file of its engine on its I/O loop a few times a
-second, and its connector reports the increments as its own.
-
-The file is one snapshot (cumulative counters, current gauges, the latest latency
-samples with their running count) as JSON under a sequence lock: the writer bumps the
-sequence to odd, writes, bumps it to even. The reader keeps each file mapped, parses it
-only when the sequence moved to a new even value, and never waits: a file caught
-mid-update is read at the next collection. One writer per file, any number of readers,
-no cross-process lock.
-The writer holds an ``flock`` on its file for its lifetime, so a reader can tell a dead
-writer's leftover (lock free) and remove it.
-
-Each snapshot also carries the writer's progress: the last engine step whose
-counters it holds (``mark_step``) and its uploads still in flight, read before the
-counters, so a snapshot that shows step *n* with no upload in flight holds every count
-of step *n*'s uploads. The scheduler side waits for such a snapshot before it lets an
-idle engine stop stepping (:mod:`ec_s3.connector.settle`); meanwhile the writer flushes
-as soon as a step is marked or its uploads are done (at most every ``_SOON_GAP_S``), and
-the reader collects every ``_HURRY_EVERY_S`` instead of ``_COLLECT_EVERY_S``.
-
-Owns the file format and directory, the writer's throttled flushes, the reader's
-collection, its deltas and the progress it has seen. Does not own what the counters mean
-(``ec_s3.connector.metrics``) or when vLLM asks for stats.
+Each publishing worker mirrors its counters into a small JSON file under a sequence
+lock (one per engine, under ``staging_dir``); the scheduler process collects those files
+on its I/O loop and reports the increments as its own. Owns the file format and
+directory, the writer's throttled flushes and progress marks, the reader's collection
+and deltas. Does not own what the counters mean (:mod:`ec_s3.connector.metrics`) or when
+vLLM asks for stats. Why it exists: docs/architecture.md.
 """
 
 from __future__ import annotations

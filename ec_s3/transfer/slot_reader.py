@@ -1,20 +1,10 @@
 """Worker side of staging: map a slot and prove its blob is the one the scheduler meant.
 
-A ``LoadSpec`` names a slot file by path, and the worker opens it a step or more
-after the scheduler validated it. Between the two the slot may have been evicted and
-its name staged again, or the file replaced, so before a byte of tensor data is
-used this checks, on the mapped file itself: it was opened without following a
-symlink and is a regular file; its size is the blob's; its safetensors header
-parses and names the expected identifier (by digest), dtype, shape and data offset.
-A half-written slot of another generation fails the header (zeros or another
-identifier) instead of being read as data.
-
-When the path is gone, or names another file than the slot's inode, the worker reopens
-the file through the scheduler's handle (``/proc/<pid>/fd/<n>``, see
-:mod:`ec_s3.transfer.staging`); the same checks then apply to what it maps.
-
-Owns that check. Does not own slot lifetimes (:mod:`ec_s3.transfer.staging`) or
-copying the tensor to a device (the connector's worker).
+Before a byte is used, on the mapped file itself: opened without following a symlink, a
+regular file of the blob's size, whose header names the expected identifier, dtype, shape
+and data offset; a path gone or replaced is reopened through the scheduler's handle.
+Owns that check. Does not own slot lifetimes (:mod:`ec_s3.transfer.staging`) or copying
+the tensor to a device (the connector's worker).
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Producer outage spool: blobs whose upload failed wait on local disk for the store.
 
-When an upload exhausts its retries (store down, 503 storms, circuit open), the
-publisher writes the blob here instead of dropping it: to a temporary name created
-exclusively (never through a symlink), fsynced and renamed, so a crash leaves either
-a whole blob or none. A background task re-uploads spooled blobs oldest first
-whenever the store answers again, and a new process resumes whatever an earlier one
-left. The spool is bounded in bytes; beyond that blobs are dropped and counted.
-Nothing here ever runs on the model step, and the re-upload task outlives any error.
-
-A spool file is ``<time_ns>-<sha256(key)[:32]>-<random>.blob``: ordering by name is
-ordering by age, and the name stays short whatever the key (a long model name plus a
-tenant tag made base64 names exceed the 255-byte limit). The key travels inside the
-file, in a small header before the blob::
-
-    b"EC-S3-SPOOL\\x01" | key length (u16 little-endian) | key (UTF-8) | blob
-
-Whatever reads a file back is untrusted: only regular files of this user, with a
-well-formed header whose key hashes to the name and that the creator's ``owns``
-accepts (the producer's key space), are uploaded. Anything else is renamed to
-``<name>.rejected`` and logged once, so a file dropped into the directory can never
-make ec-s3 write an arbitrary key.
-
-Owns the spool directory's files and their byte bound. Does not own when to spool
-(the publisher) or retries of one request (the store).
+Owns the spool directory's files (written exclusively, fsynced and renamed; named
+``<time_ns>-<sha256(key)[:32]>-<random>.blob`` with the key in a small header), their
+byte bound, and the background re-upload, oldest first, that resumes what an earlier
+process left. A file that fails any check is renamed ``.rejected``, never uploaded.
+Does not own when to spool (the publisher) or retries of one request (the store).
+Details: docs/architecture.md.
 """
 
 from __future__ import annotations

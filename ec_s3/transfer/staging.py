@@ -1,44 +1,11 @@
 """Host staging area shared between the scheduler process and its workers.
 
-The scheduler side downloads a blob straight into a file on tmpfs (``/dev/shm``) and
-validates it there; workers on the same host map the same file and copy the tensor
-to their device. One download serves every TP rank, the model step never touches
-the network, and the bytes are copied once from the socket to their final place.
-
-The area is bounded in bytes. A slot is pinned while a request needs it; unpinned
-slots stay as a cache and are evicted least-recently-used when space is needed. A
-slot is unlinked only a few engine steps after it was last handed to workers, so a
-step already dispatched (async scheduling) can still open it. Every slot file has a
-name of its own (``<name>.<generation>.blob``): a key staged again after an eviction
-never lands at a path a slow worker may still be reading.
-
-Slot files are reserved with ``posix_fallocate`` before anything writes them through
-``mmap``: on a full tmpfs a write to an unreserved page is a SIGBUS that kills the
-engine, while a failed reservation is an ordinary "no space" answer.
-
-The area keeps each slot's file open (up to a budget below ``RLIMIT_NOFILE``) until it
-unlinks it, and a load names that descriptor as ``/proc/<pid>/fd/<n>`` (the slot's
-*handle*) beside its path, with the file's inode. A process that deletes or replaces
-files in ``staging_dir`` (a tmp cleaner, a script emptying ``/dev/shm``) then costs
-nothing: the worker reopens the very file through the handle, and the inode proves it.
-Without the handle such a load would need a GET inside the model step, and with the
-store down and no media to encode, vLLM would stop on an encoder cache miss.
-
-Each process owns one directory ``ec-s3-<pid>-<random>``, marked by an ``flock`` on
-its ``.owner.lock`` held for the life of the process. At start-up a directory is
-removed only if its lock can be taken: its owner is gone. PIDs cannot tell that,
-since containers sharing ``/dev/shm`` (``ipc: host``) do not share a PID namespace.
-
-Words, used this way throughout: a *slot* is one staging file (:class:`StagingSlot`),
-allocated for one blob; a blob is *staged* once it sits validated in a ready slot (the
-fetcher's ``Staged`` result, the item state STAGED); to *map* a slot is to ``mmap`` its
-file (:func:`map_slot`; the worker maps it and verifies the blob with
-:func:`~ec_s3.transfer.slot_reader.map_verified_slot`). The store's concurrency units
-are *permits*, never slots.
-
-Owns slot files, their bytes bookkeeping and their lifetimes. Does not own what goes
-into a slot (the fetcher), which requests need which slot (the scheduler) or reading
-a slot on the worker side (:mod:`ec_s3.transfer.slot_reader`).
+The scheduler side downloads a blob into a file on tmpfs and validates it there;
+workers on the host map that file. Owns slot files (reserved before written, named per
+generation, kept open as a handle), their byte bound, LRU eviction of unpinned slots and
+their lifetimes, and each process's owned directory. Does not own what goes into a slot
+(the fetcher), which requests need it (the scheduler) or reading a slot on the worker
+side (:mod:`ec_s3.transfer.slot_reader`). Details: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ class Node:
         """Write the worker's counters to shared memory now instead of at its next
         periodic flush, and have the scheduler process collect them now instead of at
         its next periodic collection, so the scheduler side's next stats include them."""
-        self.worker._worker.flush_stats()  # type: ignore[union-attr]
+        writer = self.worker._worker._stats_writer  # type: ignore[union-attr]
+        if writer is not None:
+            writer.flush(force=True)
         reader = self.scheduler_connector._scheduler._worker_stats  # type: ignore[union-attr]
         if reader is not None:
             reader.collect()

@@ -280,9 +280,12 @@ class FaultProxy:
 
     # -- faults (thread-safe) -----------------------------------------------------------
 
-    def set_latency(self, seconds: float, methods: Iterable[str] | None = None) -> None:
-        """Delay every matching request by ``seconds`` before forwarding (0 clears)."""
-        self._set("latency", _Rule(_methods(methods), seconds=seconds) if seconds > 0 else None)
+    def set_latency(self, seconds: float, methods: Iterable[str] | None = None, *,
+                    target_contains: str = "") -> None:
+        """Delay every matching request by ``seconds`` before forwarding (0 clears); only
+        requests whose target holds ``target_contains`` (e.g. one object's key), if given."""
+        rule = _Rule(_methods(methods), seconds=seconds, target_contains=target_contains) if seconds > 0 else None
+        self._set("latency", rule)
 
     def set_stall(self, enabled: bool, methods: Iterable[str] | None = None) -> None:
         """Hold matching requests unanswered; clearing it forwards the held ones."""
@@ -386,10 +389,10 @@ class FaultProxy:
         with self._lock:
             return self._down
 
-    def _peek(self, kind: str, method: str) -> _Rule | None:
+    def _peek(self, kind: str, method: str, target: str = "") -> _Rule | None:
         with self._lock:
             rule = self._rules.get(kind)
-            return rule if rule is not None and rule.matches(method) else None
+            return rule if rule is not None and rule.matches(method, target) else None
 
     def _take(self, kind: str, method: str, target: str = "") -> _Rule | None:
         """Return the rule if it fires for this request, spending one of its one-shot count."""
@@ -428,7 +431,7 @@ class FaultProxy:
                     self._count("down_refused")
                     _abort(writer)
                     return
-                if not await self._apply_delays(request.method, reader):
+                if not await self._apply_delays(request.method, request.target, reader):
                     writer.close()
                     return
                 if self._take("reset_next", request.method) or self._take(
@@ -489,7 +492,7 @@ class FaultProxy:
         target = head.split(b" ", 2)[1].decode("latin-1") if head.count(b" ") >= 2 else ""
         return _Request(method=method, target=target, head=head, body=body, close=close)
 
-    async def _apply_delays(self, method: str, reader: asyncio.StreamReader) -> bool:
+    async def _apply_delays(self, method: str, target: str, reader: asyncio.StreamReader) -> bool:
         """Stall, then add latency. False when the client left while held."""
         if self._peek("stall", method) is not None:
             with self._lock:
@@ -503,7 +506,7 @@ class FaultProxy:
                     await asyncio.sleep(_STALL_POLL_S)
             finally:
                 self._count("held_now", -1)
-        rule = self._peek("latency", method)
+        rule = self._peek("latency", method, target)
         if rule is not None:
             self._count("latency")
             await asyncio.sleep(rule.seconds)
