@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +130,7 @@ def start_stack(endpoint: S3Endpoint, tiny_qwen_dir: Path, work: Path) -> QwenSt
              "present_ttl_s": 1.0,
              # A small staging area (default 4 GiB): a consumer that no longer holds a
              # blob it fetched is a few requests away (tests/test_e2e_corpus.py).
-             "staging_bytes": 3 * 1024 * 1024}
+             "staging_bytes": 2 * 1024 * 1024}
     baseline_srv = VllmServer(model, name="qwen-baseline", args=QWEN_STACK_ARGS, log_path=work / "baseline.log",
                               env={**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None})
     producer = VllmServer(model, name="qwen-producer", args=QWEN_STACK_ARGS, env=s3_env,
@@ -141,7 +142,11 @@ def start_stack(endpoint: S3Endpoint, tiny_qwen_dir: Path, work: Path) -> QwenSt
     try:
         start_all([baseline_srv, producer])
         wait_all_ready([baseline_srv, producer], LOAD_TIMEOUT_S, progress=progress)
-        baseline = {name: take(baseline_srv.url, model) for name, take in BASELINES.items()}
+        baseline = {}
+        for name, take in BASELINES.items():
+            started = time.monotonic()
+            baseline[name] = take(baseline_srv.url, model)
+            print(f"  e2e-qwen: plain answers for {name} in {time.monotonic() - started:.1f} s", file=sys.stderr)
         baseline_srv.stop()
 
         reseed_vision_weights(model_dir, seed=99, prefixes=("visual.",))
