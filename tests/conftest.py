@@ -210,3 +210,42 @@ def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store
         return make_store(endpoint_url, data_path=request.param, **overrides)
 
     return make
+
+
+# --------------------------------------------------------------------------- the Qwen stack
+# Real vLLM servers on the tiny Qwen2.5-VL (support/qwen_stack.py), shared by the modules
+# that use the ``qwen_stack`` fixture and stopped after the last test that does.
+_QWEN_STACK = "qwen_stack"
+
+
+@pytest.fixture(scope="session")
+def _qwen_stack_holder(request: pytest.FixtureRequest, s3_endpoint: S3Endpoint, tiny_qwen_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from support.qwen_stack import StackHolder
+
+    holder = StackHolder(s3_endpoint, tiny_qwen_dir, lambda: tmp_path_factory.mktemp("e2e-qwen"))
+    request.config.stash[_qwen_stack_key] = holder
+    try:
+        yield holder
+    finally:
+        holder.stop()
+
+
+@pytest.fixture
+def qwen_stack(_qwen_stack_holder: Any) -> Any:
+    """The shared Qwen stack (:class:`support.qwen_stack.QwenStack`), started on first use."""
+    return _qwen_stack_holder.get()
+
+
+_qwen_stack_key = pytest.StashKey[Any]()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the Qwen stack once the next test does not use it (a later one starts it again)."""
+    if _QWEN_STACK not in getattr(item, "fixturenames", ()):
+        return
+    if nextitem is not None and _QWEN_STACK in getattr(nextitem, "fixturenames", ()):
+        return
+    holder = item.config.stash.get(_qwen_stack_key, None)
+    if holder is not None:
+        holder.stop()

@@ -1,7 +1,8 @@
 """End to end on the model family EPD serves: the tiny Qwen2.5-VL (1024² JPEG photos:
 grid 1x70x70, 1,225 tokens, M-RoPE from the grid on prefill/decode) through real vLLM
 servers (SeaweedFS, an ec_producer, an ec_consumer, ec-s3 proxy in both dispatch modes),
-compared with a plain server at temperature 0. Slow (three engine loads).
+compared with a plain server at temperature 0. Slow (three engine loads, shared with
+tests/test_e2e_corpus.py: support/qwen_stack.py).
 
 As in tests/test_e2e.py, the baseline and the producer load the original weights, then
 the vision tower is re-randomised on disk (same path: same identifiers and keys) before
@@ -18,40 +19,20 @@ producer's encoder output, not its own encoder.
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.qwen_stack import BASELINES, QwenStack
 
 from ec_s3.blob.keys import KeySpace
 from ec_s3.demo.chat import BATCHING_TOLERANCE, ChatResult, compare_results, post_chat
-from ec_s3.proxy.known import keyspace_of
-from ec_s3.proxy.server import ProxyConfig, ProxyThread
-from ec_s3.sandbox.env import CPU_OFFLINE_ENV
 from ec_s3.sandbox.metrics import scrape_metrics
-from ec_s3.sandbox.net import http_get
-from ec_s3.sandbox.tiny_model import reseed_vision_weights
 from ec_s3.sandbox.tiny_qwen import grid_for, photo_jpeg
-from ec_s3.sandbox.vllm_server import (
-    QWEN_MODEL_ARGS,
-    LoadProgress,
-    VllmServer,
-    ec_transfer_config,
-    start_all,
-    stop_all,
-    wait_all_ready,
-)
-from ec_s3.store.client import S3Store
-from support.s3_matrix import new_bucket
 
 E2E_TIMEOUT_S = 1500
-LOAD_TIMEOUT_S = 900.0
-PREFIX = "qwen"
 QUESTION = "What is in this picture?"
 # (a): seeds of 1024² photos, and one of another size (a grid that is not square).
 SEEDS = (101, 102, 103)
@@ -80,74 +61,44 @@ def metadata_part(uuid: str, grid: tuple[int, int, int]) -> dict[str, Any]:
     return {"type": "image_embeds", "image_embeds": {"image_grid_thw": list(grid)}, "uuid": uuid}
 
 
-@dataclass
+def _baseline(url: str, model: str) -> dict[str, ChatResult]:
+    """The plain server's answers this module compares with (taken before the consumer's
+    vision tower changes: support/qwen_stack.py)."""
+    baseline = {}
+    for seed in SEEDS:
+        baseline[f"one-{seed}"] = post_chat(url, body(model, [image_part(seed)]))
+    seed, w, h = ODD
+    baseline["odd"] = post_chat(url, body(model, [image_part(seed, w, h)]))
+    baseline["two"] = post_chat(url, body(model, [image_part(SEEDS[0]), image_part(seed, w, h)]))
+    assert all(r.ok for r in baseline.values()), baseline
+    return baseline
+
+
+BASELINES["e2e_qwen"] = _baseline
+
+
 class Stack:
-    model: str
-    producer: VllmServer
-    consumer: VllmServer
-    proxies: dict[str, ProxyThread]
-    store: S3Store
-    baseline: dict[str, ChatResult]
+    """This module's view of the shared stack (support/qwen_stack.py)."""
+
+    def __init__(self, shared: QwenStack) -> None:
+        self.shared = shared
+        self.model, self.producer, self.consumer, self.store = shared.model, shared.producer, shared.consumer, shared.store
+        self.baseline: dict[str, ChatResult] = shared.baseline["e2e_qwen"]
+        self.proxies = {d: shared.proxy(f"e2e-qwen-{d}", direct=True, dispatch=d) for d in ("serial", "parallel")}
 
     def keyspace(self, key: str) -> KeySpace:
-        space = keyspace_of(key, PREFIX)
-        assert space is not None, key
-        return space
+        return self.shared.keyspace(key)
 
     def consumer_alive(self) -> None:
         """The engine serves: /health is 200 and a plain image request is answered."""
-        status, _ = http_get(f"{self.consumer.url}/health", timeout=10)
-        assert status == 200, f"consumer /health {status}; {self.consumer.log_tail()}"
-        assert self.consumer.is_running()
+        self.shared.consumer_health()
         result = post_chat(self.consumer.url, body(self.model, [image_part(SEEDS[0])]))
         assert result.ok, f"{result}; {self.consumer.log_tail()}"
 
 
-@pytest.fixture(scope="module")
-def stack(s3_endpoint: Any, tiny_qwen_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    creds = s3_endpoint.credentials
-    bucket, store = new_bucket(s3_endpoint, "qwen")
-    work = tmp_path_factory.mktemp("e2e-qwen")
-    model_dir = work / "model"
-    shutil.copytree(tiny_qwen_dir, model_dir)
-    model = str(model_dir)
-    s3_env = {**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": creds.access_key_id,
-              "AWS_SECRET_ACCESS_KEY": creds.secret_access_key}
-    extra = {"bucket": bucket, "endpoint_url": s3_endpoint.url, "prefix": PREFIX,
-             "retry_base_delay_s": 0.01, "retry_max_delay_s": 0.2, "promised_wait_s": 30, "lookup_wait_s": 5}
-    baseline_srv = VllmServer(model, name="qwen-baseline", args=QWEN_MODEL_ARGS, log_path=work / "baseline.log",
-                              env={**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None})
-    producer = VllmServer(model, name="qwen-producer", args=QWEN_MODEL_ARGS, env=s3_env,
-                          log_path=work / "producer.log", ec_transfer_config=ec_transfer_config("ec_producer", extra))
-    consumer = VllmServer(model, name="qwen-consumer", args=QWEN_MODEL_ARGS, env=s3_env,
-                          log_path=work / "consumer.log", ec_transfer_config=ec_transfer_config("ec_consumer", extra))
-    proxies: dict[str, ProxyThread] = {}
-    progress = LoadProgress(sys.stderr, prefix="  e2e-qwen ")
-    try:
-        start_all([baseline_srv, producer])
-        wait_all_ready([baseline_srv, producer], LOAD_TIMEOUT_S, progress=progress)
-        baseline = {}
-        for seed in SEEDS:
-            baseline[f"one-{seed}"] = post_chat(baseline_srv.url, body(model, [image_part(seed)]))
-        seed, w, h = ODD
-        baseline["odd"] = post_chat(baseline_srv.url, body(model, [image_part(seed, w, h)]))
-        baseline["two"] = post_chat(baseline_srv.url, body(model, [image_part(SEEDS[0]), image_part(seed, w, h)]))
-        assert all(r.ok for r in baseline.values()), baseline
-        baseline_srv.stop()
-
-        reseed_vision_weights(model_dir, seed=99, prefixes=("visual.",))
-        consumer.start()
-        wait_all_ready([consumer], LOAD_TIMEOUT_S, progress=progress)
-        for dispatch in ("serial", "parallel"):
-            proxies[dispatch] = ProxyThread(ProxyConfig(
-                encoder_urls=[producer.url], pd_urls=[consumer.url], port=0, dispatch=dispatch,
-                encode_timeout_s=60.0, known_settle_s=0.0)).start()
-        yield Stack(model, producer, consumer, proxies, store, baseline)
-    finally:
-        for proxy in proxies.values():
-            proxy.stop()
-        stop_all([baseline_srv, producer, consumer])
-        store.close(timeout=5.0)
+@pytest.fixture
+def stack(qwen_stack: QwenStack) -> Stack:
+    return Stack(qwen_stack)
 
 
 def _equal(got: ChatResult, want: ChatResult, what: str) -> None:

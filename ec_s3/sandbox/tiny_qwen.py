@@ -17,8 +17,11 @@ What makes it the right stand-in (unlike the tiny LLaVA of :mod:`.tiny_model`):
 Built from transformers configs with random weights (std 0.02, fixed seed) in the
 Qwen2.5-VL checkpoint key layout, the byte-level tokenizer of :mod:`.tiny_model` with
 Qwen's special tokens, and ``Qwen2VLImageProcessor`` at Qwen's default pixel limits.
-transformers 5's ``Qwen2_5_VLProcessor`` refuses to build without a video processor, so
-one is given (``Qwen2VLVideoProcessor``); no video is served.
+Video is served too: ``Qwen2VLVideoProcessor`` at its defaults (vLLM's ``qwen2_vl``
+loader samples 2 fps, 4-768 frames, from e.g. a ``data:video/mp4;base64,...`` part) and a
+chat template that renders a video part as ``<|vision_start|><|video_pad|><|vision_end|>``
+(without that branch the part silently vanished from the prompt). :func:`clip_mp4` makes
+small test clips of a chosen frame rate and length.
 
 Owns the model directory (built once per content version, atomically, with a manifest)
 and its photo-like test images (JPEG, 512-1600 px). Does not own serving it
@@ -43,13 +46,14 @@ __all__ = [
     "QWEN_SHAPE",
     "QwenShape",
     "build_tiny_qwen",
+    "clip_mp4",
     "default_qwen_dir",
     "grid_for",
     "make_photo",
     "photo_jpeg",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chat template renders video parts
 PATCH = 14
 MERGE = 2  # spatial merge: 2x2 patches -> one image token
 # Qwen2-VL's image processor defaults: what a real deployment resizes to.
@@ -65,6 +69,8 @@ CHAT_TEMPLATE = (
     "{% else %}{% for item in message['content'] %}"
     "{% if item['type'] in ['image', 'image_url', 'image_pil', 'image_embeds'] %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] in ['video', 'video_url', 'video_embeds'] %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -283,6 +289,36 @@ def photo_jpeg(seed: int, width: int = 1024, height: int | None = None, quality:
     out = io.BytesIO()
     make_photo(seed, width, height).save(out, format="JPEG", quality=quality)
     return out.getvalue()
+
+
+def clip_mp4(seed: int, *, fps: float, frames: int, size: int = 64) -> bytes:
+    """A small deterministic MP4 clip (``mp4v``, what opencv writes and vLLM's opencv
+    loader reads): ``frames`` frames at ``fps``, ``size`` pixels square, a photo of
+    ``seed`` drifting one step per frame. vLLM's ``qwen2_vl`` loader samples it at 2 fps
+    (4 frames at least, an even number), and Qwen2.5-VL's ``second_per_grid_ts`` is
+    2 / (sampled frames / frames * fps): 8 frames at 8 fps give 0.5, 11 at 2 fps 1.1,
+    4 at 1 fps 2.0, 4 at 2 fps 1.0."""
+    import os
+    import tempfile
+
+    import cv2
+    import numpy as np
+
+    base = np.asarray(make_photo(seed, 2 * size), dtype=np.uint8)
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        writer = cv2.VideoWriter(path, cv2.VideoWriter_fourcc(*"mp4v"), float(fps), (size, size))
+        if not writer.isOpened():
+            raise RuntimeError("opencv cannot write mp4v here")
+        step = max(1, size // max(frames, 1))
+        for n in range(frames):
+            frame = base[n * step // 2: n * step // 2 + size, n * step: n * step + size]
+            writer.write(np.ascontiguousarray(frame[..., ::-1]))  # RGB -> opencv's BGR
+        writer.release()
+        return Path(path).read_bytes()
+    finally:
+        os.unlink(path)
 
 
 if __name__ == "__main__":  # python -m ec_s3.sandbox.tiny_qwen DIR
