@@ -185,15 +185,7 @@ class ECS3Scheduler:
         if decision.action is Action.HIT:
             assert item is not None
             if self._hold(state, identifier, item):
-                self._stop_waiting(state, identifier, now)
-                self._decided(state, identifier, "hit")
-                if self._is_producer and item.key == self._model.keyspace.key_for(
-                    identifier, cache_salt=state.request.cache_salt
-                ):
-                    # Its own key holds the blob: its promise holds, even where vLLM then
-                    # serves it from an output encoded from another tenant's media (that
-                    # request's miss was answered first) and never asks has_cache_item.
-                    state.saved.add(identifier)
+                self._served(state, identifier, item, now)
                 return decision
             decision = self._decide(state, feature, key, None, now)  # its slot is gone: look it up again
         elif decision.renew and item is not None:
@@ -214,6 +206,16 @@ class ECS3Scheduler:
                 self._decided(state, identifier, answer_outcome(item.state))
         self._settle(state, identifier, decision, now)
         return decision
+
+    def _served(self, state: RequestState, identifier: str, item: Item, now: float) -> None:
+        """A hit, held: the request's wait ends, and a producer's own key keeps its promise."""
+        self._stop_waiting(state, identifier, now)
+        self._decided(state, identifier, "hit")
+        if self._is_producer and item.key == self._model.keyspace.key_for(identifier, cache_salt=state.request.cache_salt):
+            # Its own key holds the blob: its promise holds, even where vLLM then serves it
+            # from an output encoded from another tenant's media (that request's miss was
+            # answered first) and never asks has_cache_item.
+            state.saved.add(identifier)
 
     def _misfit(self, feature: MultiModalFeatureSpec, item: Item | None) -> str:
         """Why a staged blob cannot serve this request's ``feature`` ("" when it fits):
