@@ -47,6 +47,16 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
             "(serial). Encoder failures never fail a request."
         ),
     )
+    _add_upstream_args(p, d)
+    _add_dispatch_args(p, d)
+    _add_client_args(p, d)
+    _add_known_args(p, d)
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def _add_upstream_args(p: argparse.ArgumentParser, d: Any) -> None:
+    """Where the upstreams are, and the timeouts and pools of the requests to them."""
     p.add_argument("--encoder-url", "--encode-servers-urls", dest="encoder_urls", action="append", default=[],
                    metavar="URL", help="encoder instance base URL; repeat or comma-separate (none: all go to PD)")
     p.add_argument("--pd-url", "--prefill-decode-servers-urls", dest="pd_urls", action="append", default=[],
@@ -84,6 +94,10 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s, metavar="S",
                    help="on SIGTERM, stop listening and let requests in flight finish this long; keep it at least "
                         f"prefill/decode's own --shutdown-timeout (default {d.shutdown_timeout_s:g})")
+
+
+def _add_dispatch_args(p: argparse.ArgumentParser, d: Any) -> None:
+    """How a request travels: dispatch, routing, and what prefill/decode receives."""
     p.add_argument("--dispatch", choices=["parallel", "serial"], default=d.dispatch,
                    help="parallel: send the request to prefill/decode while encoders encode its media (items "
                         "named by content, marked pending); serial: encoders first, then prefill/decode with "
@@ -107,6 +121,10 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                    help="forward clients' metadata-only parts and embeddings uuids as they are, and their embeddings "
                         "tensors when their rows fit their grid (only for clients that are part of the serving stack; "
                         "otherwise those parts are refused with 400)")
+
+
+def _add_client_args(p: argparse.ArgumentParser, d: Any) -> None:
+    """The client side: keys, and what one request and one client may hold."""
     keys = p.add_argument_group(
         "keys", "prefer the files or the environment: a key given as a flag shows in every process listing"
     )
@@ -148,6 +166,10 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                       help="memory all request bodies in flight may take, each charged 8x its size; a request that "
                            "does not fit waits up to --body-timeout, then 503; at least 8x --max-body-bytes "
                            f"(default {d.body_budget_bytes // (1 << 20)}MiB)")
+
+
+def _add_known_args(p: argparse.ArgumentParser, d: Any) -> None:
+    """Items known to be in the bucket."""
     known = p.add_argument_group(
         "known items", "items known to be in the bucket go to prefill/decode marked present, with no encoder request")
     known.add_argument("--known-max-entries", type=int, default=d.known_max_entries, metavar="N",
@@ -166,8 +188,6 @@ def build_parser(prog: str = "ec-s3 proxy") -> argparse.ArgumentParser:
                             "the proxies of a fleet share what is in the bucket (parallel dispatch)")
     known.add_argument("--bucket-lookup-timeout", type=float, default=d.bucket_lookup_timeout_s, metavar="S",
                        help=f"longest wait for those HEADs (default {d.bucket_lookup_timeout_s:g})")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
