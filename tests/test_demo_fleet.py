@@ -124,3 +124,16 @@ def test_a_different_answer_fails_the_run() -> None:
     assert not ok
     assert "DIFFERENT tokens" in _row(out, "4") and "outputs     : 3/4 answers equal" in out
     assert out.rstrip().endswith("FAIL: some of the aggregated fleet's answers differ from the baseline's")
+
+
+def test_the_demos_encoder_limit_is_the_proxys_with_a_model_and_30_s_on_cpu() -> None:
+    """With --model the proxy keeps its GPU-sized default; the offline tiny model on CPU
+    cores gets 30 s (``ec-s3 demo --model X`` once died here with NameError: ProxyConfig)."""
+    from ec_s3.demo.run import CPU_ENCODE_TIMEOUT_S, _Demo, build_parser
+    from ec_s3.proxy.config import ProxyConfig
+
+    def limit(*argv: str) -> float:
+        return _Demo(build_parser().parse_args(list(argv)), {}, Out(io.StringIO()))._encode_timeout_s()
+
+    assert limit("--model", "Qwen/Qwen2.5-VL-3B-Instruct") == ProxyConfig.encode_timeout_s
+    assert limit() == CPU_ENCODE_TIMEOUT_S

@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
             "quote several: --vllm-arg='--max-model-len 4096 --enforce-eager')."
         ),
     )
+    _add_groups(p)
+    p.add_argument("--keep-running", action="store_true",
+                   help="leave the phase-4 servers and the proxy running after the summary (Ctrl-C stops)")
+    return p
+
+
+def _add_groups(p: argparse.ArgumentParser) -> None:
+    """The S3, model-and-servers and requests flags."""
     s3 = p.add_argument_group("S3")
     s3.add_argument("--endpoint-url", default=os.environ.get("EC_S3_ENDPOINT_URL"),
                     help="S3/MinIO endpoint (default $EC_S3_ENDPOINT_URL; unset: start an embedded SeaweedFS)")
@@ -126,9 +134,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest |logprob difference| of equal token ids still counted as a match "
                         f"(default {BATCHING_TOLERANCE:g}: batching noise; 0: identical)")
     r.add_argument("--request-timeout", type=float, default=180.0, metavar="S", help="per request (default 180)")
-    p.add_argument("--keep-running", action="store_true",
-                   help="leave the phase-4 servers and the proxy running after the summary (Ctrl-C stops)")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +350,8 @@ class _Demo:
         encoder; the offline tiny model encodes on one CPU core, 1.8-3.4 s per 1024² photo
         on a 2-core host, and the demo sends two fresh photos at once: past 4 s the second
         went to prefill/decode without params and was encoded there."""
+        from ec_s3.proxy.config import ProxyConfig
+
         return ProxyConfig.encode_timeout_s if self.args.model else CPU_ENCODE_TIMEOUT_S
 
     def _warm_up(self, url: str, model: str) -> ChatResult:
