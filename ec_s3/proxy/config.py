@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from ec_s3.config import ConfigError, ECS3Config
 from ec_s3.proxy.limits import BODY_COST_FACTOR
-from ec_s3.proxy.routing import AFFINITY, LEAST_LOADED, ROUTES
+from ec_s3.proxy.routing import AFFINITY, ROUTES
 
 __all__ = ["ProxyConfig"]
 

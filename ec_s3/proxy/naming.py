@@ -40,7 +40,6 @@ from ec_s3.proxy.media import (
     MediaItem,
     TooDeeplyNested,
     TooManyItems,
-    media_key,
     parts_of,
 )
 

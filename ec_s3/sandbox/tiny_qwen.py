@@ -35,7 +35,7 @@ import io
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ec_s3.sandbox.tiny_model import INIT_STD, WEIGHT_DTYPE, atomic_model_dir, random_state_dict, train_tokenizer
 
