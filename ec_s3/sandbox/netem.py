@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 __all__ = ["PROFILES", "LinkProfile", "NetEm", "limit_s"]
 
-_CHUNK = 64 * 1024
+_CHUNK = 256 * 1024
 # How far behind its virtual clock a connection may fall and catch up: a sleep wakes up
 # late by about a millisecond, and without this credit every late wake-up would be lost
 # from the rate.
@@ -96,6 +96,7 @@ class _Proxy:
         self.profile, self.upstream = profile, upstream
         self.random = random.Random(seed)
         self.nic = {"up": _Pace(profile.nic_bytes_per_s), "down": _Pace(profile.nic_bytes_per_s)}
+        self.answers = 0  # requests answered, reported when the proxy stops
 
     async def handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         try:
@@ -128,6 +129,7 @@ class _Proxy:
                 state["request_end"] = now
             elif not state["answered"]:  # the first byte of an answer
                 state["answered"] = True
+                self.answers += 1
                 due = state["request_end"] + p.first_byte_s
                 if state["new"]:
                     due += p.rtt_s
@@ -152,6 +154,7 @@ async def _serve(profile: LinkProfile, upstream: tuple[str, int], port: int, see
     async with server:
         # Until the owner goes: it holds our stdin.
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    print(json.dumps({"requests": proxy.answers}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,20 +166,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = PROFILES.get(args.profile) or LinkProfile(**json.loads(args.profile))
     parts = urlsplit(args.upstream)
-    asyncio.run(_serve(profile, (parts.hostname or "127.0.0.1", parts.port or 80), args.port, args.seed))
+    serve = _serve(profile, (parts.hostname or "127.0.0.1", parts.port or 80), args.port, args.seed)
+    try:
+        import uvloop  # a third of the CPU per byte relayed: the proxy must not be the bottleneck
+    except ImportError:
+        asyncio.run(serve)
+    else:
+        uvloop.run(serve)
     return 0
 
 
 class NetEm:
     """The proxy in a process of its own, for ``with NetEm(url, "standard") as link:
     ... link.endpoint_url``; it ends when this object stops (or its owner dies: it
-    reads its stdin to the end)."""
+    reads its stdin to the end). After :meth:`stop`, :attr:`requests` is how many
+    requests it answered."""
 
     def __init__(self, upstream_url: str, profile: str | LinkProfile = "standard", *, seed: int | None = None) -> None:
         self.profile = PROFILES[profile] if isinstance(profile, str) else profile
         self._upstream, self._seed = upstream_url, seed
         self._proc: subprocess.Popen[str] | None = None
-        self.port = 0
+        self.port = self.requests = 0
 
     @property
     def endpoint_url(self) -> str:
@@ -206,6 +216,9 @@ class NetEm:
             assert proc.stdin is not None
             proc.stdin.close()
         try:
+            assert proc.stdout is not None
+            with contextlib.suppress(ValueError):
+                self.requests = int(json.loads(proc.stdout.readline() or "{}").get("requests", 0))
             proc.wait(5)
         except subprocess.TimeoutExpired:
             proc.kill()
