@@ -92,7 +92,7 @@ class EcS3Client(Client):
         await self.store.delete_async(key)
 
     async def get_sized(self, key: str, size: int) -> int:
-        return len(await self.store.get_async(key))
+        return len(await self.store.get_async(key, expected_size=size))
 
 
 class BotoClient(Client):
