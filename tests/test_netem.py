@@ -67,8 +67,9 @@ def test_first_byte_and_new_connection_round_trip_per_request() -> None:
                 return await _exchanges(link.port, [10, 10, 10])
 
     (new, _, _), (again, _, data), (third, _, _) = asyncio.run(run())
-    assert 0.1 <= new < 0.5  # first byte + one round trip for the handshake
-    assert 0.06 <= again < 0.4 and 0.06 <= third < 0.4  # each request on the kept-alive connection waits again
+    # (uvloop's timers wake up to a millisecond early: the lower bounds allow 5 ms)
+    assert 0.095 <= new < 0.5  # first byte + one round trip for the handshake
+    assert 0.055 <= again < 0.4 and 0.055 <= third < 0.4  # each request on the kept-alive connection waits again
     assert data == bytes(range(10))  # relayed intact
 
 
@@ -101,7 +102,7 @@ def test_a_slow_tail_stalls_its_fraction_of_answers() -> None:
             with NetEm(url, profile, seed=1) as link:
                 return await _exchanges(link.port, [5, 5])
 
-    assert all(0.3 <= first < 1.5 for first, _, _ in asyncio.run(run()))
+    assert all(0.295 <= first < 1.5 for first, _, _ in asyncio.run(run()))
 
 
 def test_profiles_and_the_limit() -> None:
