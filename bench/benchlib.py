@@ -111,65 +111,6 @@ def create_bucket(ep: Endpoint, bucket: str | None = None) -> str:
     return bucket
 
 
-# --------------------------------------------------------------------------- fault proxy
-
-
-class ProxyProcess:
-    """tests/faultproxy.FaultProxy in a child process, so that its event loop does not
-    compete with the measured process for the GIL and its buffered request bodies do
-    not count in our RSS. Commands: ``latency(s)``, ``counters()``."""
-
-    def __init__(self, upstream: str) -> None:
-        self.proc = subprocess.Popen(  # cwd=REPO: bench and tests.support import as they do here
-            [sys.executable, "-m", "bench.benchlib", "--proxy-child", upstream], cwd=REPO,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
-        if not self.url.startswith("http"):
-            raise RuntimeError("fault proxy child did not start")
-
-    def cmd(self, c: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(c + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def latency(self, seconds: float) -> None:
-        self.cmd(f"latency {seconds}")
-
-    def counters(self) -> dict[str, Any]:
-        return self.cmd("counters")
-
-    def close(self) -> None:
-        try:
-            if self.proc.stdin:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.close()
-            self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _proxy_child(upstream: str) -> int:
-    setup_env()
-    from tests.support.faultproxy import FaultProxy
-
-    proxy = FaultProxy(upstream).start()
-    print(proxy.endpoint_url, flush=True)
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "latency":
-            proxy.set_latency(float(arg))
-        elif cmd == "quit":
-            break
-        c = proxy.counters
-        print(json.dumps({"held": c.held_now, "requests": c.requests, "latency": c.latency}), flush=True)
-    proxy.stop()
-    return 0
-
-
 # --------------------------------------------------------------------------- meters
 
 _CLK = os.sysconf("SC_CLK_TCK")
@@ -377,8 +318,3 @@ def add_common_args(parser: Any) -> None:
     parser.add_argument("--out-dir", type=Path, default=None, help=f"results directory (default {RESULTS_DIR})")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG plots")
 
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--proxy-child":
-        raise SystemExit(_proxy_child(sys.argv[2]))
-    raise SystemExit("usage: python -m bench.benchlib --proxy-child UPSTREAM_URL (internal)")

@@ -6,7 +6,7 @@ makes (the stats call ``get_ec_connector_stats`` included: vLLM makes it every s
 while its real Scheduler (tests/support/vllm_rig) runs rounds of requests with 1-3
 images each: promised by a producer (``ec_transfer_params``, blob in the bucket),
 stored but not promised (``lookup: always``), missing (encoded locally) or repeated;
-with 0, 50 and 200 ms of store latency injected by the fault proxy. Baselines: the same
+with 0, 50 and 200 ms of store latency (a first byte held by ec_s3.sandbox.netem). Baselines: the same
 mix through vLLM's ``ECExampleConnector`` (files on local disk), and ec-s3 at 0 ms.
 Goal: p99 < 100 us for every method, independent of latency.
 
@@ -149,15 +149,16 @@ def run_mix(driver: Any, mix: list, params_for: Any, timeout_s: float, arrivals_
 def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.ec_harness import make_node
 
+    from ec_s3.sandbox.netem import LinkProfile, NetEm
     from ec_s3.store.client import S3Store
 
     tag = f"L{latency_ms}"
     mix = make_mix(tag, args.rounds, args.requests_per_round, random.Random(args.seed))  # same mix per latency
-    proxy = bl.ProxyProcess(ep.url)  # another process: its loop must not take our GIL
+    link = NetEm(ep.url, LinkProfile("latency", first_byte_s=latency_ms / 1000.0)).start()  # its own process
     store = S3Store(ep.config(bucket))
     node = None
     try:
-        extra = ep.extra(bucket, endpoint_url=proxy.url, lookup="always", lookup_wait_s=5.0, promised_wait_s=30.0)
+        extra = ep.extra(bucket, endpoint_url=link.endpoint_url, lookup="always", lookup_wait_s=5.0, promised_wait_s=30.0)
         node = make_node(model_dir, "ec_consumer", extra)
         keyspace = node.scheduler_connector.model.keyspace
         idents = {i for rnd in mix for _, ids, _ in rnd for i in ids}
@@ -168,20 +169,21 @@ def bench_ec_s3(ep: bl.Endpoint, bucket: str, model_dir: Path, latency_ms: int, 
         def params_for(promised: set[str]) -> dict[str, Any]:
             return {i: {"key": keyspace.key_for(i), "shape": [ROWS, WIDTH], "dtype": "bfloat16"} for i in promised}
 
-        proxy.latency(latency_ms / 1000.0)
         timer = CallTimer(node.scheduler_connector, node.driver.scheduler)
         info = run_mix(node.driver, mix, params_for, timeout_s=120)
         counters = node.scheduler_connector.counters
-        info.update({"proxy_requests": proxy.counters()["requests"], "encoded_locally": len(node.sim.encoded),
+        info.update({"encoded_locally": len(node.sim.encoded),
                      "loaded_from_store": node.worker.counters.get("blobs_loaded"),
                      "lookups_hit": counters.get("lookups_hit"), "lookups_miss": counters.get("lookups_miss"),
                      "requests": sum(len(r) for r in mix)})
-        return {"calls": timer.times, "cpu": timer.cpu_times, "steps": timer.step_times, "info": info}
+        result = {"calls": timer.times, "cpu": timer.cpu_times, "steps": timer.step_times, "info": info}
     finally:
         if node is not None:
             node.close()
         store.close()
-        proxy.close()
+        link.stop()
+    info["proxy_requests"] = link.requests  # node set-up's included
+    return result
 
 
 def bench_example(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:

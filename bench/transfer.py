@@ -13,17 +13,25 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
   multipart PUT for large bodies, single GET).
 
+Then, over an emulated link (``ec_s3.sandbox.netem``: ``loopback`` only relays,
+``standard`` and ``express`` add S3's first byte and bandwidth caps), the time of one
+GET of one blob (1 in flight) of a size the reader knows: ec-s3 (``ec-s3-unsized``:
+without the size), obstore's parallel 2 MiB ranges, and the limit (first byte + size ÷
+the NIC's rate), every client in the same run.
+
 Retired by issue 35 (git history has them): raw aiohttp, a BufferedProtocol GET, vLLM's
 ``ECExampleConnector``. Clients run on one asyncio loop thread, rotated per repeat. CPU:
 this process's ``process_time`` (all threads) and the server's, per GiB moved.
 
     .venv/bin/python -m bench.transfer [--quick] [--sizes-mib 1 8 32 64] [--concurrency 1 8 32]
+        [--links loopback standard express] [--link-sizes-mib 10 34]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import statistics
 import time
@@ -38,9 +46,12 @@ if __name__ == "__main__":  # a run, before vLLM is imported; imported for run_a
 import torch  # noqa: E402
 
 from ec_s3.blob.codec import BlobMeta, encode_blob  # noqa: E402
+from ec_s3.sandbox.netem import PROFILES, NetEm, limit_s  # noqa: E402
 from ec_s3.store.client import S3Store  # noqa: E402
 
 WIDTH = 4096  # bf16 rows of 8 KiB
+MEASURES = ["ec_s3/sandbox/netem.py"]  # the link, in a process of its own
+OBSTORE_RANGE = 2 * bl.MiB
 
 
 # --------------------------------------------------------------------------- clients
@@ -79,6 +90,9 @@ class EcS3Client(Client):
 
     async def delete(self, key: str) -> None:
         await self.store.delete_async(key)
+
+    async def get_sized(self, key: str, size: int) -> int:
+        return len(await self.store.get_async(key, expected_size=size))
 
 
 class BotoClient(Client):
@@ -145,6 +159,14 @@ class ObstoreClient(Client):
 
         await obstore.delete_async(self.store, key)
 
+    async def get_sized(self, key: str, size: int) -> int:
+        """Parallel ranges of a known size, what obstore's users do across a network."""
+        import obstore
+
+        parts = await asyncio.gather(*(obstore.get_range_async(self.store, key, start=s, end=min(s + OBSTORE_RANGE, size))
+                                       for s in range(0, size, OBSTORE_RANGE)))
+        return sum(len(memoryview(p)) for p in parts)
+
 
 # --------------------------------------------------------------------------- measurement
 
@@ -206,9 +228,7 @@ def make_clients(ep: bl.Endpoint, bucket: str, names: list[str]) -> list[Client]
 def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dict[str, Any]:
     from ec_s3.loop import shared_loop
 
-    rows = size_mib * bl.MiB // (WIDTH * 2)
-    tensor = torch.randn(rows, WIDTH).to(torch.bfloat16)
-    blob = encode_blob(tensor, BlobMeta("bench", torch.bfloat16, (rows, WIDTH), "ns", "p"))
+    blob = _blob(size_mib)
     size = len(blob)
     body_bytes = bytes(blob)  # raw clients get immutable bytes (what aioboto3 users pass)
     result: dict[str, Any] = {"blob_bytes": size, "cells": {}}
@@ -246,6 +266,79 @@ def bench_size(size_mib: int, concs: list[int], args: argparse.Namespace) -> dic
             if isinstance(c, EcS3Client):
                 c.store.close()
     return result
+
+
+def _blob(size_mib: int) -> memoryview:
+    rows = size_mib * bl.MiB // (WIDTH * 2)
+    tensor = torch.randn(rows, WIDTH).to(torch.bfloat16)
+    return encode_blob(tensor, BlobMeta("bench", torch.bfloat16, (rows, WIDTH), "ns", "p"))
+
+
+def bench_links(args: argparse.Namespace) -> dict[str, Any]:
+    """GET ms of one blob per link profile, size and client (every client per repeat, rotated)."""
+    from ec_s3.loop import shared_loop
+
+    bg, out = shared_loop(), {}
+    with bl.s3_endpoint("xferlink") as ep:
+        bucket = bl.create_bucket(ep)
+        loader = EcS3Client(ep, bucket)
+        sizes = {}
+        for mib in args.link_sizes_mib:
+            blob = _blob(mib)
+            sizes[mib] = len(blob)
+            bg.run(loader.put(f"link/{mib}", blob), timeout=120)
+        loader.store.close()
+        for name in args.links:
+            profile = PROFILES[name]
+            with NetEm(ep.url, profile) as link:
+                lep = dataclasses.replace(ep, url=link.endpoint_url)
+                clients: list[Any] = [EcS3Client(lep, bucket), ObstoreClient(lep, bucket), EcS3Client(lep, bucket)]
+                clients[2].name, clients[2].get_sized = "ec-s3-unsized", lambda key, _size, c=clients[2]: c.get(key)
+                cells: dict[str, Any] = {}
+                for mib, size in sizes.items():
+                    times: dict[str, list[float]] = {c.name: [] for c in clients}
+                    for rep in range(1 + args.link_repeats):  # the first: warm-up (connections, code paths)
+                        for c in clients[rep % len(clients):] + clients[: rep % len(clients)]:
+                            started = time.perf_counter()
+                            if bg.run(c.get_sized(f"link/{mib}", size), timeout=120) != size:
+                                raise RuntimeError(f"{c.name}: a short GET of link/{mib}")
+                            if rep:
+                                times[c.name].append((time.perf_counter() - started) * 1000)
+                    cells[str(mib)] = {"blob_bytes": size, "limit_ms": limit_s(profile, size) * 1000,
+                                       "ms": {n: statistics.median(t) for n, t in times.items()}, "runs_ms": times}
+                    bl.log(f"  {name} GET {mib} MiB ms: " + ", ".join(f"{n} {statistics.median(t):.1f}"
+                                                                     for n, t in times.items())
+                           + f", limit {limit_s(profile, size) * 1000:.1f}")
+                for c in clients:
+                    if isinstance(c, EcS3Client):
+                        c.store.close()
+            out[name] = {"profile": dataclasses.asdict(profile), "cells": cells}
+    return out
+
+
+def goal_rows(d: dict[str, Any] | None) -> list[dict[str, str]]:
+    """bench/run_all.py's goal rows: GETs over each link (issue 42), and loopback vs the best raw client."""
+    rows = []
+    for name, link in (d or {}).get("links", {}).items():
+        for mib, cell in link["cells"].items():
+            ms, limit = cell["ms"], cell["limit_ms"]
+            vs_ob = ms["ec-s3"] / ms["obstore"]
+            vs_limit = ms["ec-s3"] / limit if limit else None
+            ok = vs_ob <= 1.15 and (vs_limit is None or vs_limit <= 1.5)
+            rows.append({"goal": "1c. GET over a link", "case": f"{mib} MiB, {name}, 1 in flight, size known",
+                         "result": f"ec-s3 {ms['ec-s3']:.1f} ms; obstore ranges {ms['obstore']:.1f} ms ({vs_ob:.2f}x)"
+                                   + (f"; limit {limit:.1f} ms ({vs_limit:.2f}x)" if limit else "")
+                                   + f"; ec-s3 without the size {ms['ec-s3-unsized']:.1f} ms",
+                         "target": "<= 1.15x obstore" + (", <= 1.5x the limit" if limit else ""),
+                         "status": "met" if ok else "MISSED", "why": "" if ok else "issue 42"})
+    gets = [(cell, r["get"]["ec_s3_vs_best_raw"]) for cell, r in (d or {}).get("summary", {}).items()
+            if "ec_s3_vs_best_raw" in r.get("get", {})]
+    if gets:
+        worst = min(gets, key=lambda x: x[1])
+        rows.append({"goal": "1c. GET on loopback", "case": f"every cell ({len(gets)}), MiB x in flight",
+                     "result": f"worst {worst[1]:.2f}x the best raw client ({worst[0]})", "target": ">= 0.9x",
+                     "status": "met" if worst[1] >= 0.9 else "MISSED", "why": "" if worst[1] >= 0.9 else "issue 42"})
+    return rows
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:
@@ -301,38 +394,6 @@ def print_tables(summ: dict[str, Any]) -> None:
             rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)"))
 
 
-def plot(summ: dict[str, Any], out_dir: Path | None) -> None:
-    plt = bl.pyplot()
-    if plt is None:
-        return
-    cells = list(summ)
-    names = ["ec-s3", "ec-s3-botocore", "boto-default", "boto-tuned", "obstore"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for col, op in enumerate(("put", "get")):
-        ax = axes[0][col]
-        width = 0.8 / len(names)
-        for i, name in enumerate(names):
-            ys = [summ[c][op]["clients"].get(name, {}).get("mib_per_s", 0) for c in cells]
-            lo = [y - summ[c][op]["clients"].get(name, {}).get("mib_per_s_min", y) for c, y in zip(cells, ys)]
-            hi = [summ[c][op]["clients"].get(name, {}).get("mib_per_s_max", y) - y for c, y in zip(cells, ys)]
-            ax.bar([x + i * width for x in range(len(cells))], ys, width, yerr=[lo, hi], label=name, capsize=2)
-        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cells))], [c.replace("x", " MiB\nx") for c in cells], fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("MiB/s, log scale (median, bars: min-max)")
-        ax.set_title(f"{op.upper()} throughput by blob size x concurrency")
-        ax.legend(fontsize=7)
-        ax = axes[1][col]
-        ratios = [summ[c][op].get("ec_s3_vs_best_raw") or 0 for c in cells]
-        ax.bar(range(len(cells)), ratios, color="tab:blue")
-        ax.axhline(0.9, color="red", ls="--", label="goal 0.9x")
-        ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xticks(range(len(cells)), [c.replace("x", " MiB\nx") for c in cells], fontsize=7)
-        ax.set_ylabel("ec-s3 / best raw client")
-        ax.set_title(f"{op.upper()}: ec-s3 vs best raw client (same run)")
-        ax.legend(fontsize=7)
-    bl.save_fig(fig, "transfer", out_dir)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bl.add_common_args(parser)
@@ -344,6 +405,9 @@ def main() -> int:
                         help="skip cells with more than this in flight (bounds client and SeaweedFS memory)")
     parser.add_argument("--clients", nargs="+",
                         default=["ec-s3", "ec-s3-botocore", "boto-default", "boto-tuned", "obstore"])
+    parser.add_argument("--links", nargs="*", default=list(PROFILES), choices=list(PROFILES))
+    parser.add_argument("--link-sizes-mib", type=int, nargs="+", default=[10, 34])
+    parser.add_argument("--link-repeats", type=int, default=5)
     args = parser.parse_args()
     q = args.quick
     args.sizes_mib = args.sizes_mib or ([1, 8, 32] if q else [1, 8, 32, 64])
@@ -358,12 +422,11 @@ def main() -> int:
         bl.log(f"transfer: {size} MiB blobs, concurrency {args.concurrency}, {args.repeats} repeats")
         results[str(size)] = bench_size(size, args.concurrency, args)
     summ = summarize(results)
-    bl.write_json("transfer", {"params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
+    links = bench_links(args) if args.links else {}
+    bl.write_json("transfer", {"links": links, "params": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
                                "elapsed_s": time.monotonic() - started, "summary": summ, "raw": results,
                                "goal": "ec-s3 >= 0.9x the best raw client (PUT and GET)"}, args.out_dir)
     print_tables(summ)
-    if not args.no_plot:
-        plot(summ, args.out_dir)
     return 0
 
 

@@ -138,11 +138,20 @@ class ECS3Config:
     )
     multipart_threshold_bytes: int = dataclasses.field(
         default=16 * MiB,
-        metadata=_doc("Blobs at or above this size use multipart upload and parallel ranged GETs.", min=_MIN_PART_SIZE),
+        metadata=_doc("Blobs at or above this size use multipart upload.", min=_MIN_PART_SIZE),
     )
     multipart_part_bytes: int = dataclasses.field(
         default=8 * MiB,
-        metadata=_doc("Part size of multipart uploads and ranged GETs (>= 5 MiB).", min=_MIN_PART_SIZE, max=5 * GiB),
+        metadata=_doc("Part size of multipart uploads (>= 5 MiB).", min=_MIN_PART_SIZE, max=5 * GiB),
+    )
+    get_range_bytes: int = dataclasses.field(
+        default=2 * MiB,
+        metadata=_doc(
+            "Bytes per ranged GET: a blob of known size is asked as all its ranges at once (at most "
+            "`max_concurrency`). Right at about one connection's bandwidth x the store's first-byte latency "
+            "(S3 Standard: ~90 MB/s x 20 ms); smaller ranges cost more requests, larger ones wait on one connection.",
+            min=64 * 1024, max=5 * GiB,
+        ),
     )
     connect_timeout_s: float = dataclasses.field(
         default=2.0, metadata=_doc("TCP connect timeout per attempt.", min=0.01, max=600.0)

@@ -29,8 +29,9 @@ def _data(n: int, seed: int = 0) -> bytearray:
 
 @pytest.mark.parametrize("size", [1024, 8 * MiB, 40 * MiB])
 def test_round_trip(make_store: Callable[..., S3Store], fault_proxy: FaultProxy, size: int) -> None:
-    """1 KB and 8 MB go as one PUT; 40 MB as a multipart upload. GET fetches the first
-    8 MiB part and, for 40 MB, the other four parts in parallel ranged GETs."""
+    """1 KB and 8 MB go as one PUT; 40 MB as a multipart upload. A GET of unknown size
+    asks one range of get_range_bytes (and a header's worth), then the rest in parallel
+    ranges; of a known size, every range at once (at most max_concurrency)."""
     store = make_store(fault_proxy.endpoint_url)
     data = _data(size)
     before = fault_proxy.counters.requests
@@ -41,7 +42,13 @@ def test_round_trip(make_store: Callable[..., S3Store], fault_proxy: FaultProxy,
     assert puts == (1 if size < 16 * MiB else parts + 3)
     before = fault_proxy.counters.requests
     got = store.run(store.get_async("blob"), timeout=60)
-    assert fault_proxy.counters.requests - before == parts
+    step, header = store.config.get_range_bytes, 64 * 1024
+    rest = max(0, size - step - header)
+    assert fault_proxy.counters.requests - before == 1 + min(16, -(-rest // step))
+    assert bytes(got) == bytes(data)
+    before = fault_proxy.counters.requests
+    got = store.run(store.get_async("blob", expected_size=size), timeout=60)
+    assert fault_proxy.counters.requests - before == max(1, min(16, -(-(size - header) // step)))
     assert bytes(got) == bytes(data)
     info = store.run(store.head_async("blob"))
     assert info is not None and info.size == size

@@ -125,7 +125,7 @@ def test_a_slow_first_body_is_retried_not_a_cancel_of_the_caller(
     data = bytes(range(256)) * (SIZES[ranges] // 256) + bytes(SIZES[ranges] % 256)
     with ScriptedHTTP(_first_trickled(data, 1)) as server:
         store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
-                           multipart_part_bytes=PART)
+                           get_range_bytes=PART)
         got = store.run(store.get_async("k"), timeout=30)
         assert bytes(got) == data
         assert store.stats.retries == 1
@@ -138,7 +138,7 @@ def test_a_first_body_slow_on_every_attempt_is_a_store_timeout(
     data = bytes(SIZES[ranges])
     with ScriptedHTTP(_first_trickled(data, 10)) as server:
         store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
-                           multipart_part_bytes=PART)
+                           get_range_bytes=PART)
         started = time.monotonic()
         with pytest.raises(StoreTimeout):
             store.run(store.get_async("k"), timeout=30)

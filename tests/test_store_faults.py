@@ -86,16 +86,18 @@ def test_waiting_for_a_pooled_connection_is_bounded(make_store: Callable[..., S3
 
 
 def test_failed_part_stops_the_other_parts(make_store: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
-    """A 3-part blob, parts fetched one at a time (max_concurrency=1): when part 2 fails,
-    get_async must not return while part 3 still goes on to write into the buffer."""
-    store = make_store(fault_proxy.endpoint_url, max_concurrency=1, max_attempts=1,
-                       multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+    """A 3-range blob, two permits: the first answer holds one until its body is read,
+    range 2 the other (asked with the first's head), so range 3 goes out only once the
+    caller placed its buffer; when it fails, get_async must not return while another
+    range still goes on to write into the buffer."""
+    store = make_store(fault_proxy.endpoint_url, max_concurrency=2, max_attempts=1,
+                       multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, get_range_bytes=5 * MiB)
     data = os.urandom(12 * MiB)
     store.run(store.put_async("k", data), timeout=60)
     buffers: list[memoryview] = []
 
     def allocate(nbytes: int) -> memoryview:
-        # Called once the first part's answer is in: fail the next GET (part 2).
+        # Called once the first range's answer is in: fail the next GET (range 3).
         fault_proxy.error_next(1, 400, methods=["GET"])
         buffers.append(memoryview(bytearray(nbytes)))
         return buffers[0]

@@ -40,7 +40,8 @@ PART = 5 * MiB  # the smallest part S3 allows: multipart at 11 MiB is three part
 def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
     """Both data paths, with multipart from 5 MiB so the multipart tests stay small."""
     return functools.partial(
-        make_config, data_path=request.param, multipart_threshold_bytes=PART, multipart_part_bytes=PART
+        make_config, data_path=request.param, multipart_threshold_bytes=PART, multipart_part_bytes=PART,
+        get_range_bytes=PART
     )
 
 

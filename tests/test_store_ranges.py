@@ -79,7 +79,7 @@ def _replacing_allocator(config: ECS3Config, key: str, new: bytes) -> Callable[[
 
 
 def test_a_blob_replaced_between_ranges_is_never_a_blend(path_store: Callable[..., S3Store]) -> None:
-    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
     old, new = b"a" * (12 * MiB), b"b" * (12 * MiB)
     store.run(store.put_async("k", old), timeout=60)
     got = store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", new)), timeout=60)
@@ -87,7 +87,7 @@ def test_a_blob_replaced_between_ranges_is_never_a_blend(path_store: Callable[..
 
 
 def test_a_blob_replaced_by_another_size_is_object_changed(path_store: Callable[..., S3Store]) -> None:
-    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
     store.run(store.put_async("k", b"a" * (12 * MiB)), timeout=60)
     with pytest.raises(ObjectChanged):
         store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", b"c" * (11 * MiB))), timeout=60)
@@ -106,7 +106,7 @@ def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None
                                  b"Content-Length: %d" % (last - first + 1), b'ETag: "v1"'], data[first : last + 1])
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == data
         assert len(server.requests) == 2
 
@@ -142,7 +142,7 @@ def test_later_ranges_go_out_while_the_first_body_is_read(path_store: Callable[.
         return send
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=1, multipart_part_bytes=part, request_timeout_s=30)
+        store = path_store(server.url, max_attempts=1, get_range_bytes=part, request_timeout_s=30)
         assert get_bytes(store) == data
         assert len(server.requests) == 3
     assert overlapped == [True], "the later ranges waited for the whole first body"
@@ -154,7 +154,7 @@ def test_open_gives_the_size_then_reads_into_the_callers_buffer(path_store: Call
     """Three ranges (5 MiB parts): the size comes with the first answer, the bytes only
     into a buffer of exactly that size; opens left unread (more than the pool) hold no
     connection once closed."""
-    store = path_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, max_pool_connections=2)
+    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, max_pool_connections=2)
     data = bytes(range(256)) * (12 * MiB // 256)
     store.run(store.put_async("k", data), timeout=60)
 
@@ -201,7 +201,7 @@ def test_a_later_range_of_a_replaced_object_is_never_a_blend_even_if_if_match_is
     object and the rest of the new one. Now: the 412 path, restarted once, the new
     object whole."""
     with ScriptedHTTP(_versions(OLD, NEW, (b'"v1"', b'"v2"'))) as server:
-        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == NEW
         assert len(server.requests) == 4  # two ranges, then both again
 
@@ -210,7 +210,7 @@ def test_an_object_that_keeps_changing_is_object_changed(path_store: Callable[..
     from tests.support.scripted_http import serve_range
 
     with ScriptedHTTP(lambda n, head: serve_range(head, OLD if n % 2 else NEW, b'"v%d"' % n)) as server:
-        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         with pytest.raises(ObjectChanged):
             get_bytes(store)
 
@@ -225,7 +225,7 @@ def test_an_object_without_a_strong_etag_is_read_with_one_unranged_get(
     ranged answers of such an object cannot be told to be the same object: it is read
     with one unranged GET."""
     with ScriptedHTTP(_versions(OLD, NEW, (etag, etag), weak_412=True)) as server:
-        store = path_store(server.url, max_attempts=1, multipart_part_bytes=5 * MiB)
+        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == NEW
         assert len(server.requests) == 2
         assert header(server.requests[1], b"Range") is None and header(server.requests[1], b"If-Match") is None
@@ -270,3 +270,71 @@ def test_each_server_sends_one_strong_etag_on_every_range(s3: S3Endpoint, bucket
         with pytest.raises(botocore.exceptions.ClientError) as caught:
             raw.get_object(Bucket=bucket, Key=key, Range="bytes=100-199", IfMatch='"not-it"')
         assert caught.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+
+
+# -- issue 42: a GET of a known size asks every range at once ---------------------------------
+
+def _sized(store: S3Store, expected: int) -> bytes:
+    return bytes(store.run(store.get_async("k", expected_size=expected), timeout=60))
+
+
+def test_a_known_size_sends_every_range_before_any_answer(path_store: Callable[..., S3Store]) -> None:
+    """Failed before (no expected size existed): the first answer had to come back
+    before a later range was asked, a round trip per blob on a network. The server
+    holds every answer until all four ranges of the 8 MiB blob have been asked (5 s at
+    most)."""
+    import threading
+    import time
+
+    from tests.support.scripted_http import serve_range
+
+    data = bytes(range(256)) * (8 * MiB // 256)
+    asked, lock, waited = [0], threading.Lock(), []
+    all_asked = threading.Event()
+
+    def script(n: int, head: bytes) -> object:
+        with lock:
+            asked[0] += 1
+            if asked[0] == 4:
+                all_asked.set()
+
+        def send(conn: object) -> None:
+            started = time.monotonic()
+            waited.append(all_asked.wait(5.0) and time.monotonic() - started < 5.0)
+            conn.sendall(serve_range(head, data, b'"v1"'))  # type: ignore[attr-defined]
+
+        return send
+
+    with ScriptedHTTP(script) as server:
+        store = path_store(server.url, max_attempts=1, get_range_bytes=2 * MiB, request_timeout_s=30)
+        assert _sized(store, len(data)) == data
+        assert len(server.requests) == 4 and all(waited)
+
+
+@pytest.mark.parametrize("guess", [0.5, 0.999, 1.0, 1.5, 3.0])
+def test_a_wrong_guess_costs_requests_never_bytes(path_store: Callable[..., S3Store], guess: float) -> None:
+    """An expected size too small asks the rest once the first answer tells the size;
+    one too large meets ranges past the end (416) or cut short by it: the blob whole
+    either way, on SeaweedFS."""
+    store = path_store(get_range_bytes=1 * MiB)
+    data = bytes(range(256)) * (5 * MiB // 256) + b"tail"
+    store.run(store.put_async("k", data), timeout=60)
+    assert _sized(store, int(len(data) * guess)) == data
+    assert store.stats.retries == 0
+
+
+def test_a_known_size_replaced_between_ranges_is_never_a_blend(path_store: Callable[..., S3Store]) -> None:
+    """Every range asked at once, no If-Match yet: the answer that came first is old,
+    the others new; their ETags differ, so the GET starts again and gives NEW whole."""
+    with ScriptedHTTP(_versions(OLD, NEW, (b'"v1"', b'"v2"'))) as server:
+        store = path_store(server.url, max_attempts=1, get_range_bytes=2 * MiB)
+        assert _sized(store, len(NEW)) == NEW
+
+
+def test_ranges_are_planned_equal_and_bounded() -> None:
+    from ec_s3.store.download import plan_ranges
+
+    assert plan_ranges(0, 10, 4, 16) == [(0, 3), (3, 6), (6, 10)]
+    assert plan_ranges(0, 100, 1, 4) == [(0, 25), (25, 50), (50, 75), (75, 100)]
+    assert plan_ranges(0, 2 * MiB + 100, 2 * MiB, 16, slack=64 * 1024) == [(0, 2 * MiB + 100)]
+    assert plan_ranges(5, 6, 4, 16) == [(5, 6)]

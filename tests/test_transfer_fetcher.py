@@ -103,7 +103,7 @@ def test_staged_blob_lands_bit_exact_in_its_slot(tmp_path: Path, make_store: Cal
     """A multi-part blob fetched into its staging slot (a shared-memory mmap) is
     bit-exact; on the direct path its GETs go through the recv pool, whose kernel
     reads write into the slot's mapping."""
-    store = make_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=8 * MiB)
+    store = make_store(multipart_part_bytes=5 * MiB, multipart_threshold_bytes=8 * MiB, get_range_bytes=5 * MiB)
     x = torch.randn(6 * MiB // 256, 128).to(torch.bfloat16)  # 12 MiB: three parts
     blob = encode_blob(x, BlobMeta("img", x.dtype, tuple(x.shape), "ns", "p"))
     store.run(store.put_async("k/blob", blob), timeout=60)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
 from ec_s3.blob.codec import BlobExpectation
-from ec_s3.blob.format import MISSING_REPORT
+from ec_s3.blob.format import MAX_HEADER_BYTES, MISSING_REPORT
 from ec_s3.config import ECS3Config
 from ec_s3.connector.admission import (
     LATER,
@@ -49,7 +49,7 @@ from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.publishing import PublishLedger
 from ec_s3.connector.settle import CounterWatch
 from ec_s3.connector.topology import Topology, WorkerReach
-from ec_s3.connector.transfer_params import build_transfer_params, probe_answer, read_promises
+from ec_s3.connector.transfer_params import Promise, build_transfer_params, probe_answer, read_promises
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
@@ -197,7 +197,7 @@ class ECS3Scheduler:
             if item is None:  # none yet, or forgotten just now
                 item = self._items.add(key, identifier)
                 self._track(state, identifier, item)
-            self._start(item, feature, now)
+            self._start(item, feature, now, state.promises.get(identifier))
         if decision.outcome == LATER:
             item = self._items.peek(key)
             if item is not None and item.looking:
@@ -284,9 +284,9 @@ class ECS3Scheduler:
         self._items.drop(item)
         return False
 
-    def _start(self, item: Item, feature: MultiModalFeatureSpec, now: float) -> None:
+    def _start(self, item: Item, feature: MultiModalFeatureSpec, now: float, promise: Promise | None) -> None:
         item.start_lookup(now)
-        expect = None
+        expect = expected_size = None
         if self._staging is not None:  # what is staged is validated first
             # Not its rows: those are the asking request's (a client sets them, e.g. with
             # a metadata-only item's grid), and one request's wrong count must not make
@@ -298,9 +298,22 @@ class ECS3Scheduler:
                 width=self._model.width_for(feature.modality),
                 max_bytes=self._config.max_blob_bytes,
             )
+            expected_size = self._expected_size(feature, promise)
         self._counters.inc("lookups_started")
         self._looking += 1
-        self._fetcher.start(item.key, expect)
+        self._fetcher.start(item.key, expect, expected_size)
+
+    def _expected_size(self, feature: MultiModalFeatureSpec, promise: Promise | None) -> int | None:
+        """The blob's size as the encoder promised it, else at most this request's
+        placeholders of the model's width plus a header: the GET asks every range at
+        once (a wrong guess costs one more round trip, never a wrong blob)."""
+        if promise is not None and promise.size_bytes is not None:
+            return promise.size_bytes
+        width = self._model.width_for(feature.modality)
+        if width is None:
+            return None
+        rows = feature.mm_position.get_num_embeds()  # the client's grid: bounded like any blob
+        return min(rows * width * self._model.dtype.itemsize + MAX_HEADER_BYTES, self._config.max_blob_bytes)
 
     def _stop_waiting(self, state: RequestState, identifier: str, now: float) -> None:
         """End ``identifier``'s wait (served or given up); a promised item's wait is observed."""

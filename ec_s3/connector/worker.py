@@ -229,7 +229,7 @@ class ECS3Worker:
         started = time.monotonic()
         future = None
         try:
-            future = store.submit(asyncio.wait_for(store.get_async(spec.key), budget))
+            future = store.submit(asyncio.wait_for(store.get_async(spec.key, expected_size=spec.nbytes), budget))
             decoded = decode_blob(future.result(budget + _CANCEL_GRACE_S), expect)
         except Exception as exc:  # noqa: BLE001 - TLS, credentials, anything: never into vLLM
             self._failed_loads.add(spec.identifier)

@@ -8,8 +8,8 @@ jitter, only on throttling, 5xx and connection errors, never on 4xx, so that
 ``max_attempts`` and the back-off cap bound the time a caller can wait; no sooner than
 an answer's ``Retry-After`` asks, and not at all when it asks for more than
 ``request_timeout_s``), the
-concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes`` and parts
-at most ``multipart_part_bytes``, that also bounds the bytes in flight) and the
+concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes``, parts
+at most ``multipart_part_bytes`` and GET ranges ``get_range_bytes`` plus a header, that also bounds the bytes in flight) and the
 process-wide cache of shared stores, keyed by the store's own keys
 (:class:`~.settings.StoreConfig`). Does not own one attempt of a request on the data
 path chosen at connect time (:mod:`.transport`, over :mod:`.wire` or the aiobotocore
@@ -462,16 +462,18 @@ class S3Store:
                 return PutOutcome.ALREADY_EXISTS
             raise
 
-    def open_async(self, key: str) -> contextlib.AbstractAsyncContextManager[Download]:
+    def open_async(self, key: str, expected_size: int | None = None) -> contextlib.AbstractAsyncContextManager[Download]:
         """``async with store.open_async(key) as d``: a GET's first answer, ``d.size``
         known, its body unread; place the bytes, then ``await d.read_into(buffer)``
-        (:mod:`.download`). Without a HEAD; released on every way out."""
-        return open_download(self, key)
+        (:mod:`.download`). Without a HEAD; released on every way out. With
+        ``expected_size`` (exact, or an upper bound), every range is asked at once."""
+        return open_download(self, key, expected_size)
 
-    async def get_async(self, key: str, *, allocate: Allocator | None = None) -> memoryview:
+    async def get_async(self, key: str, *, allocate: Allocator | None = None,
+                        expected_size: int | None = None) -> memoryview:
         """The whole object, in ``allocate(size)`` (run once, between the two phases of
         :meth:`open_async`, outside any retry) or a new buffer."""
-        async with self.open_async(key) as download:
+        async with self.open_async(key, expected_size) as download:
             out = allocate(download.size) if allocate is not None else memoryview(bytearray(download.size))
             await download.read_into(out)
         return out

@@ -27,6 +27,7 @@ reached through :class:`DownloadingStore`), nor how one range travels
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,7 +45,7 @@ from ec_s3.store.tasks import all_or_none
 from ec_s3.store.transport import Transport
 from ec_s3.store.wire import GetAnswer
 
-__all__ = ["CRC_METADATA_KEY", "Download", "DownloadingStore", "get_whole", "open_download", "strong_etag"]
+__all__ = ["CRC_METADATA_KEY", "Download", "DownloadingStore", "get_whole", "open_download", "plan_ranges", "strong_etag"]
 
 T = TypeVar("T")
 CRC_METADATA_KEY = "ec-s3-crc32"
@@ -80,10 +81,16 @@ class _First:
     data: bytes | None = None
 
 
-async def _open_first(store: DownloadingStore, key: str) -> _First:
-    last = store.config.multipart_part_bytes + MAX_HEADER_BYTES - 1
-    # A blob is a whole number of MiB of tensor plus a small header: asking for one
-    # part plus a header's worth keeps an N-part blob from needing one more request.
+def plan_ranges(start: int, end: int, range_bytes: int, most: int, slack: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` in ranges of about ``range_bytes`` (up to ``slack`` more: a blob's
+    header), equal so that they end together, at most ``most`` of them, one at least."""
+    n = max(1, min(most, -(-(end - start - slack) // range_bytes)))
+    bounds = [start + (end - start) * i // n for i in range(n + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+async def _open_first(store: DownloadingStore, key: str, last: int) -> _First:
+    """The answer to ``Range: bytes=0-last``, its body unread, its permit held."""
 
     async def _open(t: Transport) -> _First:
         async with contextlib.AsyncExitStack() as scope:
@@ -108,14 +115,78 @@ class Download:
     """One object being fetched: :attr:`size` known, the bytes not yet read. Read it
     with :meth:`read_into`, once; :meth:`aclose` (done by ``S3Store.open_async``)
     releases what is still held on every way out. The time between the two counts
-    against the first attempt's ``request_timeout_s``: past it, the first range is
-    asked again (a retry), and nothing of the caller's is cancelled."""
+    against the attempts in flight (``request_timeout_s``): past it, a range is
+    asked again (a retry), and nothing of the caller's is cancelled.
 
-    def __init__(self, store: DownloadingStore, key: str, first: _First) -> None:
-        self._store, self.key, self._first = store, key, first
-        self.size = first.size
-        self._etag, self._crc = first.etag, first.crc
-        self._held: _First | None = first
+    ``expected``: the size the caller expects (exact, or an upper bound), or None.
+    Every range of it is asked at once; the first answer's head gives the size, and
+    what lies past the expected bytes is asked then (one more round trip)."""
+
+    def __init__(self, store: DownloadingStore, key: str, expected: int | None) -> None:
+        self._store, self.key, self._expected = store, key, expected
+        self.size = 0
+        self._etag = self._crc = ""
+        self._held: _First | None = None
+        self._first: _First  # set by _open
+        self._later: list[asyncio.Task[None]] = []
+        self._head: asyncio.Future[tuple[str, int]] | None = None  # the first answer's (ETag, size)
+        self._out: asyncio.Future[memoryview] | None = None  # the caller's buffer, once placed
+
+    async def _open(self) -> None:
+        cfg, loop = self._store.config, asyncio.get_running_loop()
+        most = max(1, min(cfg.max_concurrency, cfg.max_pool_connections))
+        # Unknown: one range, whose answer tells the size (a blob of one range and a
+        # header costs one request).
+        want = self._expected or cfg.get_range_bytes + MAX_HEADER_BYTES
+        plan = plan_ranges(0, max(1, want), cfg.get_range_bytes, most if self._expected else 1, MAX_HEADER_BYTES)
+        self._head, self._out = loop.create_future(), loop.create_future()
+        self._later = [asyncio.ensure_future(self._range(a, b)) for a, b in plan[1:]]
+        try:
+            first = await _open_first(self._store, self.key, plan[0][1] - 1)
+        except BaseException:
+            await self._cancel()
+            raise
+        self._held, self._first = first, first
+        self.size, self._etag, self._crc = first.size, first.etag, first.crc
+        self._head.set_result((first.etag, first.size))
+        if first.size > plan[-1][1] and first.length < first.size:  # more than expected: the rest now
+            self._later += [asyncio.ensure_future(self._range(a, b))
+                            for a, b in plan_ranges(plan[-1][1], first.size, cfg.get_range_bytes, most)]
+
+    async def _cancel(self) -> None:
+        later, self._later = self._later, []
+        for task in later:
+            task.cancel()
+        await asyncio.gather(*later, return_exceptions=True)
+
+    async def _range(self, start: int, end: int) -> None:
+        """Bytes ``start`` to ``end - 1`` (or to the object's end, if sooner) into the
+        caller's buffer once it is placed; nothing when the object ends before ``start``."""
+        assert self._head is not None and self._out is not None
+        head, placed = self._head, self._out
+
+        async def _get(t: Transport) -> None:
+            etag = head.result()[0] if head.done() and strong_etag(head.result()[0]) else None
+            async with t.open_range(self.key, start, end - 1, etag) as answer:
+                span = check_answer(answer.status, answer.headers, start, end - 1, self.key)
+                first_etag, size = await head
+                if span.total != size:
+                    raise ObjectChanged("GET", self.key, f"object is {span.total} bytes now, was {size}")
+                if answer.headers.get("ETag") != first_etag:  # strong: byte for byte
+                    raise ObjectChanged("GET", self.key, f"a range has ETag {answer.headers.get('ETag')!r}, "
+                                        f"the first {first_etag!r}")
+                out = await placed
+                await answer.read_into(out[start : start + (span.length or 0)])
+
+        try:
+            await self._store._call("GET", self.key, _get)
+        except StoreRequestError as exc:
+            if exc.status == 416 and start >= (await head)[1]:
+                return  # the object ends before this range: the expected size was too large
+            if exc.status not in (412, 416):
+                raise
+            raise ObjectChanged("GET", self.key, "replaced between two ranges of one GET", status=exc.status,
+                                code=exc.code) from exc
 
     async def read_into(self, out: memoryview) -> None:
         """Fill ``out`` (exactly :attr:`size` bytes) with the object, CRC-checked."""
@@ -137,21 +208,24 @@ class Download:
                 raise IntegrityError("GET", self.key, f"CRC32 {actual} != stored {self._crc}")
 
     async def aclose(self) -> None:
+        await self._cancel()
         held, self._held = self._held, None
         if held is not None:
             await held.scope.aclose()
 
     async def _reopen(self) -> None:
-        first = await _open_first(self._store, self.key)
-        self._held = first
-        if first.size != self.size:
-            raise ObjectChanged("GET", self.key, f"object is {first.size} bytes now, was {self.size}")
-        self._first, self._etag, self._crc = first, first.etag, first.crc
+        size = self.size
+        await self.aclose()
+        self._expected = size
+        await self._open()
+        if self.size != size:
+            raise ObjectChanged("GET", self.key, f"object is {self.size} bytes now, was {size}")
 
     async def _fill(self, out: memoryview) -> None:
-        # The first body is read while the later ranges are already asked for: its
-        # answer's head gave the size and the ETag they need, so a multi-part blob costs
-        # one part's time plus a round trip, not two parts' in turn.
+        # The later ranges were asked with the first (or as soon as its head gave the
+        # size): a blob costs one range's time plus a round trip, or two when it is
+        # larger than expected.
+        assert self._out is not None
         first, etag = self._first, self._etag if strong_etag(self._etag) else None
         if etag is None and first.length < len(out):
             # Nothing tells two ranged answers of this object from answers of two
@@ -159,10 +233,9 @@ class Download:
             await self.aclose()  # the first body unread: its connection is not reused
             self._crc = await get_whole(self._store, self.key, out)
             return
-        part = self._store.config.multipart_part_bytes
-        later = [get_range(self._store, self.key, out, start, min(start + part, len(out)), etag)
-                 for start in range(first.length, len(out), part)]
-        await all_or_none([self._fill_first(out, etag), *later])
+        self._out.set_result(out)
+        later, self._later = self._later, []
+        await all_or_none([self._fill_first(out, etag), *(_joined(task) for task in later)])
 
     async def _fill_first(self, out: memoryview, etag: str | None) -> None:
         first = self._first
@@ -188,6 +261,10 @@ class Download:
                 raise error from exc
             self._store.stats.retries += 1  # the first read was this request's first attempt
             await get_range(self._store, self.key, out, 0, first.length, etag, spent=1)
+
+
+async def _joined(task: asyncio.Task[None]) -> None:
+    await task  # cancelled with its waiter (all_or_none)
 
 
 async def get_range(
@@ -239,10 +316,12 @@ def strong_etag(etag: str) -> bool:
 
 
 @contextlib.asynccontextmanager
-async def open_download(store: DownloadingStore, key: str) -> AsyncIterator[Download]:
-    """The object ``key``'s :class:`Download`, released on exit."""
-    download = Download(store, key, await _open_first(store, key))
+async def open_download(store: DownloadingStore, key: str, expected: int | None = None) -> AsyncIterator[Download]:
+    """The object ``key``'s :class:`Download`, released on exit; ``expected``: the size
+    the caller expects, if it knows one (exact, or an upper bound)."""
+    download = Download(store, key, expected)
     try:
+        await download._open()
         yield download
     finally:
         await download.aclose()

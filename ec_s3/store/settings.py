@@ -55,6 +55,7 @@ class StoreConfig:
     max_pool_connections: int
     multipart_threshold_bytes: int
     multipart_part_bytes: int
+    get_range_bytes: int
     max_blob_bytes: int
     breaker_threshold: int
     breaker_cooldown_s: float

@@ -75,12 +75,13 @@ class ItemFetcher:
         self._arrived = threading.Event()
         self._seen_unexpected: set[type[BaseException]] = set()
 
-    def start(self, key: str, expect: BlobExpectation | None) -> None:
-        """Look ``key`` up in the background: HEAD if ``expect`` is None, else fetch,
-        validate against ``expect`` and stage. Never raises; a lookup that cannot
-        even start reports ``Failed`` at the next :meth:`drain`."""
+    def start(self, key: str, expect: BlobExpectation | None, expected_size: int | None = None) -> None:
+        """Look ``key`` up in the background: HEAD if ``expect`` is None, else fetch
+        (every range at once when ``expected_size``, exact or an upper bound, is
+        given), validate against ``expect`` and stage. Never raises; a lookup that
+        cannot even start reports ``Failed`` at the next :meth:`drain`."""
         try:
-            self._store.background.call_soon(self._spawn, key, expect)
+            self._store.background.call_soon(self._spawn, key, expect, expected_size)
         except Exception as exc:  # noqa: BLE001 - the I/O loop is gone (shutdown)
             self._report(key, Failed(f"I/O loop unavailable: {exc}"))
 
@@ -100,8 +101,8 @@ class ItemFetcher:
         self._done.append((key, result))
         self._arrived.set()
 
-    def _spawn(self, key: str, expect: BlobExpectation | None) -> None:
-        coro = self._head(key) if expect is None else self._fetch(key, expect)
+    def _spawn(self, key: str, expect: BlobExpectation | None, expected_size: int | None = None) -> None:
+        coro = self._head(key) if expect is None else self._fetch(key, expect, expected_size)
         try:
             self._store.submit(coro)
         except Exception as exc:  # noqa: BLE001 - closed while shutting down
@@ -132,10 +133,10 @@ class ItemFetcher:
         logger.warning("ec-s3: unexpected error looking up %s: %r", key, exc, exc_info=first)
         return Failed(f"{kind.__name__}: {exc}")
 
-    async def _fetch(self, key: str, expect: BlobExpectation) -> None:
+    async def _fetch(self, key: str, expect: BlobExpectation, expected_size: int | None = None) -> None:
         result: FetchResult = Failed("lookup cancelled")
         try:
-            result = await self._download(key, expect)
+            result = await self._download(key, expect, expected_size)
         except ObjectNotFound:
             result = Missing()
         except (BlobError, IntegrityError) as exc:
@@ -151,12 +152,12 @@ class ItemFetcher:
                 self._counters.inc("staging_no_space")
             self._report(key, result)
 
-    async def _download(self, key: str, expect: BlobExpectation) -> Staged | NoSpace:
+    async def _download(self, key: str, expect: BlobExpectation, expected_size: int | None) -> Staged | NoSpace:
         """The GET in its two phases: the size, a staging slot of that size (or
         NoSpace, the answer released unread), then the bytes straight into it."""
         assert self._staging is not None
         started = time.monotonic()
-        async with self._store.open_async(key) as download:
+        async with self._store.open_async(key, expected_size) as download:
             try:
                 slot = self._staging.allocate(hashlib.sha256(key.encode()).hexdigest()[:40], download.size)
             except NoStagingSpace:
