@@ -162,6 +162,12 @@ class ProxyConfig:
     shutdown_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        self._check_upstreams_and_timeouts()
+        self._check_limits_and_routing()
+        self._check_known_items()
+        self._check_keys()
+
+    def _check_upstreams_and_timeouts(self) -> None:
         object.__setattr__(self, "encoder_urls", _normalise_urls(self.encoder_urls, "encoder_urls"))
         object.__setattr__(self, "pd_urls", _normalise_urls(self.pd_urls, "pd_urls"))
         if not self.pd_urls:
@@ -180,6 +186,8 @@ class ProxyConfig:
             raise ValueError("startup_check_s: must be >= 0 (0: no role check)")
         if not float(self.health_cache_s) >= 0:
             raise ValueError("health_cache_s: must be >= 0 (0: probe on every call)")
+
+    def _check_limits_and_routing(self) -> None:
         if self.max_connections < 1:
             raise ValueError("max_connections: must be >= 1")
         if self.body_budget_bytes < BODY_COST_FACTOR * self.max_body_bytes:
@@ -203,6 +211,8 @@ class ProxyConfig:
             raise ValueError("max_items_per_request: must be >= 1")
         if self.max_in_flight < 1:
             raise ValueError("max_in_flight: must be >= 1")
+
+    def _check_known_items(self) -> None:
         if self.known_max_entries < 0:
             raise ValueError("known_max_entries: must be >= 0 (0: off)")
         if self.known_max_bytes < 4096:
@@ -222,6 +232,8 @@ class ProxyConfig:
                 ECS3Config.from_extra_config(dict(self.bucket_lookup))
             except ConfigError as exc:
                 raise ValueError(f"bucket_lookup: {exc}") from None
+
+    def _check_keys(self) -> None:
         if self.protect_status and self.api_key is None:
             raise ValueError("protect_status: needs api_key (the key /metrics and /health's details then ask for)")
         for name in ("api_key", "upstream_api_key"):
@@ -229,7 +241,6 @@ class ProxyConfig:
             # An empty key would silently mean "no check"; a newline would split headers.
             if key is not None and (not key or any(c in key for c in "\r\n")):
                 raise ValueError(f"{name}: must be a non-empty single line")
-
 
 def _normalise_urls(urls: Iterable[str] | str, name: str) -> tuple[str, ...]:
     if isinstance(urls, str):
