@@ -431,17 +431,21 @@ class EPDProxy:
             outcome = "cancelled"  # the client left: not the encoder's failure
             raise
         finally:
-            self.encoders.release(upstream)
-            self.metrics.inc("ec_s3_proxy_encoder_requests_total", upstream=upstream.url, outcome=outcome)
-            self.metrics.inc("ec_s3_proxy_encoder_seconds_total", time.monotonic() - started, upstream=upstream.url)
-            if outcome not in ("ok", "cancelled"):
-                self._warner.warn(
-                    (upstream.url, outcome),
-                    "ec-s3 proxy: request %s: encoder %s failed (%s); the item goes to prefill/decode "
-                    "without params and is encoded there",
-                    request_id, upstream.url, detail,
-                )
+            self._encoder_done(upstream, outcome, detail, started, request_id)
         return None
+
+    def _encoder_done(self, upstream: Upstream, outcome: str, detail: str, started: float, request_id: str) -> None:
+        """An encoder request ended: its upstream released, counted, and a failure logged."""
+        self.encoders.release(upstream)
+        self.metrics.inc("ec_s3_proxy_encoder_requests_total", upstream=upstream.url, outcome=outcome)
+        self.metrics.inc("ec_s3_proxy_encoder_seconds_total", time.monotonic() - started, upstream=upstream.url)
+        if outcome not in ("ok", "cancelled"):
+            self._warner.warn(
+                (upstream.url, outcome),
+                "ec-s3 proxy: request %s: encoder %s failed (%s); the item goes to prefill/decode "
+                "without params and is encoded there",
+                request_id, upstream.url, detail,
+            )
 
     # ---------------------------------------------------------------- known items
     async def known_params(
@@ -533,25 +537,9 @@ class EPDProxy:
                 answer.stream = stream and answer.resp.status == 200
                 await answer.read_start()
                 return answer
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
                 answer.close()
-                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="timeout")
-                self._warner.warn(
-                    (upstream.url, "timeout"),
-                    "ec-s3 proxy: request %s: prefill/decode %s did not answer within total_timeout_s=%s "
-                    "(or was silent for read_timeout_s=%s)",
-                    headers["X-Request-Id"], upstream.url, cfg.total_timeout_s, cfg.read_timeout_s,
-                )
-                return _error(504, _PD_TIMEOUT, "GatewayTimeout")
-            except aiohttp.ClientError as exc:
-                answer.close()
-                self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="disconnected")
-                self._warner.warn(
-                    (upstream.url, "disconnected"),
-                    "ec-s3 proxy: request %s: prefill/decode %s failed: %s: %s",
-                    headers["X-Request-Id"], upstream.url, exc.__class__.__name__, exc,
-                )
-                return _error(502, _PD_UNAVAILABLE, "BadGateway")
+                return self._pd_failed(upstream, exc, headers["X-Request-Id"])
             except BaseException:  # cancelled (the client left, or parallel dispatch dropped it)
                 answer.close()  # aborts the PD's work
                 raise
@@ -559,6 +547,26 @@ class EPDProxy:
             ("pd", "none_reachable"),
             "ec-s3 proxy: request %s: no prefill/decode instance reachable (tried %s)",
             headers["X-Request-Id"], ", ".join(u.url for u in tried) or "none",
+        )
+        return _error(502, _PD_UNAVAILABLE, "BadGateway")
+
+    def _pd_failed(self, upstream: Upstream, exc: BaseException, request_id: str) -> web.Response:
+        """The client's answer when prefill/decode timed out (504) or broke off (502)."""
+        cfg = self.config
+        if isinstance(exc, asyncio.TimeoutError):
+            self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="timeout")
+            self._warner.warn(
+                (upstream.url, "timeout"),
+                "ec-s3 proxy: request %s: prefill/decode %s did not answer within total_timeout_s=%s "
+                "(or was silent for read_timeout_s=%s)",
+                request_id, upstream.url, cfg.total_timeout_s, cfg.read_timeout_s,
+            )
+            return _error(504, _PD_TIMEOUT, "GatewayTimeout")
+        self.metrics.inc("ec_s3_proxy_pd_failures_total", upstream=upstream.url, reason="disconnected")
+        self._warner.warn(
+            (upstream.url, "disconnected"),
+            "ec-s3 proxy: request %s: prefill/decode %s failed: %s: %s",
+            request_id, upstream.url, exc.__class__.__name__, exc,
         )
         return _error(502, _PD_UNAVAILABLE, "BadGateway")
 
