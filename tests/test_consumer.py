@@ -294,7 +294,10 @@ def test_scheduler_calls_never_wait_on_a_slow_store(
         if timer.idle_yields:
             print(f"  (idle-step GIL yields: n={len(timer.idle_yields)} "
                   f"median={statistics.median(timer.idle_yields) * 1e6:.0f}us)")
-        assert p99 < 1e-3
+        # A call that waited on the store would take its 200 ms; 20 ms is far below that and
+        # far above what a loaded host adds (1.4 ms p99 with three rig passes on 2 cores,
+        # where the earlier 1 ms bound failed).
+        assert p99 < 0.02
     finally:
         node.close()
 
