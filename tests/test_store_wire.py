@@ -340,7 +340,8 @@ def test_get_body_is_never_held_in_python_objects(direct: Callable[..., S3Store]
     Python object (aiohttp's path held 256 KiB-1 MiB of bytes objects at a time)."""
     import tracemalloc
 
-    store = direct()
+    # One GET of the whole body (ranges of get_range_bytes each add their task's objects).
+    store = direct(get_range_bytes=64 * MiB)
     data = os.urandom(16 * MiB)
     store.run(store.put_async("k", data), timeout=60)
     out = memoryview(bytearray(len(data)))
@@ -370,7 +371,8 @@ def test_sequential_gets_keep_one_connection(direct: Callable[..., S3Store], fau
 def test_cut_body_closes_its_connection(direct: Callable[..., S3Store], fault_proxy: FaultProxy) -> None:
     """A short body is a transient error, retried by the store on a new connection;
     the cut one is never reused."""
-    store = direct(fault_proxy.endpoint_url, max_attempts=2)
+    # One GET, one connection (a GET of get_range_bytes ranges opens one per range).
+    store = direct(fault_proxy.endpoint_url, max_attempts=2, get_range_bytes=64 * MiB)
     data = os.urandom(6 * MiB)
     store.run(store.put_async("k", data), timeout=30)
     pool = _recv_pool(store)
