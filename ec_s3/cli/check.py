@@ -97,16 +97,9 @@ async def check_access_async(store: S3Store, *, read_only: bool = False, probe_b
 
 
 async def _create_bucket(store: S3Store, report: CheckReport) -> None:
-    """``--create-bucket``: create the bucket when a LIST answers NoSuchBucket (on AWS S3,
-    in the resolved region). Any other answer creates nothing: step 1's LIST reports it."""
+    """``--create-bucket`` after step 1's LIST answered NoSuchBucket: create it (on AWS S3,
+    in the resolved region)."""
     bucket = store.config.bucket
-    try:
-        await list_page(store, f"{store.config.prefix}/", max_keys=1)
-        return
-    except BucketNotFound:
-        pass
-    except Exception:  # noqa: BLE001 - the LIST step diagnoses it
-        return
     region = resolve_endpoint(store.config).region if store.config.endpoint_url is None else None
     _, ms = await _timed(store.create_bucket_async(region, taken_is_error=True))
     report.steps.append(CheckStep("create-bucket", True, ms,
@@ -131,13 +124,17 @@ async def _check_steps(store: S3Store, read_only: bool, probe_bytes: int, enviro
         report.diagnosis = d
         return report
 
-    if create_bucket:
-        try:
-            await _create_bucket(store, report)
-        except Exception as exc:  # noqa: BLE001
-            return fail("create-bucket", exc, "CreateBucket")
     try:
-        first = await _check_list(store, report, existing)
+        try:
+            first = await _check_list(store, report, existing)
+        except BucketNotFound:
+            if not create_bucket:
+                raise
+            try:
+                await _create_bucket(store, report)
+            except Exception as exc:  # noqa: BLE001
+                return fail("create-bucket", exc, "CreateBucket")
+            first = await _check_list(store, report, existing)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a diagnosis
         return fail("list", exc, "LIST")
 
