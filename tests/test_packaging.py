@@ -33,6 +33,8 @@ OPTIONAL = {
     # ec_s3.sandbox (tests, demo): vLLM brings these.
     "transformers": "sandbox/tiny_model", "tokenizers": "sandbox/tiny_model",
     "PIL": "sandbox/tiny_model", "numpy": "sandbox/tiny_model", "safetensors": "sandbox/tiny_model",
+    "cv2": "sandbox/tiny_qwen's video clips (vLLM's opencv-python-headless)",
+    "uvloop": "sandbox/netem, when present; it falls back to asyncio (vLLM's uvicorn brings it)",
 }
 # What a slim image's container runs: `ec-s3 ...` (gc, check) and `ec-s3 proxy`.
 SLIM_ENTRY_POINTS = ("ec_s3.cli.main", "ec_s3.proxy.main")
