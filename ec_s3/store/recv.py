@@ -394,7 +394,7 @@ class RecvPool:
             # held-up connections: bounded as aiohttp's pool wait is (connect + read).
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
             # that races the acquisition, and the cancelled GET then writes on into a
-            # buffer its caller has already given up (tests/test_store_faults.py).
+            # buffer its caller has already given up (tests/store/test_store_faults.py).
             async with asyncio.timeout(self._connect_timeout + self._read_timeout):
                 await self._permits.acquire()
         except TimeoutError:

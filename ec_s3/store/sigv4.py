@@ -1,6 +1,6 @@
 """SigV4 headers for the direct data path: S3's signature with ``UNSIGNED-PAYLOAD``,
 written out, byte for byte what botocore's ``S3SigV4Auth`` with payload signing off
-produces (tests/test_store_sigv4.py compares the two over keys, queries, headers and
+produces (tests/store/test_store_sigv4.py compares the two over keys, queries, headers and
 session tokens).
 
 Why not botocore's signer: it builds an ``AWSRequest`` whose headers are an

@@ -204,7 +204,7 @@ class DirectWire:
         # No ``Expect: 100-continue`` (botocore sends one over 1 MB): waiting for the
         # server's go-ahead made 8 MiB PUTs 1.3-1.6x slower on SeaweedFS, and neither
         # obstore nor raw clients ask. Early refusals (412, 403) of bodies up to a part
-        # still arrive as answers (tests/test_store_wire.py), and multipart uploads ask
+        # still arrive as answers (tests/store/test_store_wire.py), and multipart uploads ask
         # with a HEAD before sending any part.
         headers = {**headers, "Content-Length": str(len(body))}
         async with self._request(op, "PUT", key, headers, query=query, data=_ChainPayload(body)) as resp:
