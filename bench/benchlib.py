@@ -226,6 +226,31 @@ def measured_sources() -> dict[str, str]:
     return {str(p.relative_to(REPO)): file_sha256(p) for p in sorted(files)}
 
 
+def cpu_flags() -> set[str]:
+    """This host's CPU flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX-512 BF16 or AMX). Without it
+    torch emulates bf16: a 1225x1280x1280 matmul took 4.9 s against 54 ms in float32 on
+    an AVX2 EPYC, so a bf16 model measures the emulation, not what is benched."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "?"
+    return next((ln.partition(":")[2].strip() for ln in text.splitlines() if ln.startswith("model name")), "?")
+
+
 def environment() -> dict[str, Any]:
     try:
         load = os.getloadavg()
@@ -233,6 +258,7 @@ def environment() -> dict[str, Any]:
         load = (float("nan"),) * 3
     return {"when": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "host_cpus": os.cpu_count(),
             "loadavg_at_start": [round(x, 2) for x in load], "python": platform.python_version(), "git": git_rev(),
+            "cpu": _cpu_model(), "cpu_bf16": "native" if native_bf16() else "emulated",
             "argv": sys.argv, "endpoint": "env" if os.environ.get("EC_S3_BENCH_ENDPOINT_URL") else "embedded SeaweedFS"}
 
 

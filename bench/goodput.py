@@ -623,12 +623,12 @@ class Served:
     def cache_images(self) -> int:
         return self.max_batched_tokens // self.image_tokens
 
-    def server_args(self) -> list[str]:
-        """Room for 4 images per request, no prefix caching."""
+    def server_args(self, dtype: str) -> list[str]:
+        """Room for 4 images per request, no prefix caching, weights in ``dtype``."""
         max_len = max(self.max_batched_tokens, max(IMAGES) * self.image_tokens + 256)
         return ["--max-model-len", str(max_len), "--max-num-batched-tokens", str(self.max_batched_tokens),
                 "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": max(IMAGES)}),
-                "--no-enable-prefix-caching"]
+                "--no-enable-prefix-caching", "--dtype", dtype]
 
 
 SERVED = {"qwen": Served("qwen", QWEN_PHOTO_PX, QWEN_IMAGE_TOKENS, QWEN_MAX_BATCHED_TOKENS, photo=True),
@@ -637,7 +637,7 @@ SERVED = {"qwen": Served("qwen", QWEN_PHOTO_PX, QWEN_IMAGE_TOKENS, QWEN_MAX_BATC
 
 def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: Path,
                 topologies: Sequence[str] = TOPOLOGIES,
-                shared_proxy_args: Sequence[str] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+                shared_proxy_args: Sequence[str] = (), dtype: str = "bfloat16") -> tuple[dict[str, Any], dict[str, Any]]:
     """The servers and proxies of ``topologies`` (two plain; two ec_both; ec-s3 E + PD;
     peer E + PD); returns (servers, {topology: url}) with ``servers["_proxies"]`` the
     proxy processes."""
@@ -652,7 +652,7 @@ def start_stack(model: str, served: Served, ep: bl.Endpoint, bucket: str, work: 
            "AWS_SECRET_ACCESS_KEY": ep.secret_access_key}
     s3 = {"bucket": bucket, "endpoint_url": ep.url, "prefix": PREFIX}
     peer = {"shared_storage_path": str(work / "peer")}
-    args = served.server_args()
+    args = served.server_args(dtype)
     logs = work / "logs"
 
     def server(name: str, cfg: dict[str, Any] | None, cpus: list[int]) -> VllmServer:
@@ -784,7 +784,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sweep.deadline = t0 + args.max_minutes * 60 / len(args.passes) if args.max_minutes else math.inf
                 s: dict[str, Any] = {}
                 try:
-                    s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args)
+                    s, urls = start_stack(model, served, ep, bucket, work, topologies, args.shared_proxy_args, args.dtype)
                     load_s.append(time.monotonic() - t0)
                     sweep.run_pass(pass_no, topologies, s, urls)
                 except (TimeoutError, FailedRequests) as exc:  # its time is spent, or the warm-up failed
@@ -812,7 +812,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "shared_proxy_args": list(args.shared_proxy_args), "image_tokens": served.image_tokens,
                    "encoder_cache_images": cache, "zipf_set": ZIPF_SET_FACTOR * cache,
                    "zipf_s": ZIPF_S, "hot_set": HOT_SET_FACTOR * cache, "hot_repeat": HOT_REPEAT,
-                   "slo_fraction": SLO_FRACTION},
+                   "slo_fraction": SLO_FRACTION, "dtype": args.dtype},
         "load_s": load_s, "elapsed_s": time.monotonic() - sweep.t_start, "runs": sweep.runs, "errors": sweep.errors,
     }
     d["model"] = model_section(sweep.runs)
@@ -1123,6 +1123,9 @@ def main() -> int:
                         help="run every rate for every topology (default: a topology stops at its first SLO miss)")
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
                         help="the tiny Qwen2.5-VL with 1024x1024 photos (default) or the tiny LLaVA")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="the servers' weights: auto is bfloat16 on a CPU that multiplies it natively "
+                             "(AVX-512 BF16, AMX), else float32 (emulated bf16 is ~90x slower: it would measure the CPU)")
     parser.add_argument("--topologies", type=lambda s: [p.split(",") for p in s.split("/")],
                         default=[["plain-dp", SHARED], [*EPD_TOPOLOGIES, "vllm-epd"]],
                         help=f"names from {','.join(TOPOLOGIES)}; '/' splits them into passes, one after the other "
@@ -1162,6 +1165,8 @@ def main() -> int:
         parser.error(f"--workloads: {bad} (names are kind-images: {', '.join(names)})")
     args.kinds = [k for k in KINDS if any(w.startswith(f"{k}-") for w in args.workloads or names)]
     args.images = sorted({int(w.split("-")[1]) for w in args.workloads or names})
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if bl.native_bf16() else "float32"
     qwen = args.model == "qwen"
     args.slo_ms_1 = args.slo_ms_1 or (1500.0 if qwen else 400.0)
     args.slo_ms_4 = args.slo_ms_4 or (4000.0 if qwen else 800.0)
