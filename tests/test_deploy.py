@@ -39,6 +39,7 @@ from ec_s3.cli.main import build_parser as build_cli_parser
 from ec_s3.config import ECS3Config
 from ec_s3.proxy.main import build_parser as build_proxy_parser
 from ec_s3.proxy.main import config_from_args as proxy_config_from_args
+from support.dockerfile import DOCKERFILE, dockerfile_stages
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -1188,23 +1189,6 @@ def test_vllm_pods_are_reachable_only_through_the_proxy(base: str, tmp_path: Pat
 
 
 # --------------------------------------------------------------------------- the images
-DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-
-
-def _stages(text: str) -> dict[str, list[str]]:
-    """The Dockerfile's stages by name, each its instructions (continuations joined)."""
-    stages: dict[str, list[str]] = {}
-    current: list[str] = []
-    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.upper().startswith("FROM "):
-            current = stages.setdefault(line.split()[-1], [])
-        current.append(line)
-    return stages
-
-
 def _dockerignored(rel: str, patterns: list[str]) -> bool:
     """Docker's rule for a path: the last matching pattern wins (``!`` re-includes), and a
     pattern that matches a directory covers what is below it."""
@@ -1226,7 +1210,7 @@ def _dockerignored(rel: str, patterns: list[str]) -> bool:
 
 
 def test_the_images_run_as_the_manifests_non_root_user_with_pinned_dependencies() -> None:
-    stages = _stages(DOCKERFILE.read_text())
+    stages = dockerfile_stages(DOCKERFILE.read_text())
     assert set(stages) >= {"slim", "vllm"} and list(stages)[-1] == "vllm", "vllm is the default target"
     objs = render(KUSTOMIZE)
     users = {(pod.get("securityContext", {}).get("runAsUser"), c["image"].split(":")[0].rsplit("/", 1)[-1])
@@ -1279,7 +1263,7 @@ def test_the_images_run_as_the_manifests_non_root_user_with_pinned_dependencies(
 def test_the_build_context_is_what_the_dockerfile_copies() -> None:
     patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    copied = [src for line in _stages(DOCKERFILE.read_text())["slim"] + _stages(DOCKERFILE.read_text())["vllm"]
+    copied = [src for line in dockerfile_stages(DOCKERFILE.read_text())["slim"] + dockerfile_stages(DOCKERFILE.read_text())["vllm"]
               if line.upper().startswith("COPY ") for src in line.split()[1:-1]]
     for src in copied:
         assert (ROOT / src).exists() and not _dockerignored(src, patterns), f"COPY {src} is not in the context"

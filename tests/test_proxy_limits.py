@@ -21,7 +21,7 @@ from ec_s3.log import logger
 from ec_s3.proxy.config import ProxyConfig
 from ec_s3.proxy.main import build_parser, config_from_args
 from ec_s3.sandbox.metrics import parse_prometheus
-from test_proxy import FakeEncoder, FakePD, chat, dead_url, image, rig, run
+from test_proxy import FakePD, chat, dead_url, image, rig, run
 
 pytestmark = pytest.mark.timeout(120)
 

