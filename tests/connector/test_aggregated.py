@@ -40,7 +40,7 @@ def _publish(model_dir: Path, extra: dict[str, Any], identifier: str) -> None:
 
 def _wait_for_lookup(node: Node, timeout_s: float = 10.0) -> None:
     """Until a lookup has answered on the I/O loop (picked up at the next step)."""
-    fetcher = node.scheduler_connector._scheduler._fetcher  # type: ignore[union-attr]
+    fetcher = node.scheduler_connector._scheduler._lookups.fetcher  # type: ignore[union-attr]
     assert fetcher.wait_for_result(timeout_s), "the lookup did not answer"
 
 

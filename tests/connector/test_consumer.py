@@ -135,7 +135,7 @@ def test_d_invalid_blobs_are_never_loaded(
         for identifier in identifiers:
             assert torch.equal(node.sim.encoder_cache[identifier], fake_encoder_output(identifier, ROWS))
         # img-shape is a valid blob of other rows: rows are the asking request's, checked
-        # per request (the scheduler's _misfit: this request encodes it, no other is
+        # per request (connector/lookups.misfit: this request encodes it, no other is
         # denied it), so it is not counted invalid.
         assert node.scheduler_connector.counters.get("invalid_blobs") == len(identifiers) - 1
     finally:
