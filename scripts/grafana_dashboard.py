@@ -1,6 +1,6 @@
 """Write deploy/kubernetes/base/monitoring/ec-s3-dashboard.json, the Grafana dashboard for ec-s3's Prometheus metrics.
 
-The dashboard is generated so that its queries are code: tests/test_dashboard.py
+The dashboard is generated so that its queries are code: tests/deploy/test_dashboard.py
 checks that the committed JSON equals this script's output and that every metric a
 query names is one ec-s3 really exports. Regenerate after changing a panel:
 

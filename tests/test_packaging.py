@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from support.dockerfile import DOCKERFILE, dockerfile_stages
 from test_layout import MODULES, _imports, _load_time_imports, _reached, _top
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,9 +130,7 @@ def test_the_slim_images_commands_load_with_the_core_alone() -> None:
 def test_the_slim_image_installs_ec_s3_with_its_core_dependencies() -> None:
     """deploy/Dockerfile, target slim: ec-s3 with no extra, its dependencies resolved
     (no --no-deps) within the image's pins. Failed before: --no-deps."""
-    from test_deploy import DOCKERFILE, _stages
-
-    installs = [line for line in _stages(DOCKERFILE.read_text())["slim"] if " pip install " in f" {line} "]
+    installs = [line for line in dockerfile_stages(DOCKERFILE.read_text())["slim"] if " pip install " in f" {line} "]
     (ec_s3_line,) = [line for line in installs if re.search(r"pip install .*/opt/ec-s3(\s|$)", line)]
     command = ec_s3_line.split("&&")[0].split()
     assert "--no-deps" not in command, ec_s3_line

@@ -1,11 +1,11 @@
 """Scheduler-role part of ECS3Connector: which items a request waits for, which are hits.
 
 Runs on vLLM's engine loop and answers from memory; lookups run on the I/O loop
-(:mod:`ec_s3.transfer.fetcher`). Owns applying admission decisions (item table, lookups,
-counters), the hit answers, tenants' keys and the per-step load list. Does not own the
-admission rules (:mod:`ec_s3.connector.admission`), the item state machine
-(:mod:`ec_s3.connector.items`), staging pins (:mod:`ec_s3.connector.pins`), what a producer
-publishes (:mod:`ec_s3.connector.publishing`), transfers or the S3 protocol.
+(:mod:`ec_s3.connector.lookups`). Owns applying admission decisions (item table, counters),
+which requests a lookup's result serves, the hit answers, tenants' keys and the per-step
+load list. Does not own the admission rules (:mod:`~.admission`), the item state machine
+(:mod:`~.items`), running lookups (:mod:`~.lookups`), staging pins (:mod:`~.pins`), what a
+producer publishes (:mod:`~.publishing`), transfers or the S3 protocol.
 """
 
 from __future__ import annotations
@@ -15,32 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
 
-from ec_s3.blob.codec import BlobExpectation
-from ec_s3.blob.format import MAX_HEADER_BYTES, MISSING_REPORT
+from ec_s3.blob.format import MISSING_REPORT
 from ec_s3.config import ECS3Config
-from ec_s3.connector.admission import (
-    LATER,
-    NO_SPACE_MAX_S,
-    POLL_CAP_S,
-    Action,
-    Admission,
-    AggregatedAdmission,
-    Ask,
-    ConsumerAdmission,
-    Decision,
-    ProducerAdmission,
-    answer_outcome,
-)
-from ec_s3.connector.items import (
-    PRODUCER_CAPACITY,
-    RETRYABLE,
-    Item,
-    ItemState,
-    ItemTable,
-    RequestState,
-    classify,
-    consumer_capacity,
-)
+from ec_s3.connector.admission import (LATER, NO_SPACE_MAX_S, POLL_CAP_S, Action, Admission, AggregatedAdmission, Ask,
+                                       ConsumerAdmission, Decision, ProducerAdmission, answer_outcome)
+from ec_s3.connector.items import (PRODUCER_CAPACITY, RETRYABLE, Item, ItemState, ItemTable, RequestState,
+                                   consumer_capacity)
+from ec_s3.connector.lookups import Lookups, misfit
 from ec_s3.connector.messages import ECS3ConnectorMetadata, ECS3WorkerMetadata, LoadSpec
 from ec_s3.connector.metrics import LOOKUP_OUTCOMES, ECS3Stats, open_stats_reader, scheduler_stats
 from ec_s3.connector.model import ModelInfo, carries_media, describe_role, host_id
@@ -49,11 +30,10 @@ from ec_s3.connector.preflight import check_engine_start
 from ec_s3.connector.publishing import PublishLedger
 from ec_s3.connector.settle import CounterWatch
 from ec_s3.connector.topology import Topology, WorkerReach
-from ec_s3.connector.transfer_params import Promise, build_transfer_params, probe_answer, read_promises
+from ec_s3.connector.transfer_params import build_transfer_params, probe_answer, read_promises
 from ec_s3.log import logger
 from ec_s3.store.client import S3Store
 from ec_s3.transfer.counters import Counters
-from ec_s3.transfer.fetcher import ItemFetcher
 from ec_s3.transfer.staging import StagingArea, StagingSlot
 
 if TYPE_CHECKING:
@@ -101,7 +81,7 @@ class ECS3Scheduler:
         self._host = host_id()
         self._staging, self._topology, self._items, self._admission = _role_parts(
             vllm_config, config, self._host, producer=self._is_producer, consumer=consumer)
-        self._fetcher = ItemFetcher(self._store, self._staging, counters)
+        self._lookups = Lookups(self._store, self._staging, counters, model, config, self._items)
         self._pins = StagingPins(self._staging)
         self._requests: dict[str, RequestState] = {}
         # This step's hits: (request id, identifier) -> the item answered for (until
@@ -117,7 +97,6 @@ class ECS3Scheduler:
         self._ledger = PublishLedger(self._requests, model, self._resolver, self._known_present)
         self._loads: list[tuple[LoadSpec, StagingSlot]] = []
         self._unavailable: set[str] = set()
-        self._looking = 0  # lookups running on the I/O loop
         self._deferred = False  # a request waited for a blob in this step's schedule
         self._steps = 0
         self._worker_stats = open_stats_reader(config, vllm_config, self._store.background)
@@ -173,9 +152,9 @@ class ECS3Scheduler:
         if decision.gone:
             state.gone.add(key)
         if decision.action is Action.HIT:
-            misfit = self._misfit(feature, self._items.peek(key))
-            if misfit:
-                decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit, outcome="error")
+            misfit_why = misfit(feature, self._items.peek(key), self._model)
+            if misfit_why:
+                decision = Decision(Action.UNAVAILABLE, uses_item=False, reason=misfit_why, outcome="error")
         if not decision.uses_item:
             self._pins.unuse(state, identifier)
             self._items.point(identifier, None)
@@ -197,7 +176,7 @@ class ECS3Scheduler:
             if item is None:  # none yet, or forgotten just now
                 item = self._items.add(key, identifier)
                 self._track(state, identifier, item)
-            self._start(item, feature, now, state.promises.get(identifier))
+            self._lookups.start(item, feature, now, state.promises.get(identifier))
         if decision.outcome == LATER:
             item = self._items.peek(key)
             if item is not None and item.looking:
@@ -216,19 +195,6 @@ class ECS3Scheduler:
             # from an output encoded from another tenant's media (that request's miss was
             # answered first) and never asks has_cache_item.
             state.saved.add(identifier)
-
-    def _misfit(self, feature: MultiModalFeatureSpec, item: Item | None) -> str:
-        """Why a staged blob cannot serve this request's ``feature`` ("" when it fits):
-        a blob is validated against the request that started its lookup, and a client
-        may reuse a uuid for an image of another size. vLLM would gather it for this
-        request's placeholders at once and stop the engine."""
-        staged = item.staged if item is not None else None
-        if staged is None:
-            return ""
-        rows, width = feature.mm_position.get_num_embeds(), self._model.width_for(feature.modality)
-        if staged.shape[0] == rows and (width is None or staged.shape[-1] == width):
-            return ""
-        return f"the staged blob is {list(staged.shape)} but this request has {rows} placeholders of width {width}"
 
     def _decide(self, state: RequestState, feature: MultiModalFeatureSpec, key: str, item: Item | None,
                 now: float) -> Decision:
@@ -284,37 +250,6 @@ class ECS3Scheduler:
         self._items.drop(item)
         return False
 
-    def _start(self, item: Item, feature: MultiModalFeatureSpec, now: float, promise: Promise | None) -> None:
-        item.start_lookup(now)
-        expect = expected_size = None
-        if self._staging is not None:  # what is staged is validated first
-            # Not its rows: those are the asking request's (a client sets them, e.g. with
-            # a metadata-only item's grid), and one request's wrong count must not make
-            # the blob invalid for every other; _misfit checks them per request.
-            expect = BlobExpectation(
-                identifier=feature.identifier,
-                namespace=self._model.keyspace.namespace,
-                dtype=self._model.dtype,
-                width=self._model.width_for(feature.modality),
-                max_bytes=self._config.max_blob_bytes,
-            )
-            expected_size = self._expected_size(feature, promise)
-        self._counters.inc("lookups_started")
-        self._looking += 1
-        self._fetcher.start(item.key, expect, expected_size)
-
-    def _expected_size(self, feature: MultiModalFeatureSpec, promise: Promise | None) -> int | None:
-        """The blob's size as the encoder promised it, else at most this request's
-        placeholders of the model's width plus a header: the GET asks every range at
-        once (a wrong guess costs one more round trip, never a wrong blob)."""
-        if promise is not None and promise.size_bytes is not None:
-            return promise.size_bytes
-        width = self._model.width_for(feature.modality)
-        if width is None:
-            return None
-        rows = feature.mm_position.get_num_embeds()  # the client's grid: bounded like any blob
-        return min(rows * width * self._model.dtype.itemsize + MAX_HEADER_BYTES, self._config.max_blob_bytes)
-
     def _stop_waiting(self, state: RequestState, identifier: str, now: float) -> None:
         """End ``identifier``'s wait (served or given up); a promised item's wait is observed."""
         since = state.waiting_since.pop(identifier, None)
@@ -345,21 +280,7 @@ class ECS3Scheduler:
 
     # ------------------------------------------------------------------ results
     def _apply_results(self) -> None:
-        results = self._fetcher.drain()
-        if not results:
-            return
-        now = time.monotonic()
-        for key, result in results:
-            self._looking -= 1
-            item = self._items.get(key)
-            if item is None or not item.looking:
-                staged = classify(result).staged
-                if staged is not None and self._staging is not None:
-                    self._staging.discard(staged.slot.name)
-                continue
-            outcome = item.apply(result, now)
-            if outcome.counter is not None:
-                self._counters.inc(outcome.counter)
+        for item, outcome in self._lookups.apply(time.monotonic()):
             if item.unawaited:  # requests that went on without this answer: it is their outcome
                 decided = answer_outcome(outcome.state)
                 for req_id in item.unawaited:
@@ -369,12 +290,7 @@ class ECS3Scheduler:
                     elif decided is not None:  # finished meanwhile
                         self._counters.inc(LOOKUP_OUTCOMES[decided])
                 item.unawaited.clear()
-            if outcome.state is ItemState.FAILED:
-                # Outages are logged once by the store's circuit breaker; other
-                # failures (403, bad requests) once per item, then every 50 attempts.
-                if not outcome.transient and (item.attempts == 1 or item.attempts % 50 == 0):
-                    logger.warning("ec-s3: lookup of %s failed: %s (attempt %d)", key, outcome.reason, item.attempts)
-            elif outcome.staged is not None:
+            if outcome.staged is not None:
                 # Pin it for the senior request waiting on it (see _release_partial),
                 # so that no other allocation evicts it before it is admitted again.
                 # Users are the requests that will read it: one that encodes it
@@ -384,8 +300,6 @@ class ECS3Scheduler:
                     state = self._requests.get(senior)
                     if state is not None:
                         self._hold(state, item.identifier, item)
-        if self._staging is not None:
-            self._counters.set_gauge("staged_bytes", self._staging.used)
 
     # ------------------------------------------------------------------ vLLM hooks
     def has_cache_item(self, identifier: str) -> bool:
@@ -444,9 +358,9 @@ class ECS3Scheduler:
         self._loads.append((spec, staged.slot))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECS3ConnectorMetadata:
-        if (self._looking or self._deferred) and not scheduler_output.total_num_scheduled_tokens:
+        if (self._lookups.running or self._deferred) and not scheduler_output.total_num_scheduled_tokens:
             # The engine has nothing to run but requests waiting for our transfers.
-            self._fetcher.wait_for_result(_IDLE_WAIT_S)
+            self._lookups.fetcher.wait_for_result(_IDLE_WAIT_S)
         self._deferred = False
         encoded = sum(len(inputs) for inputs in scheduler_output.scheduled_encoder_inputs.values())
         if encoded:

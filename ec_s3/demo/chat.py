@@ -2,7 +2,7 @@
 and comparing two answers token by token.
 
 Owns what is sent (a greedy request whose answer carries token ids and logprobs) and
-when two answers count as equal. Used by ``ec-s3 demo`` and by ``tests/test_e2e.py``.
+when two answers count as equal. Used by ``ec-s3 demo`` and by ``tests/e2e/test_e2e.py``.
 Does not own any server (:mod:`ec_s3.sandbox.vllm_server`) nor the summary
 (:mod:`ec_s3.demo.report`).
 """
@@ -47,7 +47,7 @@ DEFAULT_MAX_TOKENS = 8
 #: batch a request is prefilled or decoded in (two requests prefilled together vs one
 #: after the other), and under parallel dispatch each request is scheduled when its own
 #: blob lands, so the consumer's batches need not be the plain server's. Measured: up to
-#: 4.1e-3 on the tiny model (tests/test_e2e.py, CI run of 2026-12-02); an image encoded
+#: 4.1e-3 on the tiny model (tests/e2e/test_e2e.py, CI run of 2026-12-02); an image encoded
 #: with other weights moves the answer far beyond it (the e2e control asserts the margin).
 BATCHING_TOLERANCE = 2e-2
 

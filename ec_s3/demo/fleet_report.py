@@ -3,8 +3,9 @@ bucket behind the ec-s3 proxy (affinity routing, no encoder).
 
 It checks that each distinct image was encoded once across the servers and that every
 answer equals the plain server's. Owns the fleet's scrapes (:class:`FleetSnapshot`), their
-deltas and the lines printed. Does not own running anything (:mod:`ec_s3.demo.run`), the
-EPD summary (:mod:`ec_s3.demo.report`) nor the metrics themselves.
+deltas and the lines printed. Does not own running anything
+(:mod:`ec_s3.demo.aggregated`), the EPD summary (:mod:`ec_s3.demo.report`) nor the
+metrics themselves.
 """
 
 from __future__ import annotations

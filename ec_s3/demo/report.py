@@ -4,7 +4,7 @@ bucket, what was counted, and whether the answers equal the baseline's.
 
 Owns the counter deltas (settled scrapes), the n/a lines and the tables. Does not own the
 metrics (parsed by :mod:`ec_s3.sandbox.metrics`), the time split (:mod:`ec_s3.demo.timing`)
-nor running anything (:mod:`ec_s3.demo.run`).
+nor running anything (:mod:`ec_s3.demo.epd`).
 """
 
 from __future__ import annotations

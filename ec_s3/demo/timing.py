@@ -3,7 +3,7 @@ own ``/metrics``.
 
 Owns the reading of vLLM's and ec-s3's histograms (deltas of ``_sum`` and ``_count`` over
 three scrapes per step), the cells they print as, and :class:`Snapshot` (one scrape of the
-three servers). Does not own the scrapes (:mod:`ec_s3.demo.run`), the table around them
+three servers). Does not own the scrapes (:mod:`ec_s3.demo.epd`), the table around them
 (:mod:`ec_s3.demo.report`) nor the metrics themselves. Details: docs/architecture.md.
 """
 

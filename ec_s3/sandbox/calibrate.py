@@ -1,14 +1,8 @@
 """What one image costs a model in vLLM on this host: its encoder step against the
-prefill of as many tokens, measured in one engine (one CPU thread, as a server's worker).
+prefill of as many tokens, measured in one engine (one CPU thread, as a server's worker);
+``python -m ec_s3.sandbox.calibrate [--shape JSON] [--out FILE]``.
 
-Encode time is the engine time of a request with a fresh image minus that of a
-text-only request of the same prompt length (prefix caching off, so both prefill every
-token); the image's preprocessing (the HF processor, done by the front end before the
-engine) is timed apart and left out. Used to size :data:`ec_s3.sandbox.tiny_qwen.QWEN_SHAPE`
-(``python -m ec_s3.sandbox.calibrate [--shape JSON] [--out FILE]``).
-
-Owns the measurement. Does not own the model (:mod:`.tiny_qwen`) nor serving it.
-"""
+Owns the measurement. Does not own the model (:mod:`.tiny_qwen`) nor serving it."""
 
 from __future__ import annotations
 

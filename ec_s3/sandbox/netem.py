@@ -1,23 +1,10 @@
-"""A network in user space: a TCP proxy that gives a loopback S3 server a real link's first-byte delay, round trips and bandwidth.
-
-Why: every loopback measurement hides what S3 across a network costs (a first byte in
-tens of milliseconds, a bandwidth cap per connection); ``tc netem`` is not available on
-these hosts. The proxy sits between a client and a server and, per direction of each
-connection, holds a response's first byte ``first_byte_s`` after the last byte of its
-request (a request is what the client sends after the server last answered: one per
-HTTP exchange on a keep-alive connection), adds ``rtt_s`` to the first answer of a new
-connection (its handshake), paces each connection at ``conn_bytes_per_s`` and all of
-them together at ``nic_bytes_per_s`` (each direction its own NIC budget, as on a
-full-duplex link), and stalls a ``tail_fraction`` of answers ``tail_s`` more. It knows
-nothing of HTTP beyond that turn-taking, so any client and server can use it.
-
-It runs in its own process (``python -m ec_s3.sandbox.netem``, or :class:`NetEm`, which
-starts one): a proxy sharing the measured client's interpreter would share its GIL.
+"""A network in user space: a TCP proxy, in a process of its own, that gives a loopback
+S3 server a real link's first-byte delay, round trips and bandwidth
+(``python -m ec_s3.sandbox.netem`` or :class:`NetEm`).
 
 Owns the profiles (:data:`PROFILES`), the proxy's pacing, and its process. Does not own
-the S3 server behind it (:mod:`.embedded_s3`) nor what is measured through it (bench/,
-tests). Faults per request (errors, resets, truncation) are ``tests/support/faultproxy.py``'s.
-"""
+the S3 server behind it (:mod:`.embedded_s3`), what is measured through it, nor faults
+per request (``tests/support/faultproxy.py``)."""
 
 from __future__ import annotations
 

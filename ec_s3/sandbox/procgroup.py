@@ -1,19 +1,10 @@
 """A local server process with its whole process group, and the reaper that takes the
 group down when the owning Python process dies without cleaning up.
 
-Owns: starting a command as the leader of its own session (so its children, e.g.
-vLLM's EngineCore and workers, share its process group), stopping that group (SIGTERM
-to the leader, then SIGKILL to the group, then waiting until no live member is left),
-and one reaper process per group that does the same if the owner is SIGKILLed (no
-``finally`` or ``atexit`` runs then); and turning SIGTERM/SIGHUP into
-KeyboardInterrupt in the owner, so its ``finally`` blocks do run then. Does not own what the command is, when it is
-ready, its log's content or its files: the servers that use it
-(:mod:`ec_s3.sandbox.vllm_server`, :mod:`ec_s3.sandbox.embedded_s3`) do.
-
-This file is also the reaper's program (``python -I -S procgroup.py PGID GRACE_S
-[SCRATCH_DIR]``), so the reaper and its owner share :func:`group_alive`; for that its
-module-level imports are the standard library only.
-"""
+Owns starting a command as a session leader, stopping its group (SIGTERM, then SIGKILL,
+then waiting), the reaper (this file is its program: stdlib-only module-level imports),
+and SIGTERM/SIGHUP as KeyboardInterrupt in the owner. Does not own what the command is,
+its readiness, log or files (:mod:`ec_s3.sandbox.vllm_server`, :mod:`.embedded_s3`)."""
 
 from __future__ import annotations
 

@@ -1,49 +1,21 @@
-"""A tiny offline LLaVA-1.5 model directory for tests and ``ec-s3 demo``.
+"""A tiny offline LLaVA-1.5 model directory for tests and ``ec-s3 demo``: a llama text
+model and a CLIP vision tower with random weights in the llava-hf key layout, so that
+outputs depend on the image. :data:`HEAVY_VISION` and :class:`TinyShape` make bigger ones.
 
-No model hub is reachable in CI, so the model is written from scratch:
-
-* ``LlavaForConditionalGeneration`` with a llama text model (hidden 128, 4 heads of
-  dim 32, 2 layers) and a CLIP vision tower (hidden 32, 2 layers, image 56x56,
-  patch 14 -> 16 image tokens after dropping CLS);
-* ``CLIPImageProcessor`` + ``LlavaProcessor`` + a byte-level BPE tokenizer trained
-  with ``tokenizers`` on a few sentences (vocab < 512, specials
-  ``<unk> <s> </s> <pad> <image>``) and a chat template that emits ``<image>\\n``;
-* random weights (normal, std 0.02, fixed seed) in ``model.safetensors`` using the
-  llava-hf checkpoint key layout (``language_model.model.*``,
-  ``vision_tower.vision_model.*``,
-  ``multi_modal_projector.*``, ``language_model.lm_head.weight``), so that outputs
-  depend on the image (vLLM's ``load_format="dummy"`` weights make the image
-  invisible).
-
-:data:`HEAVY_VISION` is the default model with a heavier vision tower (more layers,
-larger image and width): tens of ms per image on one core, yet still nearly free next to
-prefill (in goodput runs a server that encoded no image took as long per request as one
-that encoded every miss). Where encoding must cost what prefill costs, use the tiny
-Qwen2.5-VL of :mod:`ec_s3.sandbox.tiny_qwen`. :class:`TinyShape` makes a bigger
-model of the same layout (benchmarks: the encoder
-output, one blob, is ``image tokens x text hidden`` bf16 values, 4 KiB by default):
-``TinyShape(image_size=448, text_hidden=512)`` gives 1024 tokens x 512 = 1 MiB.
-
-Only torch, safetensors, transformers, tokenizers and PIL are needed (all come with
-vLLM). Building takes about a second.
-
-Owns the model directory (built once per content version, atomically, with a
-manifest), the test images and the vision-weight reseeding tests use. Does not own
-serving it (:mod:`ec_s3.sandbox.vllm_server`) nor the server arguments it needs
-(``TINY_MODEL_ARGS`` there).
-"""
+Owns the model's configuration, processor and chat template, its test images and the
+vision-weight reseeding tests use. Does not own building a directory atomically
+(:mod:`.model_dir`), serving it (:mod:`ec_s3.sandbox.vllm_server`) nor Qwen (:mod:`.tiny_qwen`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
-import uuid
-import zlib
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from ec_s3.sandbox.model_dir import (INIT_STD, WEIGHT_DTYPE, atomic_model_dir, random_state_dict,
+                                     read_manifest, train_tokenizer)
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image
@@ -66,7 +38,6 @@ __all__ = [
 
 # Bump when the produced directory changes, so stale builds are rebuilt.
 FORMAT_VERSION = 3
-MANIFEST = "ec_s3_tiny_model.json"
 
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
@@ -79,8 +50,6 @@ TEXT_LAYERS = 2
 VISION_HIDDEN = 32
 VISION_LAYERS = 2
 MAX_POSITIONS = 2048
-INIT_STD = 0.02
-WEIGHT_DTYPE = "bfloat16"
 
 
 
@@ -168,17 +137,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
-_CORPUS = [
-    "USER: What is in this picture? ASSISTANT: A small red square on a blue background.",
-    "USER: Describe the image in one sentence. ASSISTANT: The image shows noise and colors.",
-    "The quick brown fox jumps over the lazy dog near the river bank.",
-    "An encoder cache stores vision embeddings so a prefill instance can skip the encoder.",
-    "Objects in the bucket are written once and read many times by the consumers.",
-    "Hello world! This is a tiny tokenizer for tests: numbers 0 1 2 3 4 5 6 7 8 9.",
-    "Green, yellow, purple and orange shapes float in a grey sky at noon.",
-]
-
-
 def _manifest(seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE) -> dict[str, Any]:
     out: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -191,55 +149,6 @@ def _manifest(seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE)
     if shape != DEFAULT_SHAPE:  # the default model's manifest is unchanged (no rebuilds)
         out["shape"] = dataclasses.asdict(shape)
     return out
-
-
-def read_manifest(model_dir: Path) -> dict[str, Any] | None:
-    """The build manifest of a model dir made by :func:`build_tiny_llava`, or None."""
-    try:
-        return json.loads((Path(model_dir) / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _is_complete(dst: Path, want: dict[str, Any]) -> bool:
-    have = read_manifest(dst)
-    if have is None:
-        return False
-    for k, v in want.items():
-        if have.get(k) != v:
-            return False
-    files = have.get("files", [])
-    return bool(files) and all((dst / f).is_file() for f in files)
-
-
-def train_tokenizer(specials: list[str] = SPECIAL_TOKENS, bos: str | None = "<s>"):
-    """A byte-level BPE tokenizer trained on a few sentences (vocab < 512) whose first
-    ids are ``specials``; ``bos`` (a special) is prepended to every sequence, as llama
-    tokenizers do (None: nothing is)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tok = Tokenizer(models.BPE(unk_token=specials[0]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        min_frequency=1,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    steps: list[Any] = [processors.ByteLevel(trim_offsets=False)]
-    if bos is not None:
-        bos_id = tok.token_to_id(bos)
-        steps.append(processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]))
-    # ByteLevel post-processing keeps offsets sane.
-    tok.post_processor = processors.Sequence(steps)
-    for i, t in enumerate(specials):
-        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
-    assert tok.get_vocab_size() < 512
-    return tok
 
 
 def _configs(vocab_size: int, image_token_id: int, shape: TinyShape = DEFAULT_SHAPE):
@@ -311,29 +220,6 @@ def _hf_key(name: str) -> str:
     return name
 
 
-def random_state_dict(model_cls: Any, cfg: Any, seed: int, hf_key: Any) -> dict[str, Any]:
-    """Random weights for ``model_cls(cfg)`` under checkpoint names ``hf_key(name)``:
-    norms one (weights) and zero (biases), the rest normal with std :data:`INIT_STD`, each
-    tensor from its own generator (values do not depend on iteration order)."""
-    import torch
-
-    with torch.device("meta"):
-        model = model_cls(cfg)
-    out: dict[str, torch.Tensor] = {}
-    for name, p in sorted(model.named_parameters()):
-        key = hf_key(name)
-        is_norm = "norm" in key or "layrnorm" in key  # RMSNorm / LayerNorm params
-        if is_norm and key.endswith(".weight"):
-            t = torch.ones(p.shape, dtype=torch.float32)
-        elif is_norm and key.endswith(".bias"):
-            t = torch.zeros(p.shape, dtype=torch.float32)
-        else:
-            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
-            t = torch.randn(p.shape, generator=g, dtype=torch.float32) * INIT_STD
-        out[key] = t.to(getattr(torch, WEIGHT_DTYPE)).contiguous()
-    return out
-
-
 def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
     from transformers import LlavaForConditionalGeneration
 
@@ -341,9 +227,27 @@ def _random_state_dict(cfg, seed: int) -> dict[str, Any]:
 
 
 def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = DEFAULT_SHAPE) -> list[str]:
+    tok = train_tokenizer(SPECIAL_TOKENS)
+    _write_processor(tmp, tok, shape)
+    cfg = _configs(tok.get_vocab_size(), tok.token_to_id(IMAGE_TOKEN), shape)
+    cfg.save_pretrained(str(tmp))
+    (tmp / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2)
+    )
+
+    if random_weights:
+        from safetensors.torch import save_file
+
+        sd = _random_state_dict(cfg, seed)
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return sorted(p.name for p in tmp.iterdir() if p.is_file())
+
+
+def _write_processor(tmp: Path, tok: Any, shape: TinyShape) -> None:
+    """The tokenizer, image processor and LlavaProcessor files, with the chat template."""
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
 
-    tok = train_tokenizer()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -355,7 +259,6 @@ def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = 
         clean_up_tokenization_spaces=False,
         chat_template=CHAT_TEMPLATE,
     )
-    image_token_id = tok.token_to_id(IMAGE_TOKEN)
     image_processor = CLIPImageProcessor(
         size={"shortest_edge": shape.image_size},
         crop_size={"height": shape.image_size, "width": shape.image_size},
@@ -384,20 +287,6 @@ def _write_model(tmp: Path, seed: int, random_weights: bool, shape: TinyShape = 
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     tc.setdefault("chat_template", CHAT_TEMPLATE)
     tc_path.write_text(json.dumps(tc, indent=2, sort_keys=True))
-
-    cfg = _configs(tok.get_vocab_size(), image_token_id, shape)
-    cfg.save_pretrained(str(tmp))
-    (tmp / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}, indent=2)
-    )
-
-    if random_weights:
-        from safetensors.torch import save_file
-
-        sd = _random_state_dict(cfg, seed)
-        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-
-    return sorted(p.name for p in tmp.iterdir() if p.is_file())
 
 
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")  # LLaVA's; Qwen-VL's is "visual."
@@ -440,43 +329,6 @@ def build_tiny_llava(dst: Path, *, seed: int = 0, random_weights: bool = True,
     """
     want = _manifest(seed, random_weights, shape)
     return atomic_model_dir(Path(dst), want, lambda tmp: _write_model(tmp, seed, random_weights, shape))
-
-
-def atomic_model_dir(dst: Path, want: dict[str, Any], write: Callable[[Path], list[str]]) -> Path:
-    """``dst`` holding a complete build described by ``want`` (its manifest): reused if it
-    already does, else ``write(tmp)`` fills a sibling temp dir (returning its file names)
-    that is renamed into place (a concurrent builder that wins the rename is accepted)."""
-    if _is_complete(dst, want):
-        return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        files = write(tmp)
-        manifest = dict(want, files=files)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-
-        if dst.exists():
-            if _is_complete(dst, want):  # someone else finished meanwhile
-                return dst
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            try:
-                dst.rename(old)
-            except FileNotFoundError:
-                old = None
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        try:
-            tmp.rename(dst)
-        except OSError:
-            # Lost a race with another builder: accept its result if it is complete.
-            if _is_complete(dst, want):
-                return dst
-            raise
-        return dst
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_test_image(seed: int, size: int = IMAGE_SIZE) -> "Image.Image":

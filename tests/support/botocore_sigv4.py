@@ -1,6 +1,6 @@
 """botocore's S3 SigV4 signer with payload signing off, as the direct data path used it
 before :mod:`ec_s3.store.sigv4`: the reference that module is checked against
-(tests/test_store_sigv4.py) and the baseline its cost is measured against
+(tests/store/test_store_sigv4.py) and the baseline its cost is measured against
 (bench/small_ops.py). Owns nothing else."""
 
 from __future__ import annotations

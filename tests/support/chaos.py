@@ -1,4 +1,4 @@
-"""Machinery of the chaos soak (``tests/test_chaos.py``).
+"""Machinery of the chaos soak (``tests/connector/test_chaos.py``).
 
 Owns: a vLLM instance's worth of ECS3Connector around vLLM's real Scheduler with
 every connector call watched (how long it took, what it raised, whether a loaded
@@ -7,7 +7,7 @@ rules; the S3 server SIGKILLed and restarted: SeaweedFS on the same data dir, or
 RGW's gateway in front of the same cluster), process
 resource probes, and the ledger of faults, outcomes and broken invariants that the
 soak prints. Does not own: the scenario (which requests, which faults, the bounds:
-``tests/test_chaos.py``), the fault proxy (``support.faultproxy``), the rig that
+``tests/connector/test_chaos.py``), the fault proxy (``support.faultproxy``), the rig that
 imitates EngineCore (``support.vllm_rig``), or any product code: nothing here
 retries, repairs or hides a failure of ec-s3; it records it with its context.
 """

@@ -12,6 +12,7 @@ Importing it makes illegal item state transitions raise (``items.STRICT``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -122,3 +123,37 @@ def blob_requests(proxy: Any, node: Node) -> list[tuple[str, str]]:
     (start-up probes and bucket-level calls left out)."""
     root = node.scheduler_connector.model.keyspace.root
     return [(m, t) for m, t in proxy.seen if f"/{root}" in t]
+
+
+class CallTimer:
+    """Wraps a connector instance's scheduler-side methods to time every call.
+
+    ``build_connector_meta`` on a step that scheduled nothing while lookups run
+    deliberately releases the GIL to the I/O thread (the engine has no other work);
+    those calls are timed separately in ``idle_yields``: no request waits on them.
+    """
+
+    METHODS = ("ensure_cache_available", "has_cache_item", "update_state_after_alloc", "build_connector_meta",
+               "update_connector_output", "take_unavailable_requests", "update_state_after_free", "request_finished")
+
+    def __init__(self, connector: Any) -> None:
+        self.times: dict[str, list[float]] = {m: [] for m in self.METHODS}
+        self.idle_yields: list[float] = []
+        for name in self.METHODS:
+            setattr(connector, name, self._wrap(name, getattr(connector, name)))
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                idle = name == "build_connector_meta" and not args[0].total_num_scheduled_tokens
+                (self.idle_yields if idle else self.times[name]).append(elapsed)
+
+        return timed
+
+    def all(self) -> list[float]:
+        return [t for ts in self.times.values() for t in ts]

@@ -1,5 +1,5 @@
 """One set of real vLLM servers on the tiny Qwen2.5-VL, shared by the test modules that
-need them (``tests/test_e2e_qwen.py``, ``tests/test_e2e_corpus.py``): engine loads are
+need them (``tests/e2e/test_e2e_qwen.py``, ``tests/e2e/test_e2e_corpus.py``): engine loads are
 most of those modules' time, and CI's time is short.
 
 The stack: SeaweedFS (the session's ``s3_endpoint``), a plain baseline server, an
@@ -129,7 +129,7 @@ def start_stack(endpoint: S3Endpoint, tiny_qwen_dir: Path, work: Path) -> QwenSt
              # older than the fleet's TTLs.
              "present_ttl_s": 1.0,
              # A small staging area (default 4 GiB): a consumer that no longer holds a
-             # blob it fetched is a few requests away (tests/test_e2e_corpus.py).
+             # blob it fetched is a few requests away (tests/e2e/test_e2e_corpus.py).
              "staging_bytes": 2 * 1024 * 1024}
     baseline_srv = VllmServer(model, name="qwen-baseline", args=QWEN_STACK_ARGS, log_path=work / "baseline.log",
                               env={**CPU_OFFLINE_ENV, "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None})

@@ -22,7 +22,7 @@ The model config and renderer are built once per process (about 15 s, most of it
 importing vLLM), on a thread with its own event loop that every test's loop shares;
 one small body then costs a few milliseconds.
 
-Owns the judging. Does not own the fakes (``tests/test_proxy.py``) or serving vLLM.
+Owns the judging. Does not own the fakes (``tests/proxy/test_proxy.py``) or serving vLLM.
 """
 
 from __future__ import annotations
