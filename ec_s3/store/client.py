@@ -1,23 +1,11 @@
 """The S3 store: blob operations on one bucket, with retries and a concurrency bound.
 
-All requests run on the process-wide background loop (:mod:`ec_s3.loop`); the
-``*_async`` coroutines are for code already on that loop, and :meth:`S3Store.submit`
-hands one to it from any thread without blocking. Owns the operations (HEAD, PUT,
-multipart, ranged GET, DELETE, LIST), the retry loop (exponential back-off with full
-jitter, only on throttling, 5xx and connection errors, never on 4xx, so that
-``max_attempts`` and the back-off cap bound the time a caller can wait; no sooner than
-an answer's ``Retry-After`` asks, and not at all when it asks for more than
-``request_timeout_s``), the
-concurrency bound (``max_concurrency`` requests; since single requests carry at most ``multipart_threshold_bytes``, parts
-at most ``multipart_part_bytes`` and GET ranges ``get_range_bytes`` plus a header, that also bounds the bytes in flight) and the
-process-wide cache of shared stores, keyed by the store's own keys
-(:class:`~.settings.StoreConfig`). Does not own one attempt of a request on the data
-path chosen at connect time (:mod:`.transport`, over :mod:`.wire` or the aiobotocore
-client built by :mod:`.connection`), the error types and their mapping
-(:mod:`.errors`), the circuit breaker (:mod:`.breaker`), request bodies
-(:mod:`.body`), the steps of a multipart upload and its aborts (:mod:`.multipart`) or
-the ranges of one GET (:mod:`.download`); their names are re-exported here for
-importers of this module.
+Owns :class:`S3Store`, whose operations run on the background loop of :mod:`ec_s3.loop`, the
+retry loop (back-off with full jitter, on transient failures only, ``Retry-After`` heeded), the
+concurrency bound, :class:`StoreStats` and the process-wide cache of shared stores. Does not own
+one attempt of a request (:mod:`.transport`), the errors and their mapping (:mod:`.errors`), the
+breaker, bodies, a blob's PUT (:mod:`.upload`), multipart uploads (:mod:`.multipart`) or a GET's
+ranges (:mod:`.download`); their names are re-exported here for importers of this module.
 """
 
 from __future__ import annotations
@@ -27,7 +15,6 @@ import contextlib
 import copy
 import dataclasses
 import random
-import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
@@ -36,7 +23,7 @@ from typing import Any, TypeVar
 from ec_s3.config import ECS3Config
 from ec_s3.log import logger
 from ec_s3.loop import BackgroundLoop, shared_loop
-from ec_s3.store.body import Body, BufferChain, crc32_of
+from ec_s3.store.body import Body, BufferChain
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.errors import (
     AccessDenied,
@@ -61,10 +48,10 @@ from ec_s3.store.errors import (
 from ec_s3.store.diagnose import credential_source
 from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import from_delete_error, to_store_error
-from ec_s3.store.multipart import put_multipart
 from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
 from ec_s3.store.permits import Lease, RequestPermits
 from ec_s3.store.transport import ObjectInfo, Transport, open_transport
+from ec_s3.store.upload import WRITE_TOKEN_METADATA_KEY, put_blob
 
 __all__ = [
     "AccessDenied",
@@ -141,10 +128,6 @@ class StoreStats:
 
 
 _STAT_FIELDS = tuple(f.name for f in dataclasses.fields(StoreStats) if not f.name.startswith("_"))
-#: The object metadata that names the write which stored it (one random token per
-#: put_async): after a 412, a HEAD tells this write's own blob, stored by an attempt
-#: whose answer was lost, from another writer's.
-WRITE_TOKEN_METADATA_KEY = "ec-s3-write"
 
 
 DELETE_BATCH = 1000  # the S3 DeleteObjects limit
@@ -401,66 +384,9 @@ class S3Store:
         except ObjectNotFound:
             return None
 
-    async def put_async(
-        self,
-        key: str,
-        body: Body,
-        *,
-        metadata: dict[str, str] | None = None,
-    ) -> PutOutcome:
-        """Store an immutable blob; a 412 from the conditional put means it exists."""
-        view = body if isinstance(body, BufferChain) else BufferChain([body])
-        if len(view) > self.config.max_blob_bytes:
-            raise StoreRequestError("PUT", key, f"{len(view)} bytes exceeds max_blob_bytes")
-        crc: int | None = None
-        token = secrets.token_hex(8)
-        metadata = {**(metadata or {}), WRITE_TOKEN_METADATA_KEY: token}
-        if self.config.checksum_algorithm != "none":
-            crc = await crc32_of(view)
-            metadata[CRC_METADATA_KEY] = f"{crc:08x}"
-        if len(view) >= self.config.multipart_threshold_bytes:
-            # One HEAD is cheap next to uploading every part only to meet a 412.
-            if await self.head_async(key) is not None:
-                return PutOutcome.ALREADY_EXISTS
-            created = await put_multipart(self, key, view, metadata)
-            outcome = PutOutcome.CREATED if created else PutOutcome.ALREADY_EXISTS
-        else:
-            outcome = await self._put_single(key, view, metadata, crc)
-        if outcome is PutOutcome.ALREADY_EXISTS and await self._written_by(key, token):
-            # An attempt of ours landed and its answer was lost (a reset after the
-            # server stored it; aiohttp resends once on a pooled connection, the store
-            # retries): the 412 met our own blob.
-            self.stats.lost_answer_writes += 1
-            outcome = PutOutcome.CREATED
-        if outcome is PutOutcome.CREATED:
-            self.stats.bytes_uploaded += len(view)
-        return outcome
-
-    async def _written_by(self, key: str, token: str) -> bool:
-        """Whether ``key`` holds the blob of the write that carried ``token``; False when
-        that cannot be told (the store failed, the object is gone): the blob was there
-        either way, and only whose it was is unknown."""
-        try:
-            info = await self.head_async(key)
-        except StoreError as exc:
-            logger.debug("ec-s3: cannot tell whose blob %s is: %s", key, exc.reason)
-            return False
-        return info is not None and info.metadata.get(WRITE_TOKEN_METADATA_KEY) == token
-
-    async def _put_single(self, key: str, view: BufferChain, metadata: dict[str, str], crc: int | None) -> PutOutcome:
-        async def _put(t: Transport) -> PutOutcome:
-            await t.put(key, view, metadata, crc)
-            return PutOutcome.CREATED
-
-        return await self._conditional("PUT", key, _put)
-
-    async def _conditional(self, op: str, key: str, fn: Callable[[Transport], Coroutine[Any, Any, PutOutcome]]) -> PutOutcome:
-        try:
-            return await self._call(op, key, fn)
-        except StoreRequestError as exc:
-            if exc.status == 412:
-                return PutOutcome.ALREADY_EXISTS
-            raise
+    async def put_async(self, key: str, body: Body, *, metadata: dict[str, str] | None = None) -> PutOutcome:
+        """Store an immutable blob; a 412 from the conditional put means it exists (:mod:`.upload`)."""
+        return await put_blob(self, key, body, metadata)
 
     def open_async(self, key: str, expected_size: int | None = None) -> contextlib.AbstractAsyncContextManager[Download]:
         """``async with store.open_async(key) as d``: a GET's first answer, ``d.size``

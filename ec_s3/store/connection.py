@@ -1,20 +1,10 @@
 """The aiobotocore S3 client of one store: credentials, timeouts, signing, pool.
 
-Owns how a client is built from an :class:`~ec_s3.config.ECS3Config`. Why not
-botocore's defaults: over plain HTTP botocore SHA-256-signs every body and computes
-CRC checksums on every PUT and GET, which triples client CPU on the 2-core hosts this
-runs on; retries are off here because the store does its own (``max_attempts`` bounds
-the time a caller can wait). Does not own requests, retries or errors
-(:mod:`ec_s3.store.client`, :mod:`ec_s3.store.errors`).
-
-Also owns :func:`resolve_endpoint`, what the AWS chain gives this store: the region
-and the CA to trust, each with where it came from. botocore would resolve both itself
-only when neither is passed to it, and the direct data path could not know what it
-chose; so they are resolved here, once, in botocore's order, and passed explicitly to
-the client and to the direct path alike (``ec-s3 check`` shows them).
-
-And why a client is quick to build: the clients of a process share one botocore data
-loader, and a plain-HTTP endpoint loads no CA bundle.
+Owns how a client is built from an :class:`~ec_s3.config.ECS3Config` (botocore's payload
+signing, checksums and retries off: docs/architecture.md says why) and :func:`resolve_endpoint`:
+the region and the CA the AWS chain gives this store, each with where it came from, resolved
+once and passed to the client and the direct data path alike. Does not own requests, retries
+or errors (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.errors`).
 """
 
 from __future__ import annotations

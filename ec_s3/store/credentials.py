@@ -1,11 +1,5 @@
 """A credential process the store gave up on is ended, not left running.
 
-Why: aiobotocore runs a profile's ``credential_process`` as an asyncio subprocess and
-waits for it in ``communicate()``. When the store's deadline on creating its client
-(``request_timeout_s``, :mod:`.client`) cancels that wait, nothing ends the process: it
-runs on with its pipes (the 6 s script of ``tests/store/test_store_credentials.py`` outlived
-the store's typed error; a hung one would stay forever, one more per retry).
-
 Owns the ``popen`` that the process providers of one botocore session use: it starts
 the process as aiobotocore would and kills it (and reaps it) when the wait for its
 answer ends any way but with the answer. Does not own the deadline or the memory of a

@@ -1,13 +1,10 @@
 """Diagnoses: a failed S3 call in an operator's words, a cause and a fix.
 
-Used by the connector's start-up checks (:mod:`ec_s3.connector.preflight`) and by
-``ec-s3 check`` so both word a failure the same way. Owns the wording only, read off
-the error's class and its ``status``/``code`` fields (for a certificate that names
-another host, also the names it carries: one more handshake; for an answer with no S3
-error code, what the server's body says: one more GET; each blocking, bounded by
-``connect_timeout_s``, never on the store's loop); it does not classify exceptions
-(:func:`ec_s3.store.error_map.to_store_error` does), retry, log or decide whether a
-failure is fatal.
+Owns the wording, the same for the connector's start-up checks (:mod:`ec_s3.connector.preflight`)
+and ``ec-s3 check``, read off the error's class and its ``status``/``code`` fields (at most one
+bounded probe more, never on the store's loop). Does not classify exceptions
+(:func:`ec_s3.store.error_map.to_store_error` does), retry, log or decide whether a failure is
+fatal.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """A whole-object GET in two phases: :func:`open_download` learns the size, the caller
 places the bytes, :meth:`Download.read_into` fills them.
 
-Why two phases: the caller's allocation (a shared-memory staging slot) is its own code,
-with its own failures (no space); run inside the store's retry loop it had to be
-smuggled through it. Here it runs between the phases, outside any retry, and the body
-is still copied once, from the socket to its final place.
-
-The first request asks for the first part (``Range: bytes=0-<part-1>``, plus a header's
-worth); its ``Content-Range`` gives the object's size, so a blob up to one part costs
-one round trip. Its answer stays open, holding its request permit, until
-:meth:`Download.read_into` reads it; the remaining parts go in parallel with that read,
-each with ``If-Match`` of the first answer's ETag, and each answer's ETag must equal
-the first's (strong comparison: a server may ignore ``If-Match``): an object replaced
-between two ranges is never a blend. Then the whole GET restarts once, into the same
-buffer; a second change (or another size) is :class:`~.errors.ObjectChanged`. An object
-of more than one range whose first answer has no ETag, or a weak one (``W/"..."``,
-which may name two versions and never matches ``If-Match``), is read with one unranged
-GET instead: two ranged answers of it could not be told to be one object's. A first body cut short is asked
-again as a range (with its retries), like the later ones.
-
-Owns the ranges of one GET, their order, the restart and the CRC check. Does not own
-the retry loop, the breaker or the request permits (:class:`ec_s3.store.client.S3Store`,
-reached through :class:`DownloadingStore`), nor how one range travels
-(:mod:`.transport`).
+Owns the ranges of one GET (the first answer held open until read, the others in parallel,
+each ``If-Match`` its ETag), their order, the one restart (then :class:`~.errors.ObjectChanged`)
+and the CRC check. Does not own the retry loop, the breaker or the request permits
+(:class:`ec_s3.store.client.S3Store`, reached through :class:`DownloadingStore`), nor how one
+range travels (:mod:`.transport`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 (:func:`from_status`; a per-key error of DeleteObjects: :func:`from_delete_error`), and an
 exception of the transport (:func:`to_store_error`, :func:`tls_error`).
 
-The only place in ec-s3 that looks at botocore, aiohttp, asyncio or OS exception types:
-one table, :data:`_TRANSPORT_ERRORS`, maps each family of them to its error. Does not
-own the error types themselves (:mod:`ec_s3.store.errors`, importable without any S3
-client library), retrying (:mod:`ec_s3.store.client`) nor the wording for an operator
-(:mod:`ec_s3.store.diagnose`).
+The only place in ec-s3 that looks at botocore, aiohttp, asyncio or OS exception types (one
+table, :data:`_TRANSPORT_ERRORS`). Does not own the error types (:mod:`ec_s3.store.errors`),
+retrying (:mod:`ec_s3.store.client`) nor the wording for an operator (:mod:`ec_s3.store.diagnose`).
 """
 
 from __future__ import annotations

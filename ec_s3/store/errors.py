@@ -1,16 +1,10 @@
 """The S3 store's plain result types: the :class:`StoreError` tree and :class:`PutOutcome`.
 
-Each error carries what failed (``op``, ``key``) and why (``status``, the HTTP status;
-``code``, the S3 error code; ``message``) as fields, and says whether the same request
-may succeed later (``transient``). Callers branch on the class and on those fields,
-never on text.
-
-Imports only the standard library, so code that only catches or raises these (the
-publisher on a GPU host without S3 client libraries) loads without botocore or aiohttp.
-Does not own which answer or transport exception becomes which error
-(:mod:`ec_s3.store.error_map`), retrying or the circuit breaker
-(:mod:`ec_s3.store.client`, :mod:`ec_s3.store.breaker`) nor the wording for an operator
-(:mod:`ec_s3.store.diagnose`).
+Owns the error classes, each with what failed (``op``, ``key``), why (``status``, ``code``,
+``message``) and whether the same request may succeed later (``transient``); standard library
+only. Does not own which answer or exception becomes which error (:mod:`ec_s3.store.error_map`),
+retrying or the circuit breaker (:mod:`ec_s3.store.client`, :mod:`ec_s3.store.breaker`) nor the
+wording for an operator (:mod:`ec_s3.store.diagnose`).
 """
 
 from __future__ import annotations

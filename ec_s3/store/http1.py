@@ -1,23 +1,10 @@
 """An HTTP/1.1 answer read by llhttp (httptools): its head, framing and whether its connection may be kept.
 
-Why a parser and not code of our own: the status line, header syntax, number syntax,
-interim ``1xx`` answers, ``Transfer-Encoding`` and chunk framing are where hand-written
-HTTP goes wrong (``str.isdigit`` accepts ``²``, a ``100 Continue`` taken as the answer,
-a chunked 200 refused). llhttp is Node.js's parser, tested against the RFC, and the one
-aiohttp (the botocore path) uses, so both data paths judge an answer alike; its C code
-reads a head in less time than ec-s3's own Python did, h11 (pure Python) in far more.
-Its header values are read leniently, as aiohttp
-reads them (obs-fold accepted, NUL refused). One consequence of llhttp's strictness: a repeated ``Content-Length``, even with the
-same value, is refused (RFC 9110 8.6 lets a recipient reject it; aiohttp refuses it
-too), a typed error on both paths.
-
-Owns: :class:`Answer`, fed the bytes of one exchange as they arrive (sans-I/O): it skips
-interim ``1xx`` answers, knows the final head (status, headers, keep-alive), how its
-body is framed (:attr:`Answer.framing`), and, for bodies the parser reads itself
-(chunked, error answers), hands their bytes to a sink and says when the body ended.
-Does not own sockets, timeouts and the zero-copy path for a body of known length
-(:mod:`.recv`: those bytes never pass through the parser), nor what an answer means
-(:mod:`.errors`, :mod:`.ranges`).
+Owns :class:`Answer`, fed the bytes of one exchange as they arrive (sans-I/O): it skips
+interim ``1xx`` answers, knows the final head (status, headers, keep-alive) and how its body
+is framed (:attr:`Answer.framing`), and hands the bodies the parser reads itself (chunked,
+error answers) to a sink. Does not own sockets, timeouts and the zero-copy path for a body of
+known length (:mod:`.recv`), nor what an answer means (:mod:`.errors`, :mod:`.ranges`).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Multipart uploads of the S3 store, and the incomplete uploads they can leave behind.
 
-Owns one blob's multipart upload (create, parts in parallel, a conditional Complete),
-what the store concludes from Complete's answer, the aborts and the listing and
-aborting of stale incomplete uploads (for ``ec-s3 gc --uploads``); each request is one
-attempt on the store's :mod:`.transport`.
-
-Complete's answers: 200 is created; 412 means another writer stored the key first
-(``If-None-Match: *``). A 409 (``ConditionalRequestConflict``: a concurrent write
-raced this one) is never retried with the same upload id: AWS says to start a new
-upload. A 404 ``NoSuchUpload`` means the upload is gone: a concurrent writer (or our
-own earlier attempt, whose answer was lost) completed it, or a gc aborted it. After
-either, a HEAD decides: the object is there, so the blob is stored (the same outcome as
-a 412); it is not, so the upload starts over, once.
-
-An upload that ends any other way is aborted in the background, with bounded retries
-(``_ABORT_ROUNDS`` rounds of the store's own retries), so the caller's result never
-waits on it; an abort that still fails is logged and counted
-(``StoreStats.abandoned_uploads``), and its parts stay until ``ec-s3 gc --uploads`` or
-the lifecycle rule (``AbortIncompleteMultipartUpload``) removes them.
-
-Does not own the request loop, its retries, the breaker or the concurrency bound
-(:class:`ec_s3.store.client.S3Store`, reached through :class:`UploadingStore`), nor the
-data path a part travels (:mod:`ec_s3.store.transport`).
+Owns one blob's multipart upload (create, parts in parallel, a conditional Complete), what
+the store concludes from Complete's answer, the aborts (in the background, bounded) and the
+listing and aborting of stale incomplete uploads (for ``ec-s3 gc --uploads``). Does not own
+the request loop, its retries, the breaker or the concurrency bound
+(:class:`ec_s3.store.client.S3Store`, reached through :class:`UploadingStore`), nor the data
+path a part travels (:mod:`ec_s3.store.transport`).
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The store's concurrency bound: at most ``n`` requests in flight, each waited for and held for a bounded time.
 
-Why both bounds: ``read_timeout_s`` bounds each silence of a server, not a whole
-request, so a server that trickles a body (a byte now and then) held a request, and
-its permit, forever; a few such requests and every other request of the process
-queued behind them without end. An attempt that holds a permit longer than its
-deadline is cancelled (its connection closed by the path's own cleanup) and becomes
-a :class:`~.errors.StoreTimeout`, retried like any timeout; a wait for a permit that
-outlasts the deadline is a :class:`~.errors.StoreBusy`. The deadline is a point in
-time that each use of the permit enters in its own task (:class:`Lease`): a permit
-taken in one task and used in another (a GET's first answer) cancelled the task that
-took it, a caller that had moved on (issue 24).
-
-(A "permit" is the store's; a "slot" is always a staging file, :mod:`ec_s3.transfer.staging`.)
-
-Owns: the semaphore and both deadlines. Does not own retries, the breaker and what
-the request does (:mod:`.client`).
+Owns the semaphore and both deadlines: a wait for a permit past it is a
+:class:`~.errors.StoreBusy`, an attempt holding one past it is cancelled and becomes a
+:class:`~.errors.StoreTimeout`, entered by each task that uses the permit (:class:`Lease`).
+(A "permit" is the store's; a "slot" is always a staging file.) Does not own retries, the
+breaker and what the request does (:mod:`.client`).
 """
 
 from __future__ import annotations

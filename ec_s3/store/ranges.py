@@ -1,18 +1,10 @@
 """What a ranged GET answer must say: its status, Content-Length and Content-Range checked against the range asked.
 
-Why: a 206 whose ``Content-Range`` is not the range that was asked for (a cache or
-gateway that answers another slice) would otherwise land in the caller's buffer as
-if it were the asked bytes; every ranged answer of either data path is checked here
-before a byte of its body is read. Numbers are ASCII digits only (``str.isdigit``
-accepts ``²``, which ``int`` then refuses with an untyped ValueError).
-
-Owns: parsing ``Content-Length`` and ``Content-Range`` strictly, the rule that turns an
-answer's status and those headers (and its ``Transfer-Encoding``, by
-:func:`.http1.coding_error`) into a :class:`Span` or a typed
-:class:`~.errors.StoreUnavailable`, and the adapter that gives aiobotocore's
-``get_object`` answer the shape of the direct path's (:class:`BotocoreAnswer`).
-Does not own sending the requests (:mod:`.wire`, the aiobotocore client), retries and
-the order of the ranges of one GET (:mod:`.client`).
+Owns parsing ``Content-Length`` and ``Content-Range`` strictly, the rule that turns an answer's
+status and those headers (and its ``Transfer-Encoding``, by :func:`.http1.coding_error`) into a
+:class:`Span` or a typed :class:`~.errors.StoreUnavailable`, and :class:`BotocoreAnswer`, which
+gives aiobotocore's answer the direct path's shape. Does not own sending the requests
+(:mod:`.wire`, the aiobotocore client), retries and the order of a GET's ranges (:mod:`.client`).
 """
 
 from __future__ import annotations

@@ -1,34 +1,11 @@
 """GET bodies read by the kernel (or, over TLS, the decryption) straight into the caller's buffer.
 
-Why: aiohttp hands every received chunk over as a new ``bytes`` object, which the
-direct path then copies into the caller's buffer (for the consumer, a shared-memory
-staging slot) while holding the GIL. Here an :class:`asyncio.BufferedProtocol` hands
-the socket the destination itself (``get_buffer`` returns the unread rest of the
-caller's memoryview), so ``recv_into`` is the only copy, made by the kernel with the
-GIL released (bench/transfer.py ``bufferedprotocol``: 0.5-0.7x the CPU per GiB of the
-aiohttp GET, 1.2-1.5x faster).
-
-Owns: a small keep-alive pool of HTTP/1.1 connections to one endpoint (``http://``,
-or ``https://`` with the caller's SSL context: asyncio's TLS transport decrypts into
-the protocol's buffer) with at most ``limit`` open, a bounded wait for one and idle ones
-closed after ``keepalive_s``; the connect and per-read timeouts; feeding each answer's
-bytes to its parser (:mod:`.http1`, llhttp) until the final head is in (interim 1xx
-skipped, at most 64 KiB), then the body: one of known length straight into the caller's
-buffer, never seen by the parser; a chunked one through the parser; an error answer's
-through the parser into a small buffer, up to a bound. A 200/206 with neither a
-``Content-Length`` nor chunked framing is refused (read to the close, a cut body would
-look whole). A connection is reused only after a whole answer read to its framed end,
-error answers included (a consumer polling a promised blob gets a 404 per GET: one
-connection, not one per poll); anything else (a short, long or unframed body, a parse
-error, a timeout, an unread body, cancellation mid-body) aborts it, so no byte of a
-later answer can land in an earlier caller's buffer. A reused connection that the
-server closed before answering (an idle keep-alive it timed out)
-is retried once on a fresh one: a GET is idempotent.
-
-Does not own: the SSL context (verification) and proxies (through a proxy the caller
-uses aiohttp), the URL, signing and the request's headers (all :mod:`.wire`), which
-answers are which typed errors (:func:`.error_map.from_status`), retries and the CRC
-(:mod:`.client`).
+Owns a small keep-alive pool of HTTP/1.1 connections to one endpoint (at most ``limit``, idle
+ones closed), the connect and per-read timeouts, and reading each answer: its head through
+:mod:`.http1`, a body of known length by ``recv_into`` into the caller's buffer; a connection
+is reused only after a whole answer read to its framed end. Does not own the SSL context,
+proxies, the URL, signing and headers (:mod:`.wire`), which answers are which typed errors
+(:func:`.error_map.from_status`), retries and the CRC (:mod:`.client`).
 """
 
 from __future__ import annotations

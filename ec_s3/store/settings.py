@@ -1,15 +1,9 @@
 """The store's own configuration: the keys of :class:`~ec_s3.config.ECS3Config` the store reads.
 
-Why: the process-wide cache of shared stores (:meth:`ec_s3.store.client.S3Store.shared`)
-is keyed by a configuration's identity; keyed by every connector key, two engines that
-differ only in, say, ``lookup_wait_s`` would get two connection pools and two circuit
-breakers. Keyed by :class:`StoreConfig`, they share one.
-
 Owns :class:`StoreConfig` (a frozen copy of the store's keys, validated already by
-``ECS3Config``) and :func:`shared_key`, that identity with each secret as a keyed
-digest. Does not own parsing or validating keys (:mod:`ec_s3.config`) nor the cache
-itself (:mod:`.client`). ``prefix`` and ``namespace`` say where the store's blobs live:
-the CLI reads them from ``store.config``.
+``ECS3Config``) and :func:`shared_key`, the identity the cache of shared stores is keyed by,
+each secret as a keyed digest. Does not own parsing or validating keys (:mod:`ec_s3.config`)
+nor the cache itself (:mod:`.client`).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
 """SigV4 headers for the direct data path: S3's signature with ``UNSIGNED-PAYLOAD``,
 written out, byte for byte what botocore's ``S3SigV4Auth`` with payload signing off
-produces (tests/store/test_store_sigv4.py compares the two over keys, queries, headers and
-session tokens).
-
-Why not botocore's signer: it builds an ``AWSRequest`` whose headers are an
-``email.message`` and derives the signing key again for every request: ~0.07 ms of the
-I/O thread per request here against ~0.016 ms (bench/small_ops.py, the same run),
-about a tenth of what a 16 KiB PUT costs the client. Here a request costs one SHA-256
-of its canonical request and one HMAC; the signing key is cached per (secret, date,
-region, service).
+produces (tests/store/test_store_sigv4.py compares the two).
 
 Owns the canonical request, the string to sign and the signing-key cache. Does not own
 credentials or their refresh (:mod:`.wire` passes frozen ones), URLs (:func:`.wire.object_url`)

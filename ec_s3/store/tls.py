@@ -1,20 +1,10 @@
 """The CA a store trusts (:class:`Trust`) and the SSL contexts built from it.
 
-botocore follows the AWS chain for a CA (``AWS_CA_BUNDLE``, the profile's
-``ca_bundle``) only when ``create_client`` gets ``verify=None``, while the direct data
-path (:mod:`.wire`, :mod:`.recv`) builds its own SSL context. So the store decides once
-(:func:`ec_s3.store.connection.resolve_endpoint`) and hands both paths that one
-:class:`Trust`: the client as ``verify=<file>`` (:func:`botocore_verify`), the direct
-path as a context (:func:`ssl_context`), never each its own.
-
-Every context that verifies also checks the host name, on both paths (the aiobotocore
-client's too: :class:`ec_s3.store.connection.BoundedPoolSession`).
-
-Owns: :class:`Trust`, the SSL contexts, the load check of the chosen file (a typed
-:class:`~ec_s3.store.errors.CABundleError` naming where the path came from) and reading
-the names of a certificate that failed the host-name check (:func:`certificate_names`). Does not
-own the choice (:mod:`.connection`), the client, nor the words of a failed handshake
-(:mod:`.diagnose`).
+Owns :class:`Trust`, one for both data paths (the aiobotocore client's ``verify=<file>``,
+:func:`botocore_verify`; the direct path's context, :func:`ssl_context`), the contexts (each
+that verifies also checks the host name), the load check of the chosen file (a typed
+:class:`~ec_s3.store.errors.CABundleError`) and :func:`certificate_names`. Does not own the
+choice (:mod:`.connection`), the client, nor the words of a failed handshake (:mod:`.diagnose`).
 """
 
 from __future__ import annotations

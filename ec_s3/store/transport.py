@@ -1,18 +1,11 @@
 """One attempt of a store request, on the data path chosen once when the store connects.
 
-Why: with ``data_path: direct`` HEAD, single PUT, UploadPart and ranged GET go through
-:mod:`.wire` (signed by :mod:`.sigv4`, ec-s3's own pool and receiver); with ``botocore``, and
-for the PUTs whose checksum only botocore computes (``CRC32C`` needs awscrt), through
-the aiobotocore client. The store decides which once, by building a
-:class:`DirectTransport` or a :class:`BotocoreTransport`, and never asks again.
-
-Owns the two transports (:func:`open_transport` builds one), the shape of their answers
-(:class:`ObjectInfo`, a :class:`~.wire.GetAnswer` per ranged GET) and the checksum
-arguments each path sends. Does not own retries, the breaker, the concurrency bound or
-the order of a GET's ranges (:mod:`.client`), building the aiobotocore client
-(:mod:`.connection`), sending direct requests (:mod:`.wire`) or mapping errors
-(:mod:`.errors`): a transport's failure is raised as it is, for the store to map.
-The rarer operations (DELETE, LIST, the multipart bookkeeping) use :attr:`client`.
+Owns the two transports (:class:`DirectTransport` over :mod:`.wire`, :class:`BotocoreTransport`
+over the aiobotocore client; :func:`open_transport` builds one), the shape of their answers
+(:class:`ObjectInfo`, a :class:`~.wire.GetAnswer` per ranged GET) and the checksum arguments
+each path sends. Does not own retries, the breaker, the concurrency bound or a GET's ranges
+(:mod:`.client`), building the client (:mod:`.connection`), sending direct requests
+(:mod:`.wire`) or mapping errors (:mod:`.errors`): a failure is raised as it is.
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Direct data path: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
 
-Why: through aiobotocore each request costs ~1.5-2 ms of client CPU in botocore's
-request building, event hooks, user agent and response parsing, more than the bytes of
-a 1 MiB blob cost to move (bench/transfer.py: GET 0.41-0.67x the best raw client). The
-four requests that carry blobs are simple enough to build here: an URL, a handful of
-headers, a SigV4 signature with ``UNSIGNED-PAYLOAD`` (:mod:`.sigv4`: botocore's
-``S3SigV4Auth`` byte for byte, without its per-request cost; the botocore path's payload
-signing is off too: hashing every body would cost ~0.5 s of CPU per GiB), and the
-body streamed from the caller's buffers or into the caller's buffer. Without a proxy,
-GET bodies go through :mod:`.recv` instead of aiohttp: the kernel (or TLS decryption)
-writes them straight into the caller's buffer, no intermediate bytes objects.
-
-Owns: the aiohttp session of these requests (a pool of ``max_pool_connections``, the
-timeouts of :mod:`.connection`'s ``BoundedPoolSession`` including its bound on waiting
-for a pooled connection, TLS against the CA the client was given (:mod:`.tls`), the
-environment's proxy as botocore would use it), object URLs (path or virtual-hosted per
-``addressing_style``, on the endpoint the aiobotocore client resolved, so AWS regions
-work), signing with the client's
-credentials (refreshed when refreshable, never logged or kept), and turning an answer
-into headers or a typed error (status and the S3 ``<Code>`` of a bounded error body,
-through :func:`.error_map.from_status`). Every response is released on every way out.
-
-Does not own: the credential chain, the endpoint and every other S3 operation (LIST,
-DELETE, buckets, multipart create/complete/abort: the aiobotocore client of
-:mod:`.connection`); retries, the concurrency bound, the breaker, CRC metadata, ranges
-and multipart orchestration (:mod:`.client`); the mapping of transport exceptions
-(:func:`.error_map.to_store_error`, applied by the caller).
+Owns the aiohttp session of these requests (pool, timeouts, TLS and proxy as the aiobotocore
+client's), object URLs, signing with the client's credentials (:mod:`.sigv4`; never logged or
+kept), GET bodies through :mod:`.recv` when no proxy is used, and turning an answer into
+headers or a typed error (:func:`.error_map.from_status`). Does not own the credential chain,
+the endpoint and the other S3 operations (:mod:`.connection`), retries, the concurrency bound,
+the breaker, CRC metadata, ranges and multipart orchestration (:mod:`.client`).
 """
 
 from __future__ import annotations
