@@ -15,7 +15,7 @@ retryable, since the next attempt heals them:
 
 Owns :class:`PdAnswer` (upstream, response and the bytes read so far) and
 :meth:`PdAnswer.read_start` / :meth:`PdAnswer.failed_generation`. It does not own
-sending, retrying or relaying (:mod:`.server`) nor the order of sends (:mod:`.dispatch`).
+sending or retrying (:mod:`.pd`), relaying (:mod:`.relay`) nor the order of sends (:mod:`.dispatch`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ _MAX_START_BYTES = 64 * 1024
 
 
 class PdAnswer:
-    """A prefill/decode answer begun by :meth:`EPDProxy.pd_begin`: the upstream it holds
-    in its pool, the open response and the bytes read so far. ``close`` (idempotent)
-    frees both; closing an unfinished response aborts the PD's work."""
+    """A prefill/decode answer begun by :meth:`~ec_s3.proxy.pd.PdSender.begin`: the
+    upstream it holds in its pool, the open response and the bytes read so far. ``close``
+    (idempotent) frees both; closing an unfinished response aborts the PD's work."""
 
     def __init__(self, pool: Pool, upstream: Upstream, stream: bool) -> None:
         self.pool = pool

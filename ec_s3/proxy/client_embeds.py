@@ -19,7 +19,7 @@ field present, so ``{"type": "image_url", "uuid": u, "image_embeds": ...}`` is a
 embeddings part here too.
 
 Owns that decision and the tensor header reader. Does not own naming (:mod:`.naming`)
-or answering (:mod:`.server`).
+or answering (:mod:`.chat`).
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ metadata-only (vLLM refuses a request that mixes raw and embeddings inputs of on
 modality). The request with the media, under fresh uuids, is kept for one resend, should
 p/d fail it for want of a blob; when it goes, the proxy forgets those items.
 
-Owns the order of sends and the resend. Does not own HTTP (:mod:`.server`), naming
-(:mod:`.naming`) or body rewriting (:mod:`.media`).
+Owns the order of sends and the resend. Does not own sending one request (:mod:`.encode`,
+:mod:`.pd`), relaying (:mod:`.relay`), naming (:mod:`.naming`) or body rewriting (:mod:`.media`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ __all__ = ["Answer", "Sender", "dispatch_parallel", "dispatch_serial"]
 
 
 class Answer(Protocol):
-    """A p/d answer begun and not yet relayed (:class:`ec_s3.proxy.server.PdAnswer`)."""
+    """A p/d answer begun and not yet relayed (:class:`ec_s3.proxy.answer.PdAnswer`)."""
 
     def close(self) -> None: ...
 
@@ -258,8 +258,22 @@ async def dispatch_parallel(
     unmarked = len(items) - len(marked)
     if unmarked:
         proxy.metrics.inc("ec_s3_proxy_items_without_params_total", unmarked)
+    begin = _pd_starter(proxy, body, known, items, present, headers, stream=stream, route=route)
+    attempt = await _until_pd_answers(proxy, begin, encodes, marked, request_id)
+    answer = attempt.result()
+    if isinstance(answer, web.Response):
+        return answer
+    return await proxy.pd_finish(request, answer, request_id)
 
-    def begin() -> asyncio.Task[Answer | web.Response]:
+
+def _pd_starter(
+    proxy: Sender, body: dict[str, Any], known: list[MediaItem], items: list[MediaItem], present: dict[str, Any],
+    headers: dict[str, str], *, stream: bool, route: str | None,
+) -> Callable[[set[int]], asyncio.Task[Answer | web.Response]]:
+    """What begins one p/d attempt, with the ``items`` numbered in its argument marked
+    pending (and, unless ``forward_media``, those and the ``known`` ones without media)."""
+
+    def begin(marked: set[int]) -> asyncio.Task[Answer | web.Response]:
         stripped = [*(item.part for item in known), *(items[n].part for n in marked)]
         pd_body = body if proxy.config.forward_media else strip_media(body, stripped)
         params = {**present, **pending_params(items, marked, proxy.fleet.encoders_namespace)}
@@ -270,7 +284,17 @@ async def dispatch_parallel(
         return asyncio.ensure_future(proxy.pd_begin(slim.data, headers, stream=stream, retry_data=slim.retry,
                                                     route_key=route, on_retry=slim.forget))
 
-    attempt = begin()
+    return begin
+
+
+async def _until_pd_answers(
+    proxy: Sender, begin: Callable[[set[int]], asyncio.Task[Answer | web.Response]],
+    encodes: list[asyncio.Task[dict[str, Any] | None]], marked: set[int], request_id: str,
+) -> asyncio.Task[Answer | web.Response]:
+    """The p/d attempt whose answer began, begun again without the marks of items whose
+    encoder failed before that; encoders still running then are detached. On any exit
+    by exception nothing stays open."""
+    attempt = begin(marked)
     try:
         while True:
             await asyncio.wait({attempt, *(t for t in encodes if not t.done())}, return_when=asyncio.FIRST_COMPLETED)
@@ -286,16 +310,13 @@ async def dispatch_parallel(
                     "again without their pending marks (prefill/decode encodes those items)", request_id, len(failed),
                 )
                 await _drop(attempt)
-                attempt = begin()
+                attempt = begin(marked)
         proxy.detach(encodes)  # p/d's answer no longer waits on them; their uploads serve later requests
     except BaseException:  # the client left (or a bug): nothing may stay open
         await _stop(encodes)
         await _drop(attempt)
         raise
-    answer = attempt.result()
-    if isinstance(answer, web.Response):
-        return answer
-    return await proxy.pd_finish(request, answer, request_id)
+    return attempt
 
 
 async def _stop(tasks: list[asyncio.Task[Any]]) -> None:

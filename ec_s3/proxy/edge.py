@@ -16,7 +16,7 @@ What a client can hold, and for how long:
 
 Owns :class:`EdgeSite`, :func:`read_body` and :class:`BodyRefused`. It does not own the
 limits' values (:mod:`.config`), the budget itself (:mod:`.limits`), what a request is
-answered (:mod:`.server`) nor the upstream side.
+answered (:mod:`.chat`) nor the upstream side.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ background until it does; found wrong then, it is taken out of its pool and repo
 (an error status, not vLLM) is reported as unchecked and used.
 
 Owns the probe, its judgement and the watch. Does not own the pools (:mod:`.upstreams`)
-or ``/health`` (:mod:`.server`).
+or ``/health`` (:mod:`.status`).
 """
 
 from __future__ import annotations

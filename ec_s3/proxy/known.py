@@ -18,7 +18,7 @@ a consumer reports its key missing (:data:`~ec_s3.blob.format.MISSING_REPORT`), 
 a request that relied on it metadata-only is resent with the media (``resent``).
 
 Owns the table and the references. Does not own sending anything, the HEAD itself
-(:mod:`ec_s3.proxy.server`) or when entries are used (:mod:`ec_s3.proxy.dispatch`).
+(:mod:`ec_s3.proxy.skips`) or when entries are used (:mod:`ec_s3.proxy.dispatch`).
 """
 
 from __future__ import annotations

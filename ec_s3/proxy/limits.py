@@ -10,7 +10,7 @@ number of requests or their sizes.
 
 Owns :class:`ByteBudget`: a counter on one event loop, released by its holders on every
 exit path (a context manager). It does not own reading bodies, deadlines, the count of
-requests in flight or answers (:mod:`.edge`, :mod:`.server`).
+requests in flight or answers (:mod:`.edge`, :mod:`.chat`).
 """
 
 from __future__ import annotations

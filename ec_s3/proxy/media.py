@@ -3,7 +3,7 @@
 Owns finding the media items of ``messages`` (numbered the way the consumer numbers its
 ``mm_features``), the single-item body an encoder is sent, merging the encoders'
 ``ec_transfer_params`` and nulling published media (``forward_media=False``). It does not
-own sending anything, choosing upstreams or error answers (:mod:`ec_s3.proxy.server`),
+own sending anything, choosing upstreams or error answers (:mod:`ec_s3.proxy.chat`),
 and it never interprets identifiers: the consumer matches the merged params to its own
 items.
 """

@@ -4,7 +4,7 @@ Owns the metric names, their types, labels and help texts, and this proxy's regi
 ``prometheus_client`` metrics in a :class:`~prometheus_client.CollectorRegistry` of its own
 (tests run several proxies in one process; the global registry would mix them). The
 exposition and its escaping are ``prometheus_client``'s. It does not own when anything is
-counted (the server and the upstream pools do) nor vLLM's metrics (the upstreams serve
+counted (the routes, the sends and the upstream pools do) nor vLLM's metrics (the upstreams serve
 their own). Labels hold upstream URLs, never keys or request content.
 """
 

@@ -7,7 +7,7 @@ completion tokens and non-empty ``ec_transfer_params`` is an encoder's (an
 ``ec_producer`` at a ``--pd-url``: encoder and p/d URLs swapped): the client must get an
 error, not an empty 200, and the log the URL.
 
-Owns that screening. Does not own relaying or error answers (:mod:`.server`), nor the
+Owns that screening. Does not own relaying or error answers (:mod:`.relay`), nor the
 consumer's missing-blob report (:mod:`.skips`, which reads it first).
 """
 

@@ -4,8 +4,8 @@ Owns each instance's load (requests outstanding), its refuse-to-connect cooldown
 least-loaded choice (or, under ``route="affinity"``, the load-bounded rendezvous choice of
 :mod:`ec_s3.proxy.routing` for a request with a routing key), and rate-limited warnings
 about an instance. It does not own HTTP
-(:mod:`ec_s3.proxy.server` sends and decides what a failure means) nor health probes
-(``/health`` probes the instances, its answer cached briefly, in the server).
+(:mod:`ec_s3.proxy.encode` and :mod:`ec_s3.proxy.pd` send and decide what a failure
+means) nor health probes (``/health`` probes the instances: :mod:`ec_s3.proxy.status`).
 """
 
 from __future__ import annotations

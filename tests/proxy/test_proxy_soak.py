@@ -255,7 +255,7 @@ def test_proxy_soak(dispatch: str) -> None:
                 print("p/d resends:", int(proxy.metrics.get("ec_s3_proxy_pd_resends_total")))
 
             # ---- back to baseline
-            assert proxy._chat_in_flight == 0
+            assert proxy.chat.in_flight == 0
             assert all(m.in_flight == 0 for m in [*proxy.encoders.members, *proxy.pds.members])
             fds = await settle(open_fds, base_fds)
             tasks = await settle(lambda: len(asyncio.all_tasks()), base_tasks)
