@@ -1,21 +1,10 @@
 """A prefill/decode answer the proxy has begun and not yet relayed, and what its start says.
 
-vLLM ends a request with ``finish_reason: "error"`` when its engine refused it before
-any token: the chat API answers that as a 500 ``InternalServerError`` (in a stream: a
-role chunk, then an error event). Two causes meet an EPD proxy, and vLLM calls both
-retryable, since the next attempt heals them:
-
-* a multimodal processor-cache drift: an earlier request for the same media was aborted
-  while the front end processed it (a parallel-dispatch resend, or a client that left),
-  so the front end's cache holds an item its engine never received. The engine answers
-  the next request for it with an error and the front end forgets the item, so the
-  retry carries the media again;
-* an encoder input the EC connector can no longer obtain (its scheduler's
-  ``take_unavailable_requests``).
-
 Owns :class:`PdAnswer` (upstream, response and the bytes read so far) and
-:meth:`PdAnswer.read_start` / :meth:`PdAnswer.failed_generation`. It does not own
-sending or retrying (:mod:`.pd`), relaying (:mod:`.relay`) nor the order of sends (:mod:`.dispatch`).
+:meth:`PdAnswer.read_start` / :meth:`PdAnswer.failed_generation`: whether p/d answered with
+vLLM's retryable ``finish_reason: "error"`` (its causes: docs/architecture.md). It does
+not own sending or retrying (:mod:`.pd`), relaying (:mod:`.relay`) nor the order of sends
+(:mod:`.dispatch`).
 """
 
 from __future__ import annotations

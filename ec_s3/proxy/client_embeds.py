@@ -1,25 +1,10 @@
 """A client's embeddings tensors: refused, or checked against their grid. Pure, no I/O.
 
-vLLM checks no client tensor against its placeholder grid, and turns embeddings input on
-for every ``ec_consumer``: a Qwen-VL ``image_embeds`` of 100 rows for a 288-token grid
-kills the prefill/decode engine (``split_with_sizes``, then ``EngineDeadError``). So an
-``*_embeds`` part that carries a tensor (a base64 string, or a dict holding one: vLLM's
-chat API) is refused (:class:`ClientEmbedsRefused`, a 400) unless the proxy trusts its
-clients; a trusted client's tensor is decoded far enough to read its dtype and shape
-(torch.save's zip or ``.npy``, never unpickled into objects, no torch) and accepted only
-when its rows and width are what the fleet's encoders publish for that grid: a
-``*_grid_thw`` of ``[t, h, w]`` gives ``t*h*w / m²`` rows, ``m`` the spatial merge size,
-learned from the encoders' own entries (``metadata`` and ``shape``). A modality for which
-no encoder has answered yet, or whose metadata has no ``*_grid_thw`` (LLaVA, MiniCPM-V,
-audio), cannot be checked: its tensors are refused even from trusted clients.
-
-Parts are classified the way vLLM's parser does (``_parse_chat_message_content_mm_part``):
-a typed part without ``uuid`` by its type, an untyped or uuid-carrying one by the first
-field present, so ``{"type": "image_url", "uuid": u, "image_embeds": ...}`` is an
-embeddings part here too.
-
-Owns that decision and the tensor header reader. Does not own naming (:mod:`.naming`)
-or answering (:mod:`.chat`).
+Owns that decision (:class:`ClientEmbedsRefused`, a 400, unless the proxy trusts its
+clients; a trusted client's tensor only when its rows and width match what the fleet's
+encoders publish for its ``*_grid_thw``), the tensor header reader (torch.save's zip or
+``.npy``, never unpickled, no torch) and classifying parts as vLLM's parser does.
+Does not own naming (:mod:`.naming`) or answering (:mod:`.chat`).
 """
 
 from __future__ import annotations

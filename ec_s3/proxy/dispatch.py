@@ -1,46 +1,11 @@
 """How a chat request with media travels: serial or parallel dispatch.
 
-**Serial** (``--dispatch serial``, vLLM's example proxy's order): every distinct item goes
-alone to an encoder, all in parallel; when all have answered, their
-``ec_transfer_params`` are merged into the request and it goes to prefill/decode (p/d).
-
-**Parallel** (the default): the items are named by their content (:mod:`.naming`), so
-encoder and p/d derive the same identifiers without waiting for each other, and the
-request goes to p/d *at the same time* as the items go to the encoders, with every item
-marked pending. The consumer waits for a pending item's blob (up to its
-``promised_wait_s``) while its front end renders and processes the request.
-
-When an encoder fails or times out, the p/d request is **cancelled and sent again**
-without that item's mark (p/d then encodes it itself), at once: a consumer cannot learn
-of an encoder's failure by itself, and would otherwise wait out ``promised_wait_s``.
-The client never sees the first attempt: a p/d answer is relayed only once its first
-bytes have arrived (the whole body, or the first SSE chunk, which vLLM sends with the
-first token, i.e. after every pending item was fetched or given up), and an answer that
-has begun is never dropped: an encoder's failure after that point changes nothing, since
-p/d's answer no longer waits on anyone. So the client sees one answer, one stream.
-Resends are at most one per item. An encoder failure that comes after a *non-streamed*
-answer's generation has begun still resends (p/d's progress is invisible until its
-body is complete): the client waits that much longer, and still gets one answer.
-Encoder requests still running once p/d's answer has begun run on (their uploads serve
-later requests; the proxy cancels them at stop); a client that leaves cancels them all.
-
-Items the proxy knows are in the bucket (:mod:`.skips`: an encoder answered for them
-here, or, opt-in, a HEAD found them) get no encoder request under either dispatch: they
-go to p/d with the encoder's remembered entry or a present mark (``ec_s3_present``); a
-consumer that finds such a blob missing encodes the item itself at once and says so in
-its answer, and the proxy forgets it (docs/proxy.md).
-
-Items in the bucket whose placeholder metadata an encoder reported go to p/d as
-metadata-only parts (:mod:`.embeds`): under serial dispatch every such item, under parallel
-dispatch the known ones (a pending item keeps its media: its metadata comes with its
-encoder's answer, and p/d must be able to encode it if that encoder fails); either way
-only where the metadata is exact and every item of that modality in the request goes
-metadata-only (vLLM refuses a request that mixes raw and embeddings inputs of one
-modality). The request with the media, under fresh uuids, is kept for one resend, should
-p/d fail it for want of a blob; when it goes, the proxy forgets those items.
-
-Owns the order of sends and the resend. Does not own sending one request (:mod:`.encode`,
-:mod:`.pd`), relaying (:mod:`.relay`), naming (:mod:`.naming`) or body rewriting (:mod:`.media`).
+Owns the order of sends, serial (encoders first, their ``ec_transfer_params`` merged into
+the p/d request) or parallel (p/d at the same time, its items marked pending), the resend
+(at most one per failed item; one with the media for a missing blob) and when items skip
+the encoder or go metadata-only (:mod:`.skips`, :mod:`.embeds` say which). Does not own
+sending one request (:mod:`.encode`, :mod:`.pd`), relaying (:mod:`.relay`), naming
+(:mod:`.naming`) or body rewriting (:mod:`.media`).
 """
 
 from __future__ import annotations

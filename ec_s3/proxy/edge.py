@@ -1,22 +1,11 @@
 """The proxy's client side: how many connections clients hold, and reading a request body
 within its size, its deadline and the byte budget.
 
-What a client can hold, and for how long:
-
-* a connection: at most ``max_connections`` at once (:class:`EdgeSite`); one more is
-  answered 503 (OpenAI-style JSON) and closed at once, before anything is read; a
-  request head aiohttp's parser refuses is answered in JSON too;
-* a connection that has not sent a complete request head: ``header_timeout_s`` after it
-  opened or after its previous answer (aiohttp's ``keepalive_timeout``, which runs from
-  both points until a head is complete: a half-sent head does not extend it);
-* a body: ``body_timeout_s`` from the end of its head to its last byte, and its share of
-  the byte budget (:mod:`.limits`) from before the first byte is read. A body with a
-  ``Content-Encoding`` is refused before it is read: aiohttp's server would inflate it
-  with no bound on the inflated size (the proxy runs it with ``auto_decompress=False``).
-
-Owns :class:`EdgeSite`, :func:`read_body` and :class:`BodyRefused`. It does not own the
-limits' values (:mod:`.config`), the budget itself (:mod:`.limits`), what a request is
-answered (:mod:`.chat`) nor the upstream side.
+Owns :class:`EdgeSite` (``max_connections``, ``header_timeout_s``, the JSON answers it
+gives before a request), :func:`read_body` (``body_timeout_s``, a ``Content-Encoding``
+refused) and :class:`BodyRefused`. It does not own the limits' values (:mod:`.config`),
+the budget itself (:mod:`.limits`), what a request is answered (:mod:`.chat`) nor the
+upstream side.
 """
 
 from __future__ import annotations

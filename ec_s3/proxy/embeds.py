@@ -1,41 +1,10 @@
 """Metadata-only parts: prefill/decode never touches an image whose encoder output is in
 the bucket and whose placeholder metadata the proxy knows. Pure functions, no I/O.
 
-For models whose processor declares vLLM's ``embedding_fields`` (the Qwen-VL family), an
-EC consumer accepts an item that carries only its placeholder metadata, e.g.
-``{"type": "image_embeds", "image_embeds": {"image_grid_thw": [1, 70, 70]}, "uuid": U}``,
-and takes the embedding from the connector: no image decode, no HF image processor (21 ms
-and a 22 MiB ``pixel_values`` per 1024² photo), a 340 B part instead of a data URL.
-
-The proxy knows that metadata from an encoder's ``ec_transfer_params`` entry (vLLM puts the
-model's placeholder metadata fields there: ``metadata``, ``modality``); an entry with no
-metadata (LLaVA-like models declare none) keeps the media. The part keeps the ``uuid``
-the proxy gave it (its content identifier): the encoder derived its identifier from that
-uuid and the request's processor kwargs, and prefill/decode derives the same from the same
-uuid and kwargs (vLLM hashes a uuid with ``mm_processor_kwargs`` and ``media_io_kwargs``
-on both sides alike). A part the proxy did not name (serial dispatch) gets the encoder's
-identifier as its uuid, which vLLM then uses as is, but only in a request without those
-kwargs (with them vLLM would hash it again); otherwise it keeps its media.
-
-Metadata-only only where it is exact (:data:`EXACT_METADATA`): the metadata must carry
-every key the model's position code reads. Qwen-VL images are (``image_grid_thw``);
-Qwen2.5-VL video is not (``second_per_grid_ts`` is not published, and prefill/decode would
-take 1.0), so video keeps its media; audio too, until a model is shown exact.
-
-Parallel dispatch sends a pending item (its encoder has not answered yet) with its media:
-its metadata is known only when the encoder answers, and the consumer must be able to
-encode it itself if the encoder fails. Items the proxy already knows (an encoder answered
-for them before) go metadata-only under either dispatch, but only when every item of
-their modality in the request does: vLLM refuses raw and embeddings inputs of one
-modality in one request, so one pending, unpublished or inexact image keeps every image
-of the request with its media (each known one still marked present: p/d fetches it).
-
-A consumer that cannot get the blob of a metadata-only item (deleted, corrupt) fails that
-request alone; the proxy then sends it once more with the media under fresh uuids
-(:func:`resend_body`: vLLM must see new items) and forgets those items (:mod:`.dispatch`).
-
-Owns building metadata-only parts and rewriting a body with them. Does not own which
-items are known (:mod:`.skips`), naming (:mod:`.naming`) or sending (:mod:`.dispatch`).
+Owns building metadata-only parts (only where :data:`EXACT_METADATA` says the metadata is
+exact, and only when every item of that modality in the request can go so), rewriting a
+body with them, and the resend body with the media (:func:`resend_body`). Does not own
+which items are known (:mod:`.skips`), naming (:mod:`.naming`) or sending (:mod:`.dispatch`).
 """
 
 from __future__ import annotations

@@ -2,22 +2,10 @@
 URL must generate tokens and must not be a producer, and all of them should publish to and
 read from one location (bucket, prefix, model namespace).
 
-How the proxy learns a role: one tiny text-only request per upstream (``GET /v1/models``
-for the model name, then ``POST /v1/completions`` with ``max_tokens: 1`` and
-``ec_transfer_params: {"ec_s3_probe": true}``). An ec-s3 server answers with its
-``ec_role`` and location in its ``ec_transfer_params``; any EC producer (an encoder-only
-vLLM) answers with no completion tokens, any other server with one. Nothing is encoded
-or published.
-
-When: at start-up, bounded by ``startup_check_s``: an upstream found in the wrong role
-then stops the start with an error naming each URL and what was found. An upstream that
-does not answer yet (servers often start after their proxy) is checked again in the
-background until it does; found wrong then, it is taken out of its pool and reported on
-``/health`` and in the log, never used. An upstream whose answer says nothing of its role
-(an error status, not vLLM) is reported as unchecked and used.
-
-Owns the probe, its judgement and the watch. Does not own the pools (:mod:`.upstreams`)
-or ``/health`` (:mod:`.status`).
+Owns the probe (one tiny text-only request per upstream; nothing encoded or published),
+its judgement (a wrong role stops the start, or later takes the upstream out) and the
+watch of upstreams that do not answer yet. Does not own the pools (:mod:`.upstreams`) or
+``/health`` (:mod:`.status`).
 """
 
 from __future__ import annotations

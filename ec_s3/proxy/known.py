@@ -1,23 +1,9 @@
 """What the proxy knows is in the bucket: items an encoder answered for, or a HEAD found,
 so that a repeat goes to prefill/decode marked present, with no encoder request.
 
-An item is known by its *reference*: a SHA-256 of what makes its blob key (the request's
-``model``, ``cache_salt``, ``mm_processor_kwargs``, ``media_io_kwargs``) and of its
-content name (the ``uuid`` the proxy gave it, itself a hash of the media) or, without
-one, of the part itself. An encoder's answer means the blob is on its way (the encoder
-uploads after it answered), so for ``settle_s`` after it the entry is forwarded as the
-encoder's promise (the consumer polls for it, as under serial dispatch) and only then
-marked present (a miss then means "deleted", and is encoded at once). A HEAD's hit is
-present at once.
-
-Bounded: at most ``max_entries`` entries and ``max_bytes`` of them (an estimate of each
-entry's size in this process), least recently used forgotten first; each one is trusted
-for ``ttl_s`` after it was learned (keep it below the bucket's retention: gc's
-``--older-than``, a lifecycle rule), then forgotten. An entry is forgotten at once when
-a consumer reports its key missing (:data:`~ec_s3.blob.format.MISSING_REPORT`), and when
-a request that relied on it metadata-only is resent with the media (``resent``).
-
-Owns the table and the references. Does not own sending anything, the HEAD itself
+Owns the table (bounded by ``max_entries``, ``max_bytes`` and ``ttl_s``; an encoder's
+entry forwarded as its promise for ``settle_s``, then present) and the references (a
+SHA-256 of what makes an item's blob key). Does not own sending anything, the HEAD itself
 (:mod:`ec_s3.proxy.skips`) or when entries are used (:mod:`ec_s3.proxy.dispatch`).
 """
 

@@ -1,16 +1,10 @@
 """What the proxy's clients may hold at once in memory: a byte budget shared by the
 request bodies in flight.
 
-A body costs the proxy several times its size while it is processed (the bytes read, the
-parsed request, the bodies sent upstream): :data:`BODY_COST_FACTOR` is that multiple, and
-each request is charged its body's size times it, from before its body is read until its
-answer ends. A request that does not fit waits for bytes to be released, up to its
-deadline. So the memory all bodies take at once is bounded by the budget, whatever the
-number of requests or their sizes.
-
-Owns :class:`ByteBudget`: a counter on one event loop, released by its holders on every
-exit path (a context manager). It does not own reading bodies, deadlines, the count of
-requests in flight or answers (:mod:`.edge`, :mod:`.chat`).
+Owns :class:`ByteBudget`: a counter on one event loop, charged a body's size times
+:data:`BODY_COST_FACTOR` and released by its holders on every exit path (a context
+manager). It does not own reading bodies, deadlines, the count of requests in flight or
+answers (:mod:`.edge`, :mod:`.chat`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """The proxy names media itself: content identifiers set as each part's ``uuid``, and
 the pending marks of parallel dispatch. Pure functions, no I/O.
 
-vLLM's chat API accepts a ``uuid`` per content part and then identifies the item by it
-(or, where processor kwargs apply, by a hash of it with the model id and the kwargs), so
-an encoder and a prefill/decode server sent the same ``uuid`` derive the same identifier,
-hence the same blob key, without either having to tell the other. That is what lets the
-proxy send the request to prefill/decode before any encoder has answered.
-
-A content identifier is ``ecs3-`` + SHA-256 of the part's media field name and its
-value: the data URL (or inline data) itself, so equal bytes get equal names; for a remote
-URL, the URL string (the proxy never fetches it: an image changed behind the same URL
-keeps its old name, as with vLLM's own proxy, which names items ``sha256(url)``).
-
-A client's ``uuid`` is never passed on as is (a forged one would poison caches shared by
-every client, vLLM's GHSA-ph72-cqr5-qpp7): on a part that carries media it is *replaced*
-by the content identifier; on a media-less part (a reference into a server's cache) and
-on an embeddings part (``image_embeds``, ...) it is *namespaced* (``client-`` + its
-SHA-256), so it can never name what the proxy named. A client's *metadata-only* part (an
-embeddings part whose value holds no tensor, only placeholder metadata such as
-``image_grid_thw``: on an EC consumer it means "take the embedding from the cache under
-this uuid") is refused (:class:`ClientMetadataOnly`, a 400) unless the proxy trusts its
-clients (``trust_client_embeds``: a client that is part of the serving stack, naming
-items by vLLM's identifiers); a trusted client's embeddings parts keep their ``uuid``.
-
-Owns naming and the pending marks. Does not own finding items (:mod:`.media`) or sending.
+Owns naming (``ecs3-`` + SHA-256 of a part's media field and value; a client's ``uuid``
+replaced or namespaced, never passed on as is), refusing an untrusted client's
+metadata-only part (:class:`ClientMetadataOnly`, a 400) and the pending marks. Does not
+own finding items (:mod:`.media`) or sending.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """What a prefill/decode answer may carry to a client, and an answer that shows a
 misconfigured fleet. Pure, no I/O.
 
-``ec_transfer_params`` are between the servers and the proxy: a client never gets them
-(an encoder's keys and shapes, or a consumer's report). A prefill/decode answer with no
-completion tokens and non-empty ``ec_transfer_params`` is an encoder's (an
-``ec_producer`` at a ``--pd-url``: encoder and p/d URLs swapped): the client must get an
-error, not an empty 200, and the log the URL.
-
-Owns that screening. Does not own relaying or error answers (:mod:`.relay`), nor the
-consumer's missing-blob report (:mod:`.skips`, which reads it first).
+Owns that screening: ``ec_transfer_params`` never reach a client, and an answer with no
+completion tokens and non-empty ``ec_transfer_params`` (an encoder at a ``--pd-url``) is
+an error. Does not own relaying or error answers (:mod:`.relay`), nor the consumer's
+missing-blob report (:mod:`.skips`, which reads it first).
 """
 
 from __future__ import annotations

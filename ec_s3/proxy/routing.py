@@ -1,24 +1,10 @@
 """Cache-affinity routing: which prefill/decode instance a request with media should go to.
 
-A fleet of aggregated servers (``ec_both``) on one bucket serves a repeated image fastest
-from the server that saw it last: its staging area (no GET), its encoder cache and its
-front end's processor cache (no image processing) already hold it. So under
-``route="affinity"`` a request goes to the instance that ranks first for the identifier of
-its first media item by **rendezvous (highest-random-weight) hashing** over the healthy
-instances: every (instance, key) pair gets a pseudo-random weight, the heaviest wins. An
-instance added or removed moves only the keys it wins or won (a consistent hash without
-a ring).
-
-A hot image must not overload its instance, so the choice is **bounded by load**
-(consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, SODA 2018):
-with ``m`` requests outstanding over ``n`` candidates counting this one, an instance may
-take it only while its load stays within ``ceil((1 + balance) * m / n)``; otherwise the
-next instance in rendezvous order takes it (a *spill*). Some candidate always fits: were
-every load at the bound, the loads would sum to more than ``m - 1``. ``balance`` 0 is a
-perfect balance (affinity only among ties), large values almost pure affinity.
-
-Pure functions, no I/O. Owns the ranking, the bound and the routing key of a request.
-Does not own loads or health (:mod:`.upstreams` counts them) nor least-loaded choice.
+Pure functions, no I/O. Owns the ranking (rendezvous hashing of the first media item's
+identifier over the healthy instances), the bound (an instance takes a request only while
+its load stays within ``ceil((1 + balance) * m / n)``, else the next in order: a spill)
+and the routing key of a request. Does not own loads or health (:mod:`.upstreams` counts
+them) nor least-loaded choice.
 """
 
 from __future__ import annotations

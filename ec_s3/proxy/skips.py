@@ -1,16 +1,10 @@
 """Which media items skip the encoder: the proxy's table of items in the bucket, kept up
 to date from encoder answers, prefill/decode answers and (opt-in) HEADs of the fleet's bucket.
 
-Parallel and serial dispatch ask :meth:`EncoderSkips.known_params` before any encoder
-request: an item an encoder answered for here (:mod:`.known`), or one a HEAD finds
-(``bucket_lookup``: the fleet's ``ec_connector_extra_config``, its own S3 client, opened
-and warmed at start), goes to prefill/decode with the remembered entry or a present mark.
-A consumer that finds such a blob missing lists it in its answer; the proxy forgets it.
-
-Owns the table's use, the lookup client's lifecycle, the key space per model (learned from
-encoder answers: the namespace is the producers' to derive) and the ``known`` and
-``bucket_lookups`` metrics. It does not own the table's bounds and expiry (:mod:`.known`),
-the order of sends (:mod:`.dispatch`) or HTTP (:mod:`.server`).
+Owns the table's use (:meth:`EncoderSkips.known_params`), the lookup client's lifecycle,
+the key space per model (learned from encoder answers: the namespace is the producers' to
+derive) and the ``known`` and ``bucket_lookups`` metrics. It does not own the table's
+bounds and expiry (:mod:`.known`), the order of sends (:mod:`.dispatch`) or HTTP (:mod:`.server`).
 """
 
 from __future__ import annotations
