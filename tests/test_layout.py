@@ -377,3 +377,47 @@ def test_the_mirror_rule_catches_a_stray(tmp_path: Path) -> None:
     assert _test_tree_problems(tmp_path / "tests", tmp_path / "ec_s3") == [
         "ec_s3/proxy/ has no tests/proxy/", "tests/misc/ is neither an ec_s3 package nor in TEST_FOLDERS_BESIDE",
         "tests/test_b.py belongs in a folder (or in TEST_FILES_AT_ROOT)", "two test files named test_a.py"]
+
+
+# --------------------------------------------------------------------------- sizes (issue 43)
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 50
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
+    """Every function and method, nested ones too (and counted in their parent)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            yield from _functions(node, name + ".")
+
+
+def oversized(root: Path) -> dict[str, int]:
+    """Modules over MAX_MODULE_LINES and functions over MAX_FUNCTION_LINES (from ``def``
+    to the last statement, decorators excluded), with their lengths."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        text, rel = path.read_text(), path.relative_to(root).with_suffix("").as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            found[rel] = lines
+        for name, node in _functions(ast.parse(text, filename=str(path))):
+            if (lines := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:  # type: ignore[attr-defined]
+                found[f"{rel}:{name}"] = lines
+    return found
+
+
+def test_no_module_over_500_lines_and_no_function_over_50() -> None:
+    assert oversized(PKG) == {}, "split these"
+
+
+def test_the_size_rule_catches_a_long_module_and_function(tmp_path: Path) -> None:
+    """A method of 51 lines is reported, one of exactly 50 is not; a module of 501 lines is."""
+    def method(name: str, statements: int) -> str:
+        return f"    def {name}(self):\n" + "".join(f"        x{i} = {i}\n" for i in range(statements))
+
+    (tmp_path / "mod.py").write_text("class C:\n" + method("long", MAX_FUNCTION_LINES) + method("short", 49))
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert oversized(tmp_path) == {"mod:C.long": MAX_FUNCTION_LINES + 1, "big": MAX_MODULE_LINES + 1}
+    assert len(list(_functions(ast.parse((PKG / "store" / "client.py").read_text())))) > 20  # the scan sees methods
