@@ -213,7 +213,7 @@ def test_ec_both_publishes_and_serves(tiny_model_dir: Path, extra_config: Callab
         second.driver.add("r1", ["img-a"], ec_transfer_params=promise)
         drive(second.driver)
         assert second.sim.encoded == []
-        assert torch.equal(second.sim.encoder_cache.get("img-a", fake_encoder_output("img-a", 16)), fake_encoder_output("img-a", 16))
+        assert torch.equal(second.sim.encoder_cache["img-a"], fake_encoder_output("img-a", 16))  # loaded, not a default
         assert ("r1", "img-a") in second.sim.gathered
         assert second.worker.counters.get("upload_started") == 0
         assert second.scheduler_connector.counters.get("items_encoded") == 0

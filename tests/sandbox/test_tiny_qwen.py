@@ -25,10 +25,12 @@ def test_the_chat_template_renders_a_video_part(tiny_qwen_dir: Path, part: dict)
     messages = [{"role": "user", "content": [{"type": "image"}, part, {"type": "text", "text": "What happens?"}]}]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == f"<|im_start|>user\n{IMAGE}{VIDEO}What happens?<|im_end|>\n<|im_start|>assistant\n"
-    # The processor's template (what vLLM reads first) is the same.
-    saved = json.loads((tiny_qwen_dir / "chat_template.json").read_text())["chat_template"] \
-        if (tiny_qwen_dir / "chat_template.json").exists() else None
-    assert saved in (None, tok.chat_template)
+    # The processor's template (what vLLM reads first) is the same: transformers 5 saves it
+    # as chat_template.jinja, older releases as chat_template.json; at least one is there.
+    jinja, legacy = tiny_qwen_dir / "chat_template.jinja", tiny_qwen_dir / "chat_template.json"
+    saved = [jinja.read_text()] if jinja.exists() else []
+    saved += [json.loads(legacy.read_text())["chat_template"]] if legacy.exists() else []
+    assert saved and all(template == tok.chat_template for template in saved), saved
 
 
 @pytest.mark.parametrize(("fps", "frames", "scale", "grid_t"),
