@@ -136,6 +136,12 @@ class Sandbox:
         # the tiny model's first encode there took 2.9 s on a busy 2-core host, and past
         # the limit prefill/decode encodes the image itself (no hit to show).
         text = text.replace("ec-s3 proxy ", f"ec-s3 proxy --encode-timeout {CPU_ENCODE_TIMEOUT_S:g} ")
+        # For the same reason prefill/decode waits for a pending image as long as the proxy
+        # waits for its encoder (promised_wait_s, 5 s by default): that first encode once took
+        # 6.0 s here, and p/d encoded the image itself after 5 s (no hit to show).
+        if '"ec_role": "ec_consumer"' in text:
+            text = text.replace('"ec_connector_extra_config": {',
+                                f'"ec_connector_extra_config": {{"promised_wait_s": {CPU_ENCODE_TIMEOUT_S:g}, ', 1)
         ours = {str(PORTS[name]): str(port) for name, port in self.ports.items()}
         text = re.sub(r"\b(" + "|".join(ours) + r")\b", lambda m: ours[m.group(1)], text)  # one pass
         py = shlex.quote(sys.executable)
