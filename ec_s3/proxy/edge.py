@@ -109,8 +109,11 @@ class EdgeSite(web.BaseSite):
     more is answered 503 and closed before anything of it is read."""
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, *, max_connections: int,
-                 handler_args: dict[str, Any], warner: Warner, backlog: int = 128) -> None:
-        super().__init__(runner, backlog=backlog)
+                 handler_args: dict[str, Any], warner: Warner) -> None:
+        # A burst the loop is too busy to accept waits in the kernel's queue: with aiohttp's
+        # 128, the rest lost their SYNs and retried 1, 3, 7, 15 s later (a /health probe
+        # among them timed out), never reaching the 503 below. The kernel caps it at somaxconn.
+        super().__init__(runner, backlog=max_connections)
         self._host = host
         self._port = port
         # What the runner was given for its protocols: each connection's is built here.
