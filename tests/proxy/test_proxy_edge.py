@@ -488,7 +488,8 @@ while time.monotonic() < deadline:
     time.sleep(0.05)
 out.sort()
 print(f"{len(out)} {out[len(out) // 2] * 1000:.1f} {out[-1] * 1000:.1f}")
-print(*errors, sep="\\n")
+for error in errors:
+    print(error)
 """
 
 
@@ -502,8 +503,9 @@ def test_a_thousand_concurrent_requests_are_answered_and_leave_nothing_behind() 
     against upstreams that take 2-2.5 s are all answered, /health (watched from another
     process) answers in under 100 ms at the median, the proxy's fds come back to their
     baseline and a second wave adds nothing to its RSS (the first wave's peak is kept by
-    the allocator, not leaked). The worst /health latency is printed, not asserted: the
-    burst's own arrival holds the loop for longer than 100 ms on this 2-core host."""
+    the allocator, not leaked), and no probe fails. The worst /health latency is printed,
+    not asserted: the burst's own arrival holds the loop for longer than 100 ms on this
+    2-core host."""
     import sys
 
     import aiohttp
@@ -566,7 +568,7 @@ def test_a_thousand_concurrent_requests_are_answered_and_leave_nothing_behind() 
               f"-> (second wave) {end_rss >> 20} MiB; fds {base_fds} -> {peak_fds} -> {wave1_fds} -> {end_fds}")
         assert all(results) and all(again), (results.count(False), again.count(False))
         assert float(median_ms) < 100
-        assert not [e for e in health_errors if e], health_errors
+        assert not health_errors, health_errors
         assert wave1_fds <= base_fds + 2 and end_fds <= base_fds + 2
         assert end_rss < wave1_rss + 16 * MiB  # no growth per wave
         assert peak_rss < base_rss + 200 * MiB
