@@ -50,8 +50,9 @@ class ProxyConfig:
     read_timeout_s: float | None = 300.0
     # Each upstream's /health probe of GET /health.
     health_timeout_s: float = 2.0
-    # /health's answer is reused this long (0: probe on every call); calls that arrive
-    # while a probe runs share it either way.
+    # /health's answer is reused this long (0: probe on every call), and given while the
+    # next probe runs for up to health_timeout_s more; calls that arrive while a probe
+    # runs share it either way.
     health_cache_s: float = 1.0
     # At start, how long to wait for each upstream's role check (ec_s3/proxy/fleet.py):
     # one found in the wrong role stops the start; one not answering yet is checked in

@@ -77,8 +77,9 @@ def _add_upstream_args(p: argparse.ArgumentParser, d: Any) -> None:
     p.add_argument("--health-timeout", type=float, default=d.health_timeout_s, metavar="S",
                    help=f"per-upstream /health probe (default {d.health_timeout_s:g})")
     p.add_argument("--health-cache", type=float, default=d.health_cache_s, metavar="S",
-                   help="reuse /health's answer this long; concurrent calls share one probe either way; 0 = probe "
-                        f"on every call (default {d.health_cache_s:g})")
+                   help="reuse /health's answer this long (and while the next probe runs, up to --health-timeout "
+                        "more); concurrent calls share one probe either way; 0 = probe on every call "
+                        f"(default {d.health_cache_s:g})")
     p.add_argument("--startup-check", type=float, default=d.startup_check_s, metavar="S",
                    help="at start, wait this long for each upstream's role check: an encoder URL that is no EC "
                         "producer, or a prefill/decode URL that is one (swapped flags), stops the start; one not "

@@ -1,7 +1,7 @@
 """The proxy's routes other than chat: ``/health``, ``/v1/models`` and ``/metrics``.
 
 Owns probing the upstreams for ``/health`` (one probe at a time, its answer cached for
-``health_cache_s``), what ``/health`` shows to whom, asking p/d for ``/v1/models`` and
+``health_cache_s`` and given while the next probe runs), what ``/health`` shows to whom, asking p/d for ``/v1/models`` and
 serving the metrics. It does not own the roles' check (:mod:`.fleet`), the metrics
 themselves (:mod:`.metrics`) or the chat route (:mod:`.chat`).
 """
@@ -74,13 +74,20 @@ class StatusRoutes:
         """200 while at least one PD answers its /health; encoders are reported, not
         required (without them requests are still served, encoded by the consumer). The
         answer is reused for ``health_cache_s``, and calls that arrive while a probe runs
-        share it: a flood of /health calls costs the upstreams one probe each per period."""
+        share it: a flood of /health calls costs the upstreams one probe each per period.
+        Past that, the last answer is still given while its successor's probe runs (for at
+        most ``health_timeout_s`` more): a slow upstream must not make the proxy's own
+        /health slow (Kubernetes gives a probe 1 s by default)."""
         loop = asyncio.get_running_loop()
         cached = self._health_answer
-        if cached is not None and loop.time() - cached[0] < self.config.health_cache_s:
+        age = loop.time() - cached[0] if cached is not None else None
+        if cached is not None and age < self.config.health_cache_s:
             return self._health_response(request, cached[1], cached[2])
         if self._health_probe is None or self._health_probe.done():
             self._health_probe = asyncio.ensure_future(self._probe_upstreams())
+        stale_limit = self.config.health_cache_s + self.config.health_timeout_s
+        if cached is not None and self.config.health_cache_s > 0 and age < stale_limit:
+            return self._health_response(request, cached[1], cached[2])
         # Shielded: a caller that leaves does not cancel the probe the others wait for.
         status, body = await asyncio.shield(self._health_probe)
         return self._health_response(request, status, body)
