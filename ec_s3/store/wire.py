@@ -1,4 +1,4 @@
-"""Direct data path: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
+"""The blob requests: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
 
 Owns the aiohttp session of these requests (pool, timeouts, TLS and proxy as the aiobotocore
 client's), object URLs, signing with the client's credentials (:mod:`.sigv4`; never logged or
@@ -262,7 +262,7 @@ async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
 
 
 class GetAnswer:
-    """A GET's answer, either path: its status and headers, and its body read into a buffer."""
+    """A GET's answer (recv pool or aiohttp): its status and headers, and its body read into a buffer."""
 
     status: int
     headers: Mapping[str, str]
@@ -335,7 +335,7 @@ async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 async def fill_from_chunks(chunks: AsyncIterator[bytes], out: memoryview, key: str) -> None:
     """Copy a streamed GET body into ``out`` chunk by chunk, as the client received them
     (no joining, no intermediate buffer); a body shorter or longer than ``out`` (its
-    Content-Length) is a transient error. For aiohttp's and aiobotocore's bodies alike."""
+    Content-Length) is a transient error."""
     pos, size = 0, len(out)
     async for chunk in chunks:
         end = pos + len(chunk)
