@@ -3,8 +3,8 @@
 Owns :class:`Transport` (HEAD, single PUT, UploadPart and ranged GET over :mod:`.wire`, the
 aiobotocore client beside it for the other S3 calls), :func:`open_transport`, the answers'
 shape (:class:`ObjectInfo`, :class:`~.wire.GetAnswer`) and each upload's checksum. Does not own
-retries, the breaker, the concurrency bound or ranges (:mod:`.client`, :mod:`.download`), building
-the client (:mod:`.connection`), sending (:mod:`.wire`) or mapping errors
+retries, the breaker, the concurrency bound or ranges (:mod:`.client`, :mod:`.download`), the
+client and its credentials (:mod:`.connection`), sending (:mod:`.wire`) or mapping errors
 (:mod:`.errors`): a failure is raised as it is.
 """
 
@@ -101,10 +101,11 @@ class Transport:
 
 
 async def open_transport(config: StoreConfig, stack: contextlib.AsyncExitStack) -> Transport:
-    """The store's transport, closed when ``stack`` closes."""
+    """The store's transport, closed when ``stack`` closes. Fails (NoCredentialsError)
+    when the AWS chain finds no credentials: at connect, not at the first request."""
     settings = resolve_endpoint(config)  # one region and CA for the client and the wire
-    client = await open_client(config, stack, settings)
+    client, credentials = await open_client(config, stack, settings)
     # Its own pool beside the client's, which keeps the rare rest; closed first.
-    wire = DirectWire(config, client, settings.trust)
+    wire = DirectWire(config, client, credentials, settings.trust)
     stack.push_async_callback(wire.close)
     return Transport(config, client, wire)

@@ -93,6 +93,20 @@ def test_no_credentials(op: str, s3_endpoint: Any, bucket: str, no_aws_env: None
         store.close(timeout=2)
 
 
+def test_missing_credentials_fail_at_connect(s3_endpoint: Any, bucket: str, no_aws_env: None) -> None:
+    """Failed before: the client was built without credentials and connecting
+    succeeded; only each request failed, later. Now connecting fails, typed, naming
+    where credentials were looked for."""
+    store = _store(s3_endpoint.url, bucket)
+    try:
+        with pytest.raises(NoCredentials, match=r"credentials from") as caught:
+            store.run(store._get_transport(), timeout=30)
+        assert not caught.value.transient
+        assert diagnose(caught.value, store.config).kind == "no_credentials"
+    finally:
+        store.close(timeout=2)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_https_to_a_plain_http_port_is_a_tls_error(
     op: str, s3_endpoint: Any, bucket: str, no_aws_env: None

@@ -86,7 +86,7 @@ def test_object_url_is_botocores(endpoint_url: str | None, region: str, style: s
 
     async def urls() -> tuple[str, str]:
         async with contextlib.AsyncExitStack() as stack:
-            client = await open_client(config, stack)
+            client, _ = await open_client(config, stack)
             client.meta.events.register("before-send.s3.GetObject", stop)
             with pytest.raises(_Sent) as sent:
                 await client.get_object(Bucket=bucket, Key=key)
