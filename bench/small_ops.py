@@ -6,12 +6,11 @@ where the time goes, per-request CPU on the I/O thread).
 For each client and concurrency: ``--ops`` HEADs of missing keys (the producer's and the
 consumer's lookup of a new item), PUTs of the blob under new keys (``If-None-Match: *``
 for ec-s3, obstore's create mode: both conditional), then GETs of them. Clients:
-``ec-s3`` (the direct data path, the default), ``ec-s3-botocore`` (``data_path:
-botocore``) and ``obstore``, rotated per repeat, on one asyncio loop. Per operation: this
+``ec-s3`` and ``obstore``, rotated per repeat, on one asyncio loop. Per operation: this
 process's CPU (all threads; the clients run nothing else), wall time and the S3 server's
 CPU. Ratios: ec-s3 over obstore, per repeat, then the median. And the CPU of one request's
 SigV4 signature, ec-s3's (:mod:`ec_s3.store.sigv4`) against botocore's ``S3SigV4Auth``,
-which the direct path used before.
+which signed every request before ec-s3 signed its own.
 
     .venv/bin/python -m bench.small_ops [--quick] [--size-kib 16] [--ops 300] [--concurrency 1 8]
 """
@@ -30,11 +29,11 @@ WIDTH = 128  # the tiny LLaVA's hidden size (bench/goodput.py's HEAVY_VISION)
 
 
 class EcS3Ops:
-    def __init__(self, ep: bl.Endpoint, bucket: str, data_path: str) -> None:
+    def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
         from ec_s3.store.client import S3Store
 
-        self.name = "ec-s3" if data_path == "direct" else f"ec-s3-{data_path}"
-        self.store = S3Store(ep.config(bucket, data_path=data_path))
+        self.name = "ec-s3"
+        self.store = S3Store(ep.config(bucket))
 
     async def head(self, key: str) -> None:
         if await self.store.head_async(key) is not None:
@@ -140,7 +139,7 @@ def signing_cost(n: int = 2000) -> dict[str, float]:
 
 
 def make_clients(ep: bl.Endpoint, bucket: str) -> list[Any]:
-    clients: list[Any] = [EcS3Ops(ep, bucket, "direct"), EcS3Ops(ep, bucket, "botocore")]
+    clients: list[Any] = [EcS3Ops(ep, bucket)]
     try:
         clients.append(ObstoreOps(ep, bucket))
     except ImportError as exc:

@@ -6,8 +6,6 @@ transfers in flight, then GETs them back into memory, then deletes them. Clients
 
 * ``ec-s3``: ``S3Store.put_async`` of an encoded blob and ``S3Store.get_async`` into a
   buffer (what ``BlobPublisher`` and ``ItemFetcher`` do), default ec-s3 config;
-* ``ec-s3-botocore``: the same with ``data_path: botocore``, every request through
-  aiobotocore (what ec-s3 did before its direct data path);
 * ``boto-default``: raw aioboto3 with botocore defaults (``put_object``, ``get_object`` + ``read``);
 * ``boto-tuned``: raw aioboto3 with payload signing off, checksums ``when_required``, 64 connections;
 * ``obstore``: the Rust ``object_store`` client (``unsigned_payload``, its default
@@ -76,10 +74,8 @@ class Client:
 class EcS3Client(Client):
     name = "ec-s3"
 
-    def __init__(self, ep: bl.Endpoint, bucket: str, data_path: str = "direct") -> None:
-        if data_path != "direct":
-            self.name = f"ec-s3-{data_path}"
-        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31, data_path=data_path))
+    def __init__(self, ep: bl.Endpoint, bucket: str) -> None:
+        self.store = S3Store(ep.config(bucket, max_blob_bytes=1 << 31))
 
     async def put(self, key: str, body: Any) -> None:
         await self.store.put_async(key, body)
@@ -211,7 +207,6 @@ def run_cell(bg: Any, ep: bl.Endpoint, client: Client, size: int, conc: int, n_o
 def make_clients(ep: bl.Endpoint, bucket: str, names: list[str]) -> list[Client]:
     makers = {
         "ec-s3": lambda: EcS3Client(ep, bucket),
-        "ec-s3-botocore": lambda: EcS3Client(ep, bucket, "botocore"),
         "boto-default": lambda: BotoClient(ep, bucket, tuned=False),
         "boto-tuned": lambda: BotoClient(ep, bucket, tuned=True),
         "obstore": lambda: ObstoreClient(ep, bucket),
@@ -364,9 +359,8 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
                     theirs = [r[op]["mib_per_s"] for r in cres["runs"][best]]
                     per = [a / b for a, b in zip(ours, theirs)]
                     entry["ec_s3_vs_best_raw_range"] = [min(per), max(per)]
-                for base in ("boto-default", "ec-s3-botocore"):
-                    if base in med and "ec-s3" in med:
-                        entry[f"ec_s3_vs_{base}"] = med["ec-s3"]["mib_per_s"] / med[base]["mib_per_s"]
+                if "boto-default" in med and "ec-s3" in med:
+                    entry["ec_s3_vs_boto-default"] = med["ec-s3"]["mib_per_s"] / med["boto-default"]["mib_per_s"]
                 row[op] = entry
             out[f"{size}x{conc}"] = row
     return out
@@ -385,12 +379,12 @@ def print_tables(summ: dict[str, Any]) -> None:
             c = e["clients"]
             raw = e.get("best_raw") or ""
             rows.append([cell, c.get("ec-s3", {}).get("mib_per_s"), e.get("best_raw"), c.get(raw, {}).get("mib_per_s"),
-                         e.get("ec_s3_vs_best_raw"), e.get("ec_s3_vs_boto-default"), e.get("ec_s3_vs_ec-s3-botocore"),
-                         *(c.get(n, {}).get("client_cpu_s_per_gib") for n in ("ec-s3", "ec-s3-botocore", raw)),
+                         e.get("ec_s3_vs_best_raw"), e.get("ec_s3_vs_boto-default"),
+                         *(c.get(n, {}).get("client_cpu_s_per_gib") for n in ("ec-s3", raw)),
                          c.get("ec-s3", {}).get("server_cpu_s_per_gib")])
         print(bl.table(
             ["MiB x conc", "ec-s3 MiB/s", "best raw", "raw MiB/s", "vs best (goal>=0.9)", "vs boto-def",
-             "vs ec-s3-botocore", "ec-s3 CPU-s/GiB", "ec-s3-botocore CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
+             "ec-s3 CPU-s/GiB", "raw CPU-s/GiB", "server CPU-s/GiB"],
             rows, title=f"{op.upper()} throughput (medians; ratio = ec-s3 / baseline)"))
 
 
@@ -404,7 +398,7 @@ def main() -> int:
     parser.add_argument("--max-inflight-mib", type=int, default=None,
                         help="skip cells with more than this in flight (bounds client and SeaweedFS memory)")
     parser.add_argument("--clients", nargs="+",
-                        default=["ec-s3", "ec-s3-botocore", "boto-default", "boto-tuned", "obstore"])
+                        default=["ec-s3", "boto-default", "boto-tuned", "obstore"])
     parser.add_argument("--links", nargs="*", default=list(PROFILES), choices=list(PROFILES))
     parser.add_argument("--link-sizes-mib", type=int, nargs="+", default=[10, 34])
     parser.add_argument("--link-repeats", type=int, default=5)

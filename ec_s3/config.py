@@ -35,7 +35,13 @@ LookupPolicy = Literal["always", "promised"]
 AddressingStyle = Literal["auto", "path", "virtual"]
 ChecksumAlgorithm = Literal["none", "CRC32", "CRC32C", "SHA256"]
 StartupCheck = Literal["fatal", "warn", "off"]
-DataPath = Literal["direct", "botocore"]
+DataPath = Literal["direct"]
+
+#: Why ``data_path: botocore`` is gone, and what to write instead (coerce() names the key).
+_BOTOCORE_PATH_REMOVED = (
+    "it was removed: measured on an emulated network, the direct path did the same requests with less client "
+    "CPU, and two data paths doubled every store test; delete the key (or write `direct`)"
+)
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -102,23 +108,24 @@ class ECS3Config:
         metadata=_doc(
             "PEM file of the CA(s) to trust for the endpoint's certificate, e.g. an on-prem MinIO's private CA "
             "(default: the AWS chain: `AWS_CA_BUNDLE`, the profile's `ca_bundle`, `REQUESTS_CA_BUNDLE`; else "
-            "certifi's public CAs). Used by both data paths."
+            "certifi's public CAs). Used by the S3 API client and the blob pools alike."
         ),
     )
     # --- client tuning ----------------------------------------------------------
     max_pool_connections: int = dataclasses.field(
         default=32,
         metadata=_doc(
-            "HTTP connections kept to the endpoint, per pool: the S3 API client, and with `data_path: direct` the "
+            "HTTP connections kept to the endpoint, per pool: the S3 API client, the "
             "blob PUT/HEAD pool and the GET pool (idle ones close after 12 s).", min=1, max=1024,
         ),
     )
     data_path: DataPath = dataclasses.field(
         default="direct",
         metadata=_doc(
-            "How HEAD, PUT, UploadPart and GET travel: `direct` (signed by ec-s3 itself, `store/sigv4.py`, and sent "
-            "on ec-s3's own aiohttp pool: less client CPU per request, see bench/results/summary.md) or `botocore` "
-            "(every request through aiobotocore; the escape hatch). Other requests always go through aiobotocore."
+            "Kept so that older configs still load: `direct` is the only value (HEAD, PUT, UploadPart and GET "
+            "signed by ec-s3, `store/sigv4.py`, on its own aiohttp pool; other requests through aiobotocore). "
+            "`botocore` was removed.",
+            removed={"botocore": _BOTOCORE_PATH_REMOVED},
         ),
     )
     max_concurrency: int = dataclasses.field(

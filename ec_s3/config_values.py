@@ -1,10 +1,9 @@
 """How one value of ``ec_connector_extra_config`` becomes a typed value.
 
 Owns :class:`ConfigError`, :class:`Secret`, the parsers of JSON / CLI values (integers,
-sizes with units, numbers, booleans, strings, choices), credential references
-(``env:NAME``, ``file:/path``) and vLLM's ``ec_role`` values. Sizes take the same units
-everywhere: every ``*_bytes`` key and the commands' size flags (``ec-s3 gc --max-bytes``) go through
-:func:`parse_size`. Does not own which keys exist, their defaults or bounds
+sizes with units, numbers, booleans, strings, choices, refusing a field's ``removed`` values),
+credential references (``env:NAME``, ``file:/path``) and vLLM's ``ec_role`` values. Every
+``*_bytes`` key and size flag (``ec-s3 gc --max-bytes``) goes through :func:`parse_size`. Does not own which keys exist, their defaults or bounds
 (:mod:`ec_s3.config` declares them) nor rules across keys.
 """
 
@@ -121,6 +120,8 @@ def coerce(f: dataclasses.Field[Any], value: Any, hint: Any) -> Any:
             return None
         raise ConfigError(f"{name} may not be null")
     kind = _without_none(hint)
+    if isinstance(value, str) and (why := f.metadata.get("removed", {}).get(value)):
+        raise ConfigError(f"{name}={value!r} is no longer accepted: {why}")
     try:
         if f.metadata.get("secret"):
             if isinstance(value, Secret):

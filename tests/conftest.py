@@ -150,8 +150,6 @@ def extra_config(s3: S3Endpoint, bucket: str) -> Callable[..., dict[str, Any]]:
             "retry_base_delay_s": 0.01,
             "retry_max_delay_s": 0.2,
         }
-        if os.environ.get("EC_S3_TEST_DATA_PATH"):  # the whole run on the other data path
-            extra["data_path"] = os.environ["EC_S3_TEST_DATA_PATH"]
         extra.update(overrides)
         return extra
 
@@ -200,16 +198,6 @@ def fault_proxy(s3: S3Endpoint) -> Iterator[FaultProxy]:
         yield proxy
     finally:
         proxy.stop()
-
-
-@pytest.fixture(params=["direct", "botocore"])
-def path_store(request: pytest.FixtureRequest, make_store: Callable[..., S3Store]) -> Callable[..., S3Store]:
-    """``make_store`` on each data path in turn (``data_path: direct``, ``botocore``)."""
-
-    def make(endpoint_url: str | None = None, **overrides: Any) -> S3Store:
-        return make_store(endpoint_url, data_path=request.param, **overrides)
-
-    return make
 
 
 # --------------------------------------------------------------------------- the Qwen stack

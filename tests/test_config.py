@@ -163,3 +163,14 @@ def test_size_keys_take_units(written: object, value: int) -> None:
 def test_a_bad_size_names_the_key() -> None:
     with pytest.raises(ConfigError, match=r"staging_bytes='lots' is invalid: .*500MiB"):
         ECS3Config.from_extra_config({**BASE, "staging_bytes": "lots"}, environ={})
+
+
+def test_data_path_direct_still_loads_and_botocore_is_refused_naming_the_key() -> None:
+    """Failed before (``botocore`` was accepted): the botocore data path was removed,
+    and a config that still names it must fail at start-up saying what to do."""
+    assert ECS3Config.from_extra_config({"bucket": "b-1"}, environ={}).data_path == "direct"
+    assert ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "direct"}, environ={}).data_path == "direct"
+    with pytest.raises(ConfigError, match=r"data_path='botocore' is no longer accepted: it was removed.*delete the key"):
+        ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "botocore"}, environ={})
+    with pytest.raises(ConfigError, match="data_path='fast' is invalid: expected one of 'direct'"):
+        ECS3Config.from_extra_config({"bucket": "b-1", "data_path": "fast"}, environ={})

@@ -1,8 +1,8 @@
 """Request and response bodies of the S3 store, without copies.
 
-Owns :class:`BufferChain` (bytes held in several buffers, sent as one body), the
-seekable reader botocore gets for it, the CRC32 the store stores beside a blob and the
-SHA-256 of a checksum header.
+Owns :class:`BufferChain` (bytes held in several buffers, sent as one body), the CRC32 the
+store stores beside a blob and the checksums an upload's header carries (CRC32, CRC32C,
+SHA-256).
 Does not own sending, retrying or where a downloaded body is written (the caller's
 allocator decides; :mod:`ec_s3.store.client` does the I/O).
 """
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import zlib
 from collections.abc import Sequence
-from typing import Any
 
-__all__ = ["CHECKSUM_HEADERS", "Body", "BufferChain", "ChainReader", "crc32_of", "sha256_of"]
+__all__ = ["CHECKSUM_HEADERS", "Body", "BufferChain", "crc32_of", "crc32c_of", "sha256_of"]
 
-#: botocore's checksum fields and the headers that carry them on the wire.
+#: S3's checksum fields (as the client names them) and the headers that carry them on the wire.
 CHECKSUM_HEADERS = {
     "ChecksumCRC32": "x-amz-checksum-crc32",
     "ChecksumCRC32C": "x-amz-checksum-crc32c",
@@ -55,55 +53,6 @@ class BufferChain:
 Body = bytes | bytearray | memoryview | BufferChain
 
 
-class ChainReader(io.RawIOBase):
-    """A seekable file over a :class:`BufferChain`: what botocore needs as a body
-    (it accepts bytes or file objects, not memoryviews), without copying."""
-
-    def __init__(self, chain: BufferChain) -> None:
-        super().__init__()
-        self._views = chain.views
-        self._len = chain.nbytes
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return self._len
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
-        self._pos = max(0, min(self._len, base + offset))
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        written, pos, base = 0, self._pos, 0
-        for view in self._views:
-            if written == len(out):
-                break
-            if pos < base + len(view):
-                lo = pos - base
-                n = min(len(view) - lo, len(out) - written)
-                out[written : written + n] = view[lo : lo + n]
-                written += n
-                pos += n
-            base += len(view)
-        self._pos = pos
-        return written
-
-    def read(self, size: int = -1) -> bytes:
-        n = self._len - self._pos if size is None or size < 0 else min(size, self._len - self._pos)
-        buf = bytearray(n)
-        return bytes(buf[: self.readinto(buf)])
-
-
 async def crc32_of(body: memoryview | BufferChain) -> int:
     """zlib CRC32 (~4 GB/s); large buffers off the loop thread."""
     chain = body if isinstance(body, BufferChain) else BufferChain([body])
@@ -126,3 +75,17 @@ async def sha256_of(body: BufferChain) -> bytes:
         return h.digest()
 
     return digest() if len(body) < (1 << 20) else await asyncio.to_thread(digest)
+
+
+async def crc32c_of(body: BufferChain) -> int:
+    """CRC32C of the body (x-amz-checksum-crc32c) by awscrt, which the config requires
+    for this algorithm (botocore's own CRC32C is awscrt's); large bodies off the loop."""
+    from awscrt.checksums import crc32c  # only with checksum_algorithm: CRC32C
+
+    def crc() -> int:
+        value = 0
+        for view in body.views:
+            value = crc32c(view, value)
+        return value
+
+    return crc() if len(body) < (1 << 20) else await asyncio.to_thread(crc)

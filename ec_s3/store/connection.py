@@ -19,8 +19,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 from aiobotocore.config import AioConfig
+from aiobotocore.credentials import AioCredentials, AioRefreshableCredentials
 from aiobotocore.httpsession import AIOHTTPSession
 from aiobotocore.session import AioSession
+from botocore.exceptions import NoCredentialsError
 from botocore.httpsession import get_cert_path
 from botocore.session import Session as BotocoreSession
 from botocore.utils import get_environ_proxies
@@ -30,7 +32,10 @@ from ec_s3.store.credentials import end_abandoned_credential_processes
 from ec_s3.store.http1 import parse_timestamp_or_none
 from ec_s3.store.tls import DEFAULT_CA_SOURCE, Trust, botocore_verify, check_ca_file
 
-__all__ = ["EndpointSettings", "open_client", "resolve_endpoint"]
+__all__ = ["Credentials", "EndpointSettings", "open_client", "resolve_endpoint"]
+
+#: What a session's chain resolves to (each with an awaitable ``get_frozen_credentials``).
+Credentials = AioCredentials | AioRefreshableCredentials
 
 # What botocore itself falls back to for S3 when no region is found anywhere.
 DEFAULT_REGION = "us-east-1"
@@ -139,17 +144,17 @@ class BoundedPoolSession(AIOHTTPSession):
         super().__init__(*args, timeout=timeout, **kwargs)
         connect, read = timeout if isinstance(timeout, (list, tuple)) else (timeout, timeout)
         if connect is not None and read is not None:
-            # _timeout is what aiobotocore passes to its aiohttp.ClientSession.
+            # No public hook: _timeout is what aiobotocore passes to its aiohttp.ClientSession.
             self._timeout = aiohttp.ClientTimeout(sock_connect=connect, sock_read=read, connect=connect + read)
 
-    def _get_ssl_context(self) -> ssl.SSLContext:
+    def _get_ssl_context(self) -> ssl.SSLContext:  # no public hook for the context's settings
         # aiobotocore's is urllib3's, with check_hostname off (urllib3 matches the name
         # itself; aiohttp does not): any certificate its CA signed was accepted.
         context = super()._get_ssl_context()
         context.check_hostname = True
         return context
 
-    def _setup_proxy_ssl_context(self, proxy_url: str) -> ssl.SSLContext | None:
+    def _setup_proxy_ssl_context(self, proxy_url: str) -> ssl.SSLContext | None:  # nor for the proxy's
         # Without proxy CA settings aiobotocore gives its connector no context, and
         # aiohttp then verifies nothing of the endpoint reached through the proxy.
         return super()._setup_proxy_ssl_context(proxy_url) or self._get_ssl_context()
@@ -187,18 +192,40 @@ def _speaks_tls(config: ECS3Config) -> bool:
 
 async def open_client(
     config: ECS3Config, stack: contextlib.AsyncExitStack, settings: EndpointSettings | None = None
-) -> Any:
+) -> tuple[Any, Credentials]:
     """A new S3 client for ``config``, closed when ``stack`` closes, with the region and
-    CA of ``settings`` (default: :func:`resolve_endpoint`). No network I/O; a CA file
-    that cannot be loaded raises :class:`~ec_s3.store.errors.CABundleError`."""
+    CA of ``settings`` (default: :func:`resolve_endpoint`), and the credentials it signs
+    with: the config's keys, else the AWS chain's, resolved here once (a refreshable
+    set rotates under the same object). No network I/O but the chain's; a CA file that
+    cannot be loaded raises :class:`~ec_s3.store.errors.CABundleError`, no credentials
+    anywhere botocore's ``NoCredentialsError`` (mapped to ``NoCredentials``)."""
     settings = settings or resolve_endpoint(config)
     tls = _speaks_tls(config)
     if tls:
         check_ca_file(settings.trust)
     botocore_session = _botocore_session()
-    if config.access_key_id is None:  # the chain resolves them: a credential_process may run
+    if config.access_key_id is not None and config.secret_access_key is not None:
+        botocore_session.set_credentials(config.access_key_id.reveal(), config.secret_access_key.reveal(),
+                                         config.session_token.reveal() if config.session_token else None)
+    else:  # the chain resolves them: a credential_process may run
         end_abandoned_credential_processes(botocore_session)
-    boto_config = AioConfig(
+    # The session keeps what it resolved: create_client signs with this same object.
+    credentials = await botocore_session.get_credentials()
+    if credentials is None:
+        raise NoCredentialsError()  # at connect, not as every request's failure
+    # aiobotocore's own call (aioboto3's Session.client is this plus boto3's resource layer).
+    client = await stack.enter_async_context(botocore_session.create_client(
+        "s3",
+        region_name=settings.region,
+        endpoint_url=config.endpoint_url,
+        verify=botocore_verify(settings.trust) if tls else False,
+        config=_client_config(config, settings),
+    ))
+    return client, credentials
+
+
+def _client_config(config: ECS3Config, settings: EndpointSettings) -> AioConfig:
+    return AioConfig(
         region_name=settings.region,
         signature_version="s3v4",
         s3={"addressing_style": config.addressing_style, "payload_signing_enabled": False},
@@ -211,14 +238,3 @@ async def open_client(
         tcp_keepalive=True,
         http_session_cls=BoundedPoolSession,
     )
-    # aiobotocore's own call (aioboto3's Session.client is this plus boto3's resource layer).
-    return await stack.enter_async_context(botocore_session.create_client(
-        "s3",
-        region_name=settings.region,
-        endpoint_url=config.endpoint_url,
-        verify=botocore_verify(settings.trust) if tls else False,
-        aws_access_key_id=config.access_key_id.reveal() if config.access_key_id else None,
-        aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
-        aws_session_token=config.session_token.reveal() if config.session_token else None,
-        config=boto_config,
-    ))

@@ -23,7 +23,8 @@ def end_abandoned_credential_processes(session: Any) -> None:
     resolver = session.get_component("credential_provider")
     for provider in getattr(resolver, "providers", []):
         if isinstance(provider, AioProcessProvider):
-            provider._popen = _popen  # what AioProcessProvider(popen=...) would set
+            # No public hook: the chain builds this provider itself, and takes popen= only there.
+            provider._popen = _popen
 
 
 async def _popen(*args: Any, **kwargs: Any) -> _EndedOnCancel:

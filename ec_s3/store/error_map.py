@@ -124,7 +124,7 @@ def from_status(
     """The typed error for an answer of the server: its HTTP ``status`` and the S3 error
     ``code`` of its body (None when it had none, as a HEAD's). The one place that decides
     which answers are missing objects, refusals, transient or the request's fault, for
-    the botocore path and the direct one (:mod:`ec_s3.store.wire`) alike. A transient
+    the aiobotocore client's requests and :mod:`ec_s3.store.wire`'s alike. A transient
     one keeps the wait its ``Retry-After`` header asked for (``retry_after_s``)."""
     error = _from_status(op, key, status, code, message)
     if error.transient and retry_after is not None:

@@ -21,8 +21,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 __all__ = ["MAX_FIELD_BYTES", "Answer", "HTTPProtocolError", "is_error_status", "coding_error", "parse_http_date", "parse_retry_after", "parse_timestamp_or_none"]
 
 
-#: The longest header line (name and value) either path accepts: aiohttp's limit, which
-#: the botocore path and the direct path's HEAD and PUT meet in aiohttp's parser.
+#: The longest header line (name and value) accepted: aiohttp's limit, which HEAD, PUT and
+#: the aiobotocore client's answers meet in aiohttp's parser.
 MAX_FIELD_BYTES = 8190
 
 
@@ -41,7 +41,7 @@ class HTTPProtocolError(Exception):
 def coding_error(headers: Mapping[str, str]) -> str | None:
     """Why an answer's ``Transfer-Encoding`` cannot be read, or None: a body is either
     of known length or ``chunked`` alone. Any other coding (``gzip, chunked``) would hand
-    the caller still-encoded bytes as the object's, so both data paths refuse it here."""
+    the caller still-encoded bytes as the object's, so it is refused here."""
     getall = getattr(headers, "getall", None)
     values = getall("Transfer-Encoding", []) if getall is not None else [headers.get("Transfer-Encoding") or ""]
     codings = [c.strip().lower() for v in values for c in v.split(",") if c.strip()]
@@ -68,9 +68,9 @@ def parse_http_date(value: str | None) -> float | None:
 
 
 def parse_timestamp_or_none(value: str) -> datetime.datetime | None:
-    """botocore's timestamp parser (its ``timestamp_parser`` for the botocore path's
-    answers: ``LastModified``), None where botocore's would raise an untyped
-    ValueError from the whole response (a ``Last-Modified`` that is no date)."""
+    """botocore's timestamp parser (its ``timestamp_parser`` for the client's answers:
+    a listing's ``LastModified``), None where botocore's would raise an untyped
+    ValueError from the whole response (a date that is no date)."""
     try:
         return parse_timestamp(value)
     except Exception:  # noqa: BLE001 - dateutil raises several kinds, all meaning "not a date"
@@ -96,7 +96,7 @@ class Answer:
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
-        # What aiohttp's parser (the botocore path's) does for answers: lenient header
+        # What aiohttp's parser (HEAD's, PUT's, the client's) does for answers: lenient header
         # values, so obs-fold (RFC 9112 5.2: a user agent must accept it) is one value
         # with its fold as spaces; the NUL and bare line ends that leniency lets through
         # are refused in on_header, as aiohttp refuses NUL.

@@ -2,9 +2,8 @@
 
 Owns parsing ``Content-Length`` and ``Content-Range`` strictly, the rule that turns an answer's
 status and those headers (and its ``Transfer-Encoding``, by :func:`.http1.coding_error`) into a
-:class:`Span` or a typed :class:`~.errors.StoreUnavailable`, and :class:`BotocoreAnswer`, which
-gives aiobotocore's answer the direct path's shape. Does not own sending the requests
-(:mod:`.wire`, the aiobotocore client), retries and the order of a GET's ranges (:mod:`.client`).
+:class:`Span` or a typed :class:`~.errors.StoreUnavailable`. Does not own sending the requests
+(:mod:`.wire`), retries and the order of a GET's ranges (:mod:`.client`, :mod:`.download`).
 """
 
 from __future__ import annotations
@@ -12,13 +11,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any
 
 from ec_s3.store.errors import StoreUnavailable
 from ec_s3.store.http1 import coding_error
-from ec_s3.store.wire import GetAnswer, collect_chunks, fill_from_chunks
 
-__all__ = ["BotocoreAnswer", "Span", "check_answer", "parse_content_length", "parse_content_range"]
+__all__ = ["Span", "check_answer", "parse_content_length", "parse_content_range"]
 
 _LENGTH_RE = re.compile(r"[0-9]{1,19}")
 _RANGE_RE = re.compile(r"bytes ([0-9]{1,19})-([0-9]{1,19})/([0-9]{1,19}|\*)")
@@ -82,30 +79,3 @@ def check_answer(status: int, headers: Mapping[str, str], first: int, last: int,
     if length is not None and length != end - start + 1:
         raise StoreUnavailable("GET", key, f"Content-Range {raw_range!r} with Content-Length {length}")
     return Span(end - start + 1, total)
-
-
-class BotocoreAnswer(GetAnswer):
-    """aiobotocore's ``get_object`` answer as the direct path gives one: status, the
-    headers the store reads, and the body streamed into a buffer."""
-
-    def __init__(self, resp: Mapping[str, Any], body: Any, key: str) -> None:
-        self._body, self._key = body, key
-        self.status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        headers = {"Content-Range": resp.get("ContentRange") or "", "ETag": resp.get("ETag") or ""}
-        # Every Transfer-Encoding line, from aiohttp's own answer under the body
-        # (botocore's HTTPHeaders keeps one line of each name).
-        raw = getattr(getattr(body, "__wrapped__", None), "headers", None)
-        lines = raw.getall("Transfer-Encoding", []) if hasattr(raw, "getall") else []
-        coding = ", ".join(lines) or (resp.get("ResponseMetadata", {}).get("HTTPHeaders") or {}).get("transfer-encoding")
-        if coding:
-            headers["Transfer-Encoding"] = str(coding)
-        if resp.get("ContentLength") is not None:  # absent on a chunked answer
-            headers["Content-Length"] = str(resp["ContentLength"])
-        headers.update({f"x-amz-meta-{k}": str(v) for k, v in (resp.get("Metadata") or {}).items()})
-        self.headers = headers
-
-    async def read_into(self, out: memoryview) -> None:
-        await fill_from_chunks(self._body.iter_chunks(1 << 20), out, self._key)
-
-    async def read_to_end(self, limit: int) -> bytes:
-        return await collect_chunks(self._body.iter_chunks(1 << 20), limit, self._key)

@@ -37,7 +37,6 @@ class StoreConfig:
     addressing_style: str
     verify_tls: bool
     ca_bundle: str | None
-    data_path: str
     checksum_algorithm: str
     connect_timeout_s: float
     read_timeout_s: float

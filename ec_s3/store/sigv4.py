@@ -1,4 +1,4 @@
-"""SigV4 headers for the direct data path: S3's signature with ``UNSIGNED-PAYLOAD``,
+"""SigV4 headers for the blob requests (:mod:`.wire`): S3's signature with ``UNSIGNED-PAYLOAD``,
 written out, byte for byte what botocore's ``S3SigV4Auth`` with payload signing off
 produces (tests/store/test_store_sigv4.py compares the two).
 

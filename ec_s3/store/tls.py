@@ -1,7 +1,7 @@
 """The CA a store trusts (:class:`Trust`) and the SSL contexts built from it.
 
-Owns :class:`Trust`, one for both data paths (the aiobotocore client's ``verify=<file>``,
-:func:`botocore_verify`; the direct path's context, :func:`ssl_context`), the contexts (each
+Owns :class:`Trust`, one per store (the aiobotocore client's ``verify=<file>``,
+:func:`botocore_verify`; the blob pools' context, :func:`ssl_context`), the contexts (each
 that verifies also checks the host name), the load check of the chosen file (a typed
 :class:`~ec_s3.store.errors.CABundleError`) and :func:`certificate_names`. Does not own the
 choice (:mod:`.connection`), the client, nor the words of a failed handshake (:mod:`.diagnose`).

@@ -1,7 +1,7 @@
-"""Direct data path: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
+"""The blob requests: HEAD, PUT, UploadPart and GET, signed here, sent on ec-s3's aiohttp pool.
 
 Owns the aiohttp session of these requests (pool, timeouts, TLS and proxy as the aiobotocore
-client's), object URLs, signing with the client's credentials (:mod:`.sigv4`; never logged or
+client's), object URLs, signing with the store's credentials (:mod:`.sigv4`; never logged or
 kept), GET bodies through :mod:`.recv` when no proxy is used, and turning an answer into
 headers or a typed error (:func:`.error_map.from_status`). Does not own the credential chain,
 the endpoint and the other S3 operations (:mod:`.connection`), retries, the concurrency bound,
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import inspect
 import re
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -20,13 +19,13 @@ from urllib.parse import quote, urlsplit
 
 import aiohttp
 import aiohttp.payload
-from botocore.exceptions import NoCredentialsError
 from botocore.httpsession import ProxyConfiguration
 from botocore.utils import get_environ_proxies
 from yarl import URL
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.body import BufferChain
+from ec_s3.store.connection import Credentials
 from ec_s3.store.error_map import from_status
 from ec_s3.store.errors import StoreConfigError, StoreError, StoreUnavailable
 from ec_s3.store.http1 import is_error_status
@@ -105,19 +104,20 @@ def object_url(endpoint_url: str, bucket: str, key: str, addressing_style: str, 
 class DirectWire:
     """The four blob requests of one store, on its own connection pool.
 
-    Built on the store's loop once the aiobotocore client exists (its endpoint, region
-    and credentials are what this signs with); :meth:`close` on the same loop.
+    Built on the store's loop once the aiobotocore client exists: its endpoint and
+    region, and the credentials :func:`.connection.open_client` resolved, are what this
+    signs with. :meth:`close` on the same loop.
     """
 
-    def __init__(self, config: ECS3Config, client: Any, trust: Trust) -> None:
+    def __init__(self, config: ECS3Config, client: Any, credentials: Credentials, trust: Trust) -> None:
         self._bucket = config.bucket
         self._style = config.addressing_style
         self._custom_endpoint = config.endpoint_url is not None
         self._endpoint = str(client.meta.endpoint_url)
         self._region = str(client.meta.region_name)
-        # The client's credential object, not a frozen copy: refreshable credentials
+        # The client's own credential object, not a frozen copy: refreshable credentials
         # (instance role, SSO, credential_process) rotate under it.
-        self._credentials = client._request_signer._credentials
+        self._credentials = credentials
         base = self.url("")
         proxies = ProxyConfiguration(proxies=get_environ_proxies(base))
         self._proxy = proxies.proxy_url_for(base)
@@ -235,12 +235,7 @@ class DirectWire:
             resp.release()
 
     async def _sign(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
-        credentials = self._credentials
-        if credentials is None:
-            raise NoCredentialsError()  # what botocore's signer raises; errors.py maps it
-        frozen = credentials.get_frozen_credentials()  # refreshes refreshable credentials
-        if inspect.isawaitable(frozen):  # aiobotocore's are coroutines, botocore's are not
-            frozen = await frozen
+        frozen = await self._credentials.get_frozen_credentials()  # refreshes refreshable credentials
         return signed_headers(method, url, {**headers, "Accept-Encoding": "identity"}, access_key=frozen.access_key,
                               secret_key=frozen.secret_key, token=frozen.token, region=self._region)
 
@@ -262,7 +257,7 @@ async def _error(op: str, key: str, resp: aiohttp.ClientResponse) -> StoreError:
 
 
 class GetAnswer:
-    """A GET's answer, either path: its status and headers, and its body read into a buffer."""
+    """A GET's answer (recv pool or aiohttp): its status and headers, and its body read into a buffer."""
 
     status: int
     headers: Mapping[str, str]
@@ -335,7 +330,7 @@ async def _chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 async def fill_from_chunks(chunks: AsyncIterator[bytes], out: memoryview, key: str) -> None:
     """Copy a streamed GET body into ``out`` chunk by chunk, as the client received them
     (no joining, no intermediate buffer); a body shorter or longer than ``out`` (its
-    Content-Length) is a transient error. For aiohttp's and aiobotocore's bodies alike."""
+    Content-Length) is a transient error."""
     pos, size = 0, len(out)
     async for chunk in chunks:
         end = pos + len(chunk)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import concurrent.futures
 import os
 import time
@@ -14,11 +13,6 @@ from ec_s3.config import ECS3Config
 from ec_s3.store.client import AccessDenied, PutOutcome, S3Store, StoreClosed, StoreUnavailable
 from support.faultproxy import FaultProxy
 
-
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 

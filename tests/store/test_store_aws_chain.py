@@ -1,4 +1,4 @@
-"""The store follows the AWS conventions for TLS trust and region, on both data paths.
+"""The store follows the AWS conventions for TLS trust and region, for the client and the blob pools.
 
 Over real TLS: the session's S3 server behind a TLS front whose certificate a private
 CA made for the test signs (``https_endpoint``). The CA is trusted the AWS ways
@@ -25,7 +25,6 @@ from ec_s3.store.diagnose import diagnose
 from ec_s3.store.errors import StoreError, TLSError, UntrustedCertificate
 from support.tls import HTTPSEndpoint, make_private_ca
 
-PATHS = ("direct", "botocore")
 
 
 def _profile_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile: str, **settings: str) -> Path:
@@ -48,11 +47,10 @@ def _round_trip(store: S3Store) -> None:
 
 
 # ---------------------------------------------------------------------------- TLS trust
-@pytest.mark.parametrize("data_path", PATHS)
 @pytest.mark.parametrize("how", ["AWS_CA_BUNDLE", "profile", "ca_bundle key"])
 def test_private_ca_is_trusted_the_aws_ways(
     make_store: Callable[..., S3Store], https_endpoint: HTTPSEndpoint, clean_aws_env: pytest.MonkeyPatch,
-    tmp_path: Path, data_path: str, how: str,
+    tmp_path: Path, how: str,
 ) -> None:
     """Failed before the AWS chain was honoured: verify=True made botocore ignore
     AWS_CA_BUNDLE and the profile, the direct path loaded certifi only, and the
@@ -64,11 +62,10 @@ def test_private_ca_is_trusted_the_aws_ways(
         _profile_file(tmp_path, clean_aws_env, "onprem", ca_bundle=str(https_endpoint.ca_path))
     else:
         overrides["ca_bundle"] = str(https_endpoint.ca_path)
-    store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1, **overrides)
+    store = make_store(https_endpoint.url, max_attempts=1, **overrides)
     _round_trip(store)
-    if data_path == "direct":
-        recv = getattr(store._transport, "wire", None).recv_pool if getattr(store._transport, "wire", None) else None
-        assert recv is not None and recv.opened >= 1  # the GET went through recv.py's TLS
+    recv = getattr(store._transport, "wire", None).recv_pool if getattr(store._transport, "wire", None) else None
+    assert recv is not None and recv.opened >= 1  # the GET went through recv.py's TLS
 
     from ec_s3.store.connection import resolve_endpoint
 
@@ -86,24 +83,21 @@ def test_start_up_check_passes_with_aws_ca_bundle_and_says_what_to_set_without(
     without it, it stops the engine naming the CA it checked against."""
     from ec_s3.connector.preflight import StartupCheckError, run_startup_checks
 
-    for data_path in PATHS:
-        config = make_config(https_endpoint.url, data_path=data_path, startup_check="fatal")
-        clean_aws_env.delenv("AWS_CA_BUNDLE", raising=False)
-        with pytest.raises(StartupCheckError, match="checked against .*public CAs.*set ca_bundle"):
-            run_startup_checks(config, producer=True, consumer=False)
-        clean_aws_env.setenv("AWS_CA_BUNDLE", str(https_endpoint.ca_path))
-        assert run_startup_checks(config, producer=True, consumer=False) == []
+    config = make_config(https_endpoint.url, startup_check="fatal")
+    clean_aws_env.delenv("AWS_CA_BUNDLE", raising=False)
+    with pytest.raises(StartupCheckError, match="checked against .*public CAs.*set ca_bundle"):
+        run_startup_checks(config, producer=True, consumer=False)
+    clean_aws_env.setenv("AWS_CA_BUNDLE", str(https_endpoint.ca_path))
+    assert run_startup_checks(config, producer=True, consumer=False) == []
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 def test_untrusted_ca_is_a_tls_error_with_a_true_diagnosis(
     make_store: Callable[..., S3Store], https_endpoint: HTTPSEndpoint, clean_aws_env: pytest.MonkeyPatch,
-    data_path: str,
 ) -> None:
     """Without a CA, the diagnosis says certifi's public CAs were used and names every
     way to trust a private one (before: "set AWS_CA_BUNDLE", with no word on which CA
     failed, and the advice did not work)."""
-    store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1)
+    store = make_store(https_endpoint.url, max_attempts=1)
     for op, call in (("GET", lambda: store.get_async("k")), ("PUT", lambda: store.put_async("k", b"x"))):
         with pytest.raises(UntrustedCertificate) as caught:
             store.run(call(), timeout=30)
@@ -114,14 +108,13 @@ def test_untrusted_ca_is_a_tls_error_with_a_true_diagnosis(
             assert way in d.fix
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 def test_https_on_a_plain_port_is_not_called_a_ca_problem(
-    make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, data_path: str,
+    make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch,
 ) -> None:
     """A handshake that never reached the certificate check (https:// on the server's
     plain-HTTP port) is a TLSError but not an UntrustedCertificate, and its diagnosis
     points at the URL, not at a CA."""
-    store = make_store(s3_endpoint.url.replace("http://", "https://"), data_path=data_path, max_attempts=1)
+    store = make_store(s3_endpoint.url.replace("http://", "https://"), max_attempts=1)
     with pytest.raises(TLSError) as caught:
         store.run(store.get_async("k"), timeout=30)
     assert not isinstance(caught.value, UntrustedCertificate)
@@ -130,16 +123,15 @@ def test_https_on_a_plain_port_is_not_called_a_ca_problem(
     assert "CA" not in d.cause + d.fix
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 def test_wrong_ca_diagnosis_names_the_file_and_its_source(
     make_store: Callable[..., S3Store], https_endpoint: HTTPSEndpoint, clean_aws_env: pytest.MonkeyPatch,
-    tmp_path: Path, data_path: str,
+    tmp_path: Path,
 ) -> None:
     """AWS_CA_BUNDLE names a CA that did not sign the endpoint's certificate: the
     diagnosis names that file and that variable, not "set AWS_CA_BUNDLE"."""
     other = make_private_ca(tmp_path / "other", name="another CA")
     clean_aws_env.setenv("AWS_CA_BUNDLE", str(other.ca_path))
-    store = make_store(https_endpoint.url, data_path=data_path, max_attempts=1)
+    store = make_store(https_endpoint.url, max_attempts=1)
     with pytest.raises(UntrustedCertificate) as caught:
         store.run(store.get_async("k"), timeout=30)
     d = diagnose(caught.value, store.config, op="GET")
@@ -147,7 +139,7 @@ def test_wrong_ca_diagnosis_names_the_file_and_its_source(
     assert str(other.ca_path) in d.fix and "set AWS_CA_BUNDLE" not in d.fix
 
 
-def test_aws_ca_bundle_wins_over_the_profile_on_both_paths(
+def test_aws_ca_bundle_wins_over_the_profile(
     make_store: Callable[..., S3Store], https_endpoint: HTTPSEndpoint, clean_aws_env: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
@@ -156,8 +148,7 @@ def test_aws_ca_bundle_wins_over_the_profile_on_both_paths(
     other = make_private_ca(tmp_path / "other", name="another CA")
     _profile_file(tmp_path, clean_aws_env, "default", ca_bundle=str(other.ca_path))
     clean_aws_env.setenv("AWS_CA_BUNDLE", str(https_endpoint.ca_path))
-    for data_path in PATHS:
-        _round_trip(make_store(https_endpoint.url, data_path=data_path, max_attempts=1))
+    _round_trip(make_store(https_endpoint.url, max_attempts=1))
 
 
 def test_ca_bundle_key_wins_and_verify_tls_false_still_disables(
@@ -166,11 +157,10 @@ def test_ca_bundle_key_wins_and_verify_tls_false_still_disables(
 ) -> None:
     other = make_private_ca(tmp_path / "other", name="another CA")
     clean_aws_env.setenv("AWS_CA_BUNDLE", str(other.ca_path))
-    for data_path in PATHS:
-        _round_trip(make_store(https_endpoint.url, data_path=data_path, max_attempts=1,
-                               ca_bundle=str(https_endpoint.ca_path)))
-        _round_trip(make_store(https_endpoint.url, data_path=data_path, max_attempts=1,
-                               ca_bundle=str(other.ca_path), verify_tls=False))
+    _round_trip(make_store(https_endpoint.url, max_attempts=1,
+                           ca_bundle=str(https_endpoint.ca_path)))
+    _round_trip(make_store(https_endpoint.url, max_attempts=1,
+                           ca_bundle=str(other.ca_path), verify_tls=False))
 
 
 def test_ca_bundle_key_must_name_a_readable_file(tmp_path: Path) -> None:
@@ -180,10 +170,9 @@ def test_ca_bundle_key_must_name_a_readable_file(tmp_path: Path) -> None:
         ECS3Config.from_extra_config({"bucket": "b-1", "ca_bundle": ""}, environ={})
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 def test_unreadable_aws_ca_bundle_is_a_typed_config_error(
     make_store: Callable[..., S3Store], https_endpoint: HTTPSEndpoint, clean_aws_env: pytest.MonkeyPatch,
-    tmp_path: Path, data_path: str,
+    tmp_path: Path,
 ) -> None:
     """A missing or non-PEM file in AWS_CA_BUNDLE fails at once, not retried as an
     unreachable endpoint (botocore's FileNotFoundError is an OSError), and the
@@ -192,7 +181,7 @@ def test_unreadable_aws_ca_bundle_is_a_typed_config_error(
     not_pem.write_text("not a certificate\n")
     for path in (tmp_path / "missing.pem", not_pem):
         clean_aws_env.setenv("AWS_CA_BUNDLE", str(path))
-        store = make_store(https_endpoint.url, data_path=data_path)
+        store = make_store(https_endpoint.url)
         with pytest.raises(StoreError) as caught:
             store.run(store.get_async("k"), timeout=30)
         assert not caught.value.transient and store.stats.retries == 0
@@ -226,18 +215,16 @@ def test_region_follows_the_aws_chain(
     assert resolved.region == expected[0] and resolved.region_source.startswith(expected[1])
 
 
-@pytest.mark.parametrize("data_path", PATHS)
-def test_both_paths_sign_for_the_region_of_the_environment(
-    make_store: Callable[..., S3Store], clean_aws_env: pytest.MonkeyPatch, data_path: str,
+def test_client_and_wire_sign_for_the_region_of_the_environment(
+    make_store: Callable[..., S3Store], clean_aws_env: pytest.MonkeyPatch,
 ) -> None:
     """Failed before: ``region`` defaulted to the literal us-east-1, passed explicitly."""
     clean_aws_env.setenv("AWS_REGION", "eu-west-3")
-    store = make_store(data_path=data_path)
+    store = make_store()
     assert store.config.region is None
     store.run(store.put_async("r/k", b"x"), timeout=30)
     assert store._transport.client.meta.region_name == "eu-west-3"
-    if data_path == "direct":
-        assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None)._region == "eu-west-3"
+    assert getattr(store._transport, "wire", None) is not None and getattr(store._transport, "wire", None)._region == "eu-west-3"
 
 
 def test_check_prints_region_and_ca_with_their_sources(
@@ -271,10 +258,8 @@ def _front(s3_endpoint: Any, tmp_path: Path, *names: str) -> tuple[Any, Path]:
     return TLSFront(s3_endpoint.url, ca.server_context()).start(), ca.ca_path
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 def test_a_certificate_for_another_name_is_refused(
     make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path,
-    data_path: str,
 ) -> None:
     """Failed before (both paths, GET and HEAD): a certificate for wrong.example, signed by
     the trusted CA, was accepted for https://127.0.0.1 and the bytes came back: neither
@@ -284,9 +269,9 @@ def test_a_certificate_for_another_name_is_refused(
 
     front, ca_path = _front(s3_endpoint, tmp_path, "DNS:wrong.example")
     try:
-        plain = make_store(s3_endpoint.url, data_path=data_path)
+        plain = make_store(s3_endpoint.url)
         plain.run(plain.put_async("names/k", b"secret bytes"), timeout=30)
-        store = make_store(front.url, data_path=data_path, ca_bundle=str(ca_path))  # max_attempts: 4
+        store = make_store(front.url, ca_bundle=str(ca_path))  # max_attempts: 4
         for op, call in (("GET", lambda: store.get_async("names/k")), ("HEAD", lambda: store.head_async("names/k"))):
             with pytest.raises(UntrustedCertificate) as caught:
                 store.run(call(), timeout=30)
@@ -296,24 +281,23 @@ def test_a_certificate_for_another_name_is_refused(
             assert d.kind == "tls" and "127.0.0.1" in d.cause and "wrong.example" in d.cause, d
             assert "verify_tls" in d.fix
         # verify_tls: false stays the one way out
-        off = make_store(front.url, data_path=data_path, ca_bundle=str(ca_path), verify_tls=False)
+        off = make_store(front.url, ca_bundle=str(ca_path), verify_tls=False)
         assert bytes(off.run(off.get_async("names/k"), timeout=30)) == b"secret bytes"
     finally:
         front.stop()
 
 
-@pytest.mark.parametrize("data_path", PATHS)
 @pytest.mark.parametrize("names", [("IP:127.0.0.1",), ("DNS:localhost",)], ids=["IP SAN", "DNS name"])
 def test_a_certificate_for_the_right_name_is_accepted(
     make_store: Callable[..., S3Store], s3_endpoint: Any, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path,
-    data_path: str, names: tuple[str, ...],
+    names: tuple[str, ...],
 ) -> None:
     """The right IP as an IP SAN, for https://127.0.0.1; a DNS name resolved to loopback,
     for https://localhost."""
     front, ca_path = _front(s3_endpoint, tmp_path, *names)
     try:
         url = front.url if names[0].startswith("IP:") else front.url.replace("127.0.0.1", "localhost")
-        _round_trip(make_store(url, data_path=data_path, ca_bundle=str(ca_path), max_attempts=1))
+        _round_trip(make_store(url, ca_bundle=str(ca_path), max_attempts=1))
     finally:
         front.stop()
 

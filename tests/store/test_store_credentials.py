@@ -44,9 +44,9 @@ def _slow_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_endpoint: 
     return runs
 
 
-def _store(s3_endpoint: Any, bucket: str, data_path: str, **overrides: Any) -> S3Store:
+def _store(s3_endpoint: Any, bucket: str, **overrides: Any) -> S3Store:
     return S3Store(ECS3Config.from_extra_config(
-        {"bucket": bucket, "endpoint_url": s3_endpoint.url, "data_path": data_path, **overrides}, environ={}))
+        {"bucket": bucket, "endpoint_url": s3_endpoint.url, **overrides}, environ={}))
 
 
 def _gone(pid: int, within_s: float) -> bool:
@@ -60,14 +60,13 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
-@pytest.mark.parametrize("data_path", ["direct", "botocore"])
 def test_a_slow_credential_process_ends_typed_within_the_deadline(
-    s3_endpoint: Any, bucket: str, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path, data_path: str,
+    s3_endpoint: Any, bucket: str, clean_aws_env: pytest.MonkeyPatch, tmp_path: Path,
 ) -> None:
     """Failed before: each of 4 HEADs ran the 6 s process in turn under the client
     lock, with no deadline (24 s; here the first .result(5) timed out)."""
     runs = _slow_profile(tmp_path, clean_aws_env, s3_endpoint, seconds=6)
-    store = _store(s3_endpoint, bucket, data_path, request_timeout_s=1.0, breaker_cooldown_s=30.0)
+    store = _store(s3_endpoint, bucket, request_timeout_s=1.0, breaker_cooldown_s=30.0)
     try:
         started = time.monotonic()
         futures = [store.submit(store.head_async(f"k{i}")) for i in range(4)]
@@ -100,7 +99,7 @@ def test_a_remembered_failure_is_tried_again_after_the_cooldown(
     """After ``breaker_cooldown_s`` the chain is run again, and a source that is fast by
     then gives a working store."""
     runs = _slow_profile(tmp_path, clean_aws_env, s3_endpoint, seconds=3)
-    store = _store(s3_endpoint, bucket, "direct", request_timeout_s=1.0, breaker_cooldown_s=1.0)
+    store = _store(s3_endpoint, bucket, request_timeout_s=1.0, breaker_cooldown_s=1.0)
     try:
         with pytest.raises(NoCredentials):
             store.run(store.head_async("k"), timeout=5)

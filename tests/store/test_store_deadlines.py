@@ -2,7 +2,7 @@
 
 ``read_timeout_s`` bounds each silence; a body sent a byte at a time never trips it.
 ``request_timeout_s`` bounds each attempt as a whole and each wait for one of the
-``max_concurrency`` permits (store/permits.py). Both data paths, against a scripted raw
+``max_concurrency`` permits (store/permits.py). Against a scripted raw
 server (tests/support/scripted_http.py).
 """
 
@@ -33,9 +33,9 @@ def _trickle(sock: socket.socket) -> None:
         sock.sendall(b"x")
 
 
-def test_a_trickled_body_times_out_as_a_whole(path_store: Callable[..., S3Store]) -> None:
+def test_a_trickled_body_times_out_as_a_whole(make_store: Callable[..., S3Store]) -> None:
     with ScriptedHTTP(lambda n, head: _trickle) as server:
-        store = path_store(server.url, max_attempts=1, read_timeout_s=1.0, request_timeout_s=1.5)
+        store = make_store(server.url, max_attempts=1, read_timeout_s=1.0, request_timeout_s=1.5)
         started = time.monotonic()
         with pytest.raises(StoreTimeout):
             store.run(store.get_async("k"), timeout=30)
@@ -43,11 +43,11 @@ def test_a_trickled_body_times_out_as_a_whole(path_store: Callable[..., S3Store]
         assert store.stats.failures == 1 and store.breaker.failures == 1  # counted as any last attempt
 
 
-def test_waiting_for_a_permit_is_bounded(path_store: Callable[..., S3Store]) -> None:
+def test_waiting_for_a_permit_is_bounded(make_store: Callable[..., S3Store]) -> None:
     """One permit, three trickled GETs: the first holds the permit until its deadline;
     the others wait at most that long, and at least one of them gets StoreBusy."""
     with ScriptedHTTP(lambda n, head: _trickle) as server:
-        store = path_store(server.url, max_attempts=1, max_concurrency=1, read_timeout_s=1.0, request_timeout_s=1.0)
+        store = make_store(server.url, max_attempts=1, max_concurrency=1, read_timeout_s=1.0, request_timeout_s=1.0)
         started = time.monotonic()
         futures = [store.submit(store.get_async(f"k{i}")) for i in range(3)]
         errors: list[BaseException] = []
@@ -117,14 +117,14 @@ def _first_trickled(data: bytes, trickled: int) -> Callable[[int, bytes], object
 
 @pytest.mark.parametrize("ranges", [1, 2])
 def test_a_slow_first_body_is_retried_not_a_cancel_of_the_caller(
-    path_store: Callable[..., S3Store], ranges: int
+    make_store: Callable[..., S3Store], ranges: int
 ) -> None:
     """Failed before (both paths, 1 and 2 ranges): the permit's deadline, entered in the
     caller's task when the first answer was opened and left in another task when its
     body was read, cancelled the caller: a bare CancelledError with max_attempts >= 2."""
     data = bytes(range(256)) * (SIZES[ranges] // 256) + bytes(SIZES[ranges] % 256)
     with ScriptedHTTP(_first_trickled(data, 1)) as server:
-        store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
+        store = make_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
                            get_range_bytes=PART)
         got = store.run(store.get_async("k"), timeout=30)
         assert bytes(got) == data
@@ -133,11 +133,11 @@ def test_a_slow_first_body_is_retried_not_a_cancel_of_the_caller(
 
 @pytest.mark.parametrize("ranges", [1, 2])
 def test_a_first_body_slow_on_every_attempt_is_a_store_timeout(
-    path_store: Callable[..., S3Store], ranges: int
+    make_store: Callable[..., S3Store], ranges: int
 ) -> None:
     data = bytes(SIZES[ranges])
     with ScriptedHTTP(_first_trickled(data, 10)) as server:
-        store = path_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
+        store = make_store(server.url, max_attempts=2, read_timeout_s=1.0, request_timeout_s=1.0,
                            get_range_bytes=PART)
         started = time.monotonic()
         with pytest.raises(StoreTimeout):
@@ -145,7 +145,7 @@ def test_a_first_body_slow_on_every_attempt_is_a_store_timeout(
         assert time.monotonic() - started < 10.0
 
 
-def test_the_callers_own_await_between_open_and_read_is_not_cancelled(path_store: Callable[..., S3Store]) -> None:
+def test_the_callers_own_await_between_open_and_read_is_not_cancelled(make_store: Callable[..., S3Store]) -> None:
     """Failed before (both paths): the caller's own sleep between ``open_async`` and
     ``read_into``, longer than request_timeout_s, was cancelled by the permit's deadline.
     Now the attempt that outlived its deadline is retried when the caller reads."""
@@ -153,7 +153,7 @@ def test_the_callers_own_await_between_open_and_read_is_not_cancelled(path_store
 
     data = bytes(range(100))
     with ScriptedHTTP(lambda n, head: serve_range(head, data)) as server:
-        store = path_store(server.url, read_timeout_s=1.0, request_timeout_s=0.5)
+        store = make_store(server.url, read_timeout_s=1.0, request_timeout_s=0.5)
 
         async def caller() -> tuple[bytes, bool]:
             async with store.open_async("k") as download:

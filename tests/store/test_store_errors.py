@@ -9,7 +9,6 @@ unchanged and unretried.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 from collections.abc import Callable, Coroutine, Iterator
@@ -22,11 +21,6 @@ from ec_s3.store.client import S3Store
 from ec_s3.store.diagnose import diagnose
 from ec_s3.store.errors import NoCredentials, StoreError, StoreUnreachable, TLSError
 
-
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 
@@ -68,11 +62,6 @@ def no_aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[None]
     yield
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def data_path(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def _store(url: str, bucket: str, **extra: Any) -> S3Store:
     return S3Store(ECS3Config.from_extra_config(
         {"bucket": bucket, "endpoint_url": url, "connect_timeout_s": 1.0, "read_timeout_s": 5.0,
@@ -92,8 +81,8 @@ def _failure(store: S3Store, op: str) -> StoreError:
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_no_credentials(op: str, s3_endpoint: Any, bucket: str, no_aws_env: None, data_path: str) -> None:
-    store = _store(s3_endpoint.url, bucket, data_path=data_path)
+def test_no_credentials(op: str, s3_endpoint: Any, bucket: str, no_aws_env: None) -> None:
+    store = _store(s3_endpoint.url, bucket)
     try:
         exc = _failure(store, op)
         assert isinstance(exc, NoCredentials), repr(exc)
@@ -104,13 +93,27 @@ def test_no_credentials(op: str, s3_endpoint: Any, bucket: str, no_aws_env: None
         store.close(timeout=2)
 
 
+def test_missing_credentials_fail_at_connect(s3_endpoint: Any, bucket: str, no_aws_env: None) -> None:
+    """Failed before: the client was built without credentials and connecting
+    succeeded; only each request failed, later. Now connecting fails, typed, naming
+    where credentials were looked for."""
+    store = _store(s3_endpoint.url, bucket)
+    try:
+        with pytest.raises(NoCredentials, match=r"credentials from") as caught:
+            store.run(store._get_transport(), timeout=30)
+        assert not caught.value.transient
+        assert diagnose(caught.value, store.config).kind == "no_credentials"
+    finally:
+        store.close(timeout=2)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_https_to_a_plain_http_port_is_a_tls_error(
-    op: str, s3_endpoint: Any, bucket: str, no_aws_env: None, data_path: str
+    op: str, s3_endpoint: Any, bucket: str, no_aws_env: None
 ) -> None:
     url = s3_endpoint.url.replace("http://", "https://", 1)
     creds = s3_endpoint.credentials
-    store = _store(url, bucket, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key, data_path=data_path)
+    store = _store(url, bucket, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key)
     try:
         exc = _failure(store, op)
         assert isinstance(exc, TLSError), repr(exc)
@@ -122,13 +125,12 @@ def test_https_to_a_plain_http_port_is_a_tls_error(
 
 @pytest.mark.parametrize("op", ["head", "get", "put"])
 def test_proxy_on_a_closed_port_is_unreachable(
-    op: str, s3_endpoint: Any, bucket: str, no_aws_env: None, monkeypatch: pytest.MonkeyPatch, data_path: str
+    op: str, s3_endpoint: Any, bucket: str, no_aws_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("HTTP_PROXY", f"http://proxyuser:proxy-secret-pw@127.0.0.1:{_closed_port()}")
     creds = s3_endpoint.credentials
     store = _store(
         s3_endpoint.url, bucket, access_key_id=creds.access_key_id, secret_access_key=creds.secret_access_key,
-        data_path=data_path,
     )
     try:
         exc = _failure(store, op)
@@ -142,8 +144,8 @@ def test_proxy_on_a_closed_port_is_unreachable(
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_dead_port_is_unreachable(op: str, bucket: str, no_aws_env: None, data_path: str) -> None:
-    store = _store(f"http://127.0.0.1:{_closed_port()}", bucket, access_key_id="k", secret_access_key="s", data_path=data_path)
+def test_dead_port_is_unreachable(op: str, bucket: str, no_aws_env: None) -> None:
+    store = _store(f"http://127.0.0.1:{_closed_port()}", bucket, access_key_id="k", secret_access_key="s")
     try:
         exc = _failure(store, op)
         assert isinstance(exc, StoreUnreachable) and exc.transient, repr(exc)

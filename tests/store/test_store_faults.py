@@ -21,11 +21,6 @@ from ec_s3.store.client import PutOutcome, S3Store, StoreError, StoreUnavailable
 from support.faultproxy import FaultProxy
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
-
 MiB = 1 << 20
 
 

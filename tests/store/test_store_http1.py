@@ -1,9 +1,9 @@
-"""Legal but unusual HTTP/1.1 answers give the bytes, malformed ones a typed error, on both data paths.
+"""Legal but unusual HTTP/1.1 answers give the bytes, malformed ones a typed error.
 
 A scripted raw server (tests/support/scripted_http.py) sends what S3 servers and
 gateways may send: interim 1xx answers before the real one, chunked 200/206, a 200
-for the whole object. The parser behind each path is llhttp (store/http1.py on the
-direct path, aiohttp's under aiobotocore). Range checks: tests/store/test_store_ranges.py;
+for the whole object. The parser is llhttp (store/http1.py for GETs, aiohttp's for
+HEAD and PUT). Range checks: tests/store/test_store_ranges.py;
 the pool's framing: tests/store/test_store_recv.py.
 """
 
@@ -40,9 +40,9 @@ GOOD_ANSWERS = {
 
 
 @pytest.mark.parametrize("name", sorted(GOOD_ANSWERS))
-def test_legal_answers_give_the_bytes(path_store: Callable[..., S3Store], name: str) -> None:
+def test_legal_answers_give_the_bytes(make_store: Callable[..., S3Store], name: str) -> None:
     with ScriptedHTTP(lambda n, head: GOOD_ANSWERS[name]) as server:
-        store = path_store(server.url, max_attempts=1, read_timeout_s=5.0)
+        store = make_store(server.url, max_attempts=1, read_timeout_s=5.0)
         assert get_bytes(store) == BODY  # also builds the client: not timed
         started = time.monotonic()
         assert get_bytes(store) == BODY
@@ -76,9 +76,9 @@ MALFORMED = {
 
 
 @pytest.mark.parametrize("name", sorted(MALFORMED))
-def test_malformed_answers_fail_typed(path_store: Callable[..., S3Store], name: str) -> None:
+def test_malformed_answers_fail_typed(make_store: Callable[..., S3Store], name: str) -> None:
     with ScriptedHTTP(lambda n, head: MALFORMED[name]) as server:
-        store = path_store(server.url, max_attempts=1, read_timeout_s=1.0)
+        store = make_store(server.url, max_attempts=1, read_timeout_s=1.0)
         with pytest.raises(StoreError) as caught:
             get_bytes(store)
         assert isinstance(caught.value, StoreUnavailable), repr(caught.value)
@@ -92,13 +92,13 @@ LAST_MODIFIED = {
 
 
 @pytest.mark.parametrize("name", sorted(LAST_MODIFIED))
-def test_a_last_modified_of_any_form_is_read_or_ignored(path_store: Callable[..., S3Store], name: str) -> None:
+def test_a_last_modified_of_any_form_is_read_or_ignored(make_store: Callable[..., S3Store], name: str) -> None:
     """Failed before (issue 24): ISO 8601 and garbage were an untyped ValueError from
     head_async on the direct path; garbage failed the botocore path too."""
     value, expected = LAST_MODIFIED[name]
     head = answer(b"200 OK", [b"Content-Length: 12", b"ETag: \"e\"", b"Last-Modified: " + value], b"")
     with ScriptedHTTP(lambda n, request: head) as server:
-        store = path_store(server.url, max_attempts=1, read_timeout_s=5.0)
+        store = make_store(server.url, max_attempts=1, read_timeout_s=5.0)
         info = store.run(store.head_async("k"), timeout=30)
     assert info is not None and info.size == 12
     if expected is None:
@@ -114,7 +114,7 @@ GOOD = GOOD_ANSWERS["plain"]
 
 
 @pytest.mark.parametrize("wait", [b"1", b"date"])
-def test_retry_after_on_slow_down_is_honoured(path_store: Callable[..., S3Store], wait: bytes) -> None:
+def test_retry_after_on_slow_down_is_honoured(make_store: Callable[..., S3Store], wait: bytes) -> None:
     """Failed before (issue 24): the retry came after the back-off alone (36-166 ms)."""
     arrivals: list[float] = []
 
@@ -126,17 +126,17 @@ def test_retry_after_on_slow_down_is_honoured(path_store: Callable[..., S3Store]
         return GOOD
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=3, read_timeout_s=5.0, request_timeout_s=10.0)
+        store = make_store(server.url, max_attempts=3, read_timeout_s=5.0, request_timeout_s=10.0)
         assert get_bytes(store) == BODY
         assert get_bytes(store) == BODY
     assert len(arrivals) == 3 and arrivals[2] - arrivals[1] >= 0.95
 
 
-def test_retry_after_past_the_deadline_ends_the_request(path_store: Callable[..., S3Store]) -> None:
+def test_retry_after_past_the_deadline_ends_the_request(make_store: Callable[..., S3Store]) -> None:
     """A wait longer than request_timeout_s is not waited out, nor cut short: the
     request fails at once with the server's transient error."""
     with ScriptedHTTP(lambda n, head: GOOD if n == 0 else SLOW_DOWN.replace(b"%s", b"30")) as server:
-        store = path_store(server.url, max_attempts=4, read_timeout_s=5.0, request_timeout_s=5.0)
+        store = make_store(server.url, max_attempts=4, read_timeout_s=5.0, request_timeout_s=5.0)
         assert get_bytes(store) == BODY
         started = time.monotonic()
         with pytest.raises(StoreUnavailable) as caught:

@@ -1,4 +1,4 @@
-"""Conformance: every request ec-s3 makes, on both data paths, against each S3 server of
+"""Conformance: every request ec-s3 makes against each S3 server of
 the matrix (SeaweedFS, moto, Ceph RGW; ``tests/support/s3_matrix.py``).
 
 Covered: CreateBucket (fresh and again), HEAD (present, missing), conditional PUT,
@@ -36,12 +36,11 @@ MiB = 1 << 20
 PART = 5 * MiB  # the smallest part S3 allows: multipart at 11 MiB is three parts
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Both data paths, with multipart from 5 MiB so the multipart tests stay small."""
+@pytest.fixture
+def make_config(make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
+    """Multipart from 5 MiB, so the multipart tests stay small."""
     return functools.partial(
-        make_config, data_path=request.param, multipart_threshold_bytes=PART, multipart_part_bytes=PART,
-        get_range_bytes=PART
+        make_config, multipart_threshold_bytes=PART, multipart_part_bytes=PART, get_range_bytes=PART
     )
 
 

@@ -1,4 +1,4 @@
-"""A GET takes exactly the bytes it asked for, or fails typed, on both data paths.
+"""A GET takes exactly the bytes it asked for, or fails typed.
 
 Against a scripted raw server (tests/support/scripted_http.py): a 206 of another range,
 malformed numbers. Against SeaweedFS: a blob replaced between the ranges of one GET is
@@ -36,9 +36,9 @@ WRONG_ANSWERS = {
 
 
 @pytest.mark.parametrize("name", sorted(WRONG_ANSWERS))
-def test_an_answer_that_is_not_the_asked_range_fails_typed(path_store: Callable[..., S3Store], name: str) -> None:
+def test_an_answer_that_is_not_the_asked_range_fails_typed(make_store: Callable[..., S3Store], name: str) -> None:
     with ScriptedHTTP(lambda n, head: WRONG_ANSWERS[name]) as server:
-        store = path_store(server.url, max_attempts=1)
+        store = make_store(server.url, max_attempts=1)
         with pytest.raises(StoreError) as caught:
             get_bytes(store)
         assert isinstance(caught.value, StoreUnavailable), repr(caught.value)
@@ -78,22 +78,22 @@ def _replacing_allocator(config: ECS3Config, key: str, new: bytes) -> Callable[[
     return allocate
 
 
-def test_a_blob_replaced_between_ranges_is_never_a_blend(path_store: Callable[..., S3Store]) -> None:
-    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+def test_a_blob_replaced_between_ranges_is_never_a_blend(make_store: Callable[..., S3Store]) -> None:
+    store = make_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
     old, new = b"a" * (12 * MiB), b"b" * (12 * MiB)
     store.run(store.put_async("k", old), timeout=60)
     got = store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", new)), timeout=60)
     assert bytes(got) == new  # restarted once on the 412, the new object whole
 
 
-def test_a_blob_replaced_by_another_size_is_object_changed(path_store: Callable[..., S3Store]) -> None:
-    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
+def test_a_blob_replaced_by_another_size_is_object_changed(make_store: Callable[..., S3Store]) -> None:
+    store = make_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB)
     store.run(store.put_async("k", b"a" * (12 * MiB)), timeout=60)
     with pytest.raises(ObjectChanged):
         store.run(store.get_async("k", allocate=_replacing_allocator(store.config, "k", b"c" * (11 * MiB))), timeout=60)
 
 
-def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None:
+def test_later_ranges_carry_if_match(make_store: Callable[..., S3Store]) -> None:
     total = 6 * MiB
     data = bytes(range(256)) * (total // 256)
 
@@ -106,12 +106,12 @@ def test_later_ranges_carry_if_match(path_store: Callable[..., S3Store]) -> None
                                  b"Content-Length: %d" % (last - first + 1), b'ETag: "v1"'], data[first : last + 1])
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == data
         assert len(server.requests) == 2
 
 
-def test_later_ranges_go_out_while_the_first_body_is_read(path_store: Callable[..., S3Store]) -> None:
+def test_later_ranges_go_out_while_the_first_body_is_read(make_store: Callable[..., S3Store]) -> None:
     """Issue 19 item 4: the first range's body must not go alone. The server sends the
     first answer's head and half its body, then holds the rest until a later range is
     asked for (5 s at most): read in turn, the later ranges came only after it."""
@@ -142,7 +142,7 @@ def test_later_ranges_go_out_while_the_first_body_is_read(path_store: Callable[.
         return send
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=part, request_timeout_s=30)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=part, request_timeout_s=30)
         assert get_bytes(store) == data
         assert len(server.requests) == 3
     assert overlapped == [True], "the later ranges waited for the whole first body"
@@ -150,11 +150,11 @@ def test_later_ranges_go_out_while_the_first_body_is_read(path_store: Callable[.
 
 # -- the two phases of a GET: open (the size), then read_into the caller's buffer -------------
 
-def test_open_gives_the_size_then_reads_into_the_callers_buffer(path_store: Callable[..., S3Store]) -> None:
+def test_open_gives_the_size_then_reads_into_the_callers_buffer(make_store: Callable[..., S3Store]) -> None:
     """Three ranges (5 MiB parts): the size comes with the first answer, the bytes only
     into a buffer of exactly that size; opens left unread (more than the pool) hold no
     connection once closed."""
-    store = path_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, max_pool_connections=2)
+    store = make_store(get_range_bytes=5 * MiB, multipart_threshold_bytes=64 * MiB, max_pool_connections=2)
     data = bytes(range(256)) * (12 * MiB // 256)
     store.run(store.put_async("k", data), timeout=60)
 
@@ -194,30 +194,30 @@ OLD, NEW = b"a" * (6 * MiB), b"b" * (6 * MiB)
 
 
 def test_a_later_range_of_a_replaced_object_is_never_a_blend_even_if_if_match_is_ignored(
-    path_store: Callable[..., S3Store],
+    make_store: Callable[..., S3Store],
 ) -> None:
     """Failed before (both paths): the later range's ETag was never compared with the
     first answer's, so a server that ignores If-Match gave 5 MiB + 64 KiB of the old
     object and the rest of the new one. Now: the 412 path, restarted once, the new
     object whole."""
     with ScriptedHTTP(_versions(OLD, NEW, (b'"v1"', b'"v2"'))) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == NEW
         assert len(server.requests) == 4  # two ranges, then both again
 
 
-def test_an_object_that_keeps_changing_is_object_changed(path_store: Callable[..., S3Store]) -> None:
+def test_an_object_that_keeps_changing_is_object_changed(make_store: Callable[..., S3Store]) -> None:
     from tests.support.scripted_http import serve_range
 
     with ScriptedHTTP(lambda n, head: serve_range(head, OLD if n % 2 else NEW, b'"v%d"' % n)) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         with pytest.raises(ObjectChanged):
             get_bytes(store)
 
 
 @pytest.mark.parametrize("etag", [None, b'W/"v1"'], ids=["no ETag", "weak ETag"])
 def test_an_object_without_a_strong_etag_is_read_with_one_unranged_get(
-    path_store: Callable[..., S3Store], etag: bytes | None,
+    make_store: Callable[..., S3Store], etag: bytes | None,
 ) -> None:
     """Failed before (both paths): with no ETag no If-Match was sent and the later range
     came from the replaced object (a blend); with a weak one every multi-range GET met
@@ -225,7 +225,7 @@ def test_an_object_without_a_strong_etag_is_read_with_one_unranged_get(
     ranged answers of such an object cannot be told to be the same object: it is read
     with one unranged GET."""
     with ScriptedHTTP(_versions(OLD, NEW, (etag, etag), weak_412=True)) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=5 * MiB)
         assert get_bytes(store) == NEW
         assert len(server.requests) == 2
         assert header(server.requests[1], b"Range") is None and header(server.requests[1], b"If-Match") is None
@@ -233,12 +233,12 @@ def test_an_object_without_a_strong_etag_is_read_with_one_unranged_get(
 
 @pytest.mark.parametrize("etag", [None, b'W/"v1"'], ids=["no ETag", "weak ETag"])
 def test_a_one_range_object_without_a_strong_etag_takes_one_request(
-    path_store: Callable[..., S3Store], etag: bytes | None,
+    make_store: Callable[..., S3Store], etag: bytes | None,
 ) -> None:
     from tests.support.scripted_http import serve_range
 
     with ScriptedHTTP(lambda n, head: serve_range(head, BODY, etag)) as server:
-        store = path_store(server.url, max_attempts=1)
+        store = make_store(server.url, max_attempts=1)
         assert get_bytes(store) == BODY
         assert len(server.requests) == 1
 
@@ -278,7 +278,7 @@ def _sized(store: S3Store, expected: int) -> bytes:
     return bytes(store.run(store.get_async("k", expected_size=expected), timeout=60))
 
 
-def test_a_known_size_sends_every_range_before_any_answer(path_store: Callable[..., S3Store]) -> None:
+def test_a_known_size_sends_every_range_before_any_answer(make_store: Callable[..., S3Store]) -> None:
     """Failed before (no expected size existed): the first answer had to come back
     before a later range was asked, a round trip per blob on a network. The server
     holds every answer until all four ranges of the 8 MiB blob have been asked (5 s at
@@ -306,28 +306,28 @@ def test_a_known_size_sends_every_range_before_any_answer(path_store: Callable[.
         return send
 
     with ScriptedHTTP(script) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=2 * MiB, request_timeout_s=30)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=2 * MiB, request_timeout_s=30)
         assert _sized(store, len(data)) == data
         assert len(server.requests) == 4 and all(waited)
 
 
 @pytest.mark.parametrize("guess", [0.5, 0.999, 1.0, 1.5, 3.0])
-def test_a_wrong_guess_costs_requests_never_bytes(path_store: Callable[..., S3Store], guess: float) -> None:
+def test_a_wrong_guess_costs_requests_never_bytes(make_store: Callable[..., S3Store], guess: float) -> None:
     """An expected size too small asks the rest once the first answer tells the size;
     one too large meets ranges past the end (416) or cut short by it: the blob whole
     either way, on SeaweedFS."""
-    store = path_store(get_range_bytes=1 * MiB)
+    store = make_store(get_range_bytes=1 * MiB)
     data = bytes(range(256)) * (5 * MiB // 256) + b"tail"
     store.run(store.put_async("k", data), timeout=60)
     assert _sized(store, int(len(data) * guess)) == data
     assert store.stats.retries == 0
 
 
-def test_a_known_size_replaced_between_ranges_is_never_a_blend(path_store: Callable[..., S3Store]) -> None:
+def test_a_known_size_replaced_between_ranges_is_never_a_blend(make_store: Callable[..., S3Store]) -> None:
     """Every range asked at once, no If-Match yet: the answer that came first is old,
     the others new; their ETags differ, so the GET starts again and gives NEW whole."""
     with ScriptedHTTP(_versions(OLD, NEW, (b'"v1"', b'"v2"'))) as server:
-        store = path_store(server.url, max_attempts=1, get_range_bytes=2 * MiB)
+        store = make_store(server.url, max_attempts=1, get_range_bytes=2 * MiB)
         assert _sized(store, len(NEW)) == NEW
 
 

@@ -6,19 +6,12 @@ differed only in credentials got the first one's client and its keys.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import pytest
 
 from ec_s3.config import ECS3Config
 from ec_s3.store.client import AccessDenied, S3Store
-
-
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
 
 
 @pytest.mark.parametrize("first", ["good", "bad"])

@@ -1,4 +1,4 @@
-"""botocore's S3 SigV4 signer with payload signing off, as the direct data path used it
+"""botocore's S3 SigV4 signer with payload signing off, as ec-s3 used it
 before :mod:`ec_s3.store.sigv4`: the reference that module is checked against
 (tests/store/test_store_sigv4.py) and the baseline its cost is measured against
 (bench/small_ops.py). Owns nothing else."""

@@ -1,7 +1,7 @@
 """A raw HTTP/1.1 server on loopback that answers each request with scripted bytes.
 
 For the answers a real S3 server never sends (a wrong Content-Range, a chunked 200, an
-interim 1xx, a trickled body) to a whole store on either data path, which talk to it
+interim 1xx, a trickled body) to a whole store, which talks to it
 from the store's own loop thread: this server runs on its own thread. The n-th request
 (counted over all connections, from 0) gets ``script(n, head)``: bytes to send, or a
 callable that gets the socket and writes (and sleeps) as it likes. Does not parse more

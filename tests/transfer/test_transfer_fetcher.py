@@ -1,12 +1,11 @@
 """The fetcher always reports: every lookup ends in exactly one result whatever the
 store does (an item without one would wait forever), and no staging byte or name stays
 booked by a lookup that did not stage. Faults come from a real server, a closed
-endpoint, a request botocore refuses to send, a staging directory removed under the
+endpoint, a request the store refuses to send, a staging directory removed under the
 fetcher and a stopped I/O loop."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 import socket
 import time
@@ -24,11 +23,6 @@ from ec_s3.transfer.counters import Counters
 from ec_s3.transfer.fetcher import Failed, FetchResult, ItemFetcher, Missing, NoSpace, Present, Staged
 from ec_s3.transfer.staging import StagingArea
 
-
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
 
 MiB = 1 << 20
 
@@ -49,7 +43,7 @@ def _closed_port() -> int:
 
 
 def test_every_head_lookup_reports(make_store: Callable[..., S3Store]) -> None:
-    """A HEAD that fails with something other than a store error (botocore refuses an
+    """A HEAD that fails with something other than a store error (the store refuses an
     empty key before sending) used to leave its item without a result forever."""
     store = make_store()
     store.run(store.put_async("k/present", b"x"))
@@ -114,10 +108,9 @@ def test_staged_blob_lands_bit_exact_in_its_slot(tmp_path: Path, make_store: Cal
     assert isinstance(result, Staged), result
     with open(result.slot.path, "rb") as f:
         assert f.read() == blob
-    if store.config.data_path == "direct":
-        wire = getattr(store._transport, "wire", None)
-        assert wire is not None and wire.recv_pool is not None
-        assert wire.recv_pool.opened >= 1 and wire.recv_pool.in_use == 0
+    wire = getattr(store._transport, "wire", None)
+    assert wire is not None and wire.recv_pool is not None
+    assert wire.recv_pool.opened >= 1 and wire.recv_pool.in_use == 0
     area.close()
 
 

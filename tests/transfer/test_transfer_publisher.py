@@ -1,6 +1,6 @@
 """The publisher ends every upload uploaded, spooled, or dropped with a count and a log
 line, whatever the store raises, and its in-flight pool always comes back. Faults
-come from a real server (wrong credentials), a closed endpoint, a request botocore
+come from a real server (wrong credentials), a closed endpoint, a request the store
 refuses to send, a stalled store (fault proxy) and a stopped I/O loop.
 
 Memory and step cost: uploads hold pool buffers (reused), not the encoder outputs, and
@@ -8,7 +8,6 @@ a batch of saves wakes the I/O loop once."""
 
 from __future__ import annotations
 
-import functools
 import gc
 import socket
 import subprocess
@@ -32,11 +31,6 @@ from ec_s3.transfer.publisher import BlobPublisher
 from support.faultproxy import FaultProxy
 
 
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Every test here runs on both data paths (``data_path``): the direct one and the escape hatch."""
-    return functools.partial(make_config, data_path=request.param)
-
 MiB = 1 << 20
 
 
@@ -58,8 +52,8 @@ def _tensor() -> torch.Tensor:
 def test_unexpected_store_error_is_counted_and_frees_the_pool(
     make_config: Callable[..., ECS3Config], make_store: Callable[..., S3Store]
 ) -> None:
-    """botocore refuses the request (an empty key) with an exception that is not a
-    StoreError: the upload must still end counted and logged, the key retryable."""
+    """The store refuses the request (an empty key) before sending it: the upload must
+    still end counted and logged, the key retryable."""
     publisher, counters = _publisher(make_store(), make_config(max_inflight_bytes=MiB))
     assert publisher.publish("img", _tensor(), "")
     assert publisher.flush(15) == 0
