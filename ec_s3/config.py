@@ -160,6 +160,19 @@ class ECS3Config:
             min=64 * 1024, max=5 * GiB,
         ),
     )
+    hedge_after_factor: float = dataclasses.field(
+        default=3.0,
+        metadata=_doc(
+            "A ranged GET still running after this many times its expected time (learned from recent ranges, "
+            "at least 0.1 s) is asked once more on another connection; the first complete answer is used. "
+            "`0` turns hedging off; else above 1.", min=0.0, max=100.0,
+        ),
+    )
+    max_hedges_in_flight: int = dataclasses.field(
+        default=4,
+        metadata=_doc("Hedged GET requests (see `hedge_after_factor`) in flight at once per store; `0` none.",
+                      min=0, max=1024),
+    )
     connect_timeout_s: float = dataclasses.field(
         default=2.0, metadata=_doc("TCP connect timeout per attempt.", min=0.01, max=600.0)
     )
@@ -402,6 +415,8 @@ class ECS3Config:
                     "or use CRC32 or SHA256"
                 ) from None
         self.io_cpu_set()  # raises naming io_cpus
+        if 0 < self.hedge_after_factor <= 1:
+            raise ConfigError(f"hedge_after_factor={self.hedge_after_factor!r} must be 0 (off) or above 1")
         if self.retry_max_delay_s < self.retry_base_delay_s:
             raise ConfigError("retry_max_delay_s must be >= retry_base_delay_s")
 

@@ -130,9 +130,11 @@ PANELS: list[dict[str, Any]] = [
     panel("Store health", [
         (rate("vllm:ec_s3_retries_total"), "retries"),
         (rate("vllm:ec_s3_store_errors_total"), "lookup errors"),
+        (rate("vllm:ec_s3_hedges_total"), "GET ranges hedged"),
+        (rate("vllm:ec_s3_hedges_won_total"), "hedges that answered first"),
         (f"max(vllm:ec_s3_breaker_open{SEL})", "circuit open (1)")], unit="short",
-        description="Retries and errors per second; the circuit breaker is 1 while requests to the store are "
-                    "skipped after repeated failures."),
+        description="Retries, errors and hedged GET ranges per second; the circuit breaker is 1 while requests to "
+                    "the store are skipped after repeated failures."),
     row("Encoders (producers)"),
     panel("Uploads", [
         (rate("vllm:ec_s3_uploads_started_total"), "started"),

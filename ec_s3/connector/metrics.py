@@ -56,6 +56,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:ec_s3_uploads_dropped_total": ("Uploads skipped because max_inflight_bytes was full (backpressure=drop).", "upload_dropped"),
     "vllm:ec_s3_blobs_spooled_total": ("Blobs written to the outage spool.", "blobs_spooled"),
     "vllm:ec_s3_retries_total": ("S3 requests retried (throttling, 5xx, connection errors).", "store_retries"),
+    "vllm:ec_s3_hedges_total": (
+        "GET ranges asked again on another connection for running past hedge_after_factor x their expected time.",
+        "store_hedges"),
+    "vllm:ec_s3_hedges_won_total": ("Hedged GET ranges whose second request answered first (its answer used).",
+                                    "store_hedges_won"),
     "vllm:ec_s3_store_errors_total": ("Lookups that failed with a store error.", "store_errors"),
     "vllm:ec_s3_promises_ignored_total": ("ec_transfer_params entries ignored as invalid or foreign (foreign ones also in promises_foreign).", "promises_ignored"),
     "vllm:ec_s3_promises_foreign_total": (

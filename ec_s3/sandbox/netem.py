@@ -39,7 +39,7 @@ class LinkProfile:
     rtt_s: float = 0.0  # added once per new connection, to its first answer
     conn_bytes_per_s: float = 0.0
     nic_bytes_per_s: float = 0.0
-    tail_fraction: float = 0.0  # of answers, stalled tail_s more
+    tail_fraction: float = 0.0  # of answers, stalled tail_s more (their connection only, not the NIC)
     tail_s: float = 0.0
 
     def with_tail(self, fraction: float, seconds: float) -> LinkProfile:
@@ -123,7 +123,11 @@ class _Proxy:
                     state["new"] = False
                 if p.tail_fraction and self.random.random() < p.tail_fraction:
                     due += p.tail_s
-                now = max(now, due)
+                # Wait here, then book the paces: booked from its due time, a first byte
+                # (a 2 s stall most of all) held up every connection on the shared NIC.
+                if (wait := due - now) > 0:
+                    await asyncio.sleep(wait)
+                now = loop.time()
                 conn.free_at = max(conn.free_at, now)
             due = max(conn.reserve(now, len(data)), self.nic[way].reserve(now, len(data)))
             if (wait := due - loop.time()) > 0:

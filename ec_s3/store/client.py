@@ -48,6 +48,7 @@ from ec_s3.store.errors import (
 from ec_s3.store.diagnose import credential_source
 from ec_s3.store.download import CRC_METADATA_KEY, Download, open_download
 from ec_s3.store.error_map import from_delete_error, to_store_error
+from ec_s3.store.hedge import Hedging
 from ec_s3.store.settings import SharedKey, StoreConfig, shared_key
 from ec_s3.store.permits import Lease, RequestPermits
 from ec_s3.store.transport import ObjectInfo, Transport, open_transport
@@ -110,6 +111,8 @@ class StoreStats:
     # Writes whose answer was lost and whose resend met the write itself (a 412 on an
     # object carrying this write's token): counted as created (put_async).
     lost_answer_writes: int = 0
+    hedges: int = 0  # GET ranges asked again for running past their expected time (hedge.py)
+    hedges_won: int = 0
     _taken: dict[str, int] = dataclasses.field(default_factory=dict, repr=False, compare=False)
     _take_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -156,6 +159,7 @@ class S3Store:
         self._shared_key: SharedKey | None = None
         self.stats = StoreStats()
         self.breaker = CircuitBreaker(config.breaker_threshold, config.breaker_cooldown_s)
+        self.hedging = Hedging(config.hedge_after_factor, config.max_hedges_in_flight)
 
     def __repr__(self) -> str:
         return f"S3Store(bucket={self.bucket!r}, endpoint_url={self.config.endpoint_url!r})"
@@ -378,7 +382,6 @@ class S3Store:
     # ------------------------------------------------------------------ operations
     async def head_async(self, key: str) -> ObjectInfo | None:
         """Size and metadata of ``key``, or None if it does not exist."""
-
         try:
             return await self._call("HEAD", key, lambda t: t.head(key))
         except ObjectNotFound:

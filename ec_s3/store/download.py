@@ -21,7 +21,8 @@ from ec_s3.store.body import crc32_of
 from ec_s3.store.breaker import CircuitBreaker
 from ec_s3.store.error_map import to_store_error
 from ec_s3.store.errors import IntegrityError, ObjectChanged, StoreRequestError
-from ec_s3.store.permits import Lease
+from ec_s3.store.hedge import Hedging, Stopwatch, race
+from ec_s3.store.permits import Lease, RequestPermits
 from ec_s3.store.ranges import check_answer
 from ec_s3.store.settings import StoreConfig
 from ec_s3.store.tasks import all_or_none
@@ -41,6 +42,10 @@ class DownloadingStore(Protocol):
     config: StoreConfig
     stats: Any
     breaker: CircuitBreaker
+    hedging: Hedging
+    _permits: RequestPermits | None
+
+    async def _get_transport(self) -> Transport: ...
 
     async def _call(
         self, op: str, key: str, fn: Callable[[Transport], Awaitable[T]], *, permit: bool = True, spent: int = 0
@@ -61,6 +66,7 @@ class _First:
     size: int
     etag: str
     crc: str
+    first_byte_s: float
     data: bytes | None = None
 
 
@@ -73,16 +79,18 @@ def plan_ranges(start: int, end: int, range_bytes: int, most: int, slack: int = 
 
 
 async def _open_first(store: DownloadingStore, key: str, last: int) -> _First:
-    """The answer to ``Range: bytes=0-last``, its body unread, its permit held."""
+    """The answer to ``Range: bytes=0-last``, its body unread, its permit held. Hedged on
+    its head alone: its body is read only once the caller has placed it."""
 
-    async def _open(t: Transport) -> _First:
+    async def _open(t: Transport, watch: Stopwatch) -> _First:
         async with contextlib.AsyncExitStack() as scope:
             lease = await scope.enter_async_context(store._lease("GET", key))
+            watch.start()
             async with lease.bounded():  # this task's part of the attempt
                 answer = await scope.enter_async_context(t.open_range(key, 0, last))
                 span = check_answer(answer.status, answer.headers, 0, last, key)
                 first = _First(scope, lease, answer, span.length or 0, span.total or span.length or 0,
-                               answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""))
+                               answer.headers.get("ETag", ""), answer.headers.get(_CRC_HEADER, ""), watch.elapsed())
                 if span.length is None:  # a 200 of unknown length (chunked): the whole object
                     first.data = await answer.read_to_end(store.config.max_blob_bytes)
                     first.length = first.size = len(first.data)
@@ -91,7 +99,23 @@ async def _open_first(store: DownloadingStore, key: str, last: int) -> _First:
             first.scope = scope.pop_all()  # held until read_into (or close) releases it
             return first
 
-    return await store._call("GET", key, _open, permit=False)
+    async def _release(first: _First) -> None:
+        await first.scope.aclose()
+
+    return await race(store, 0, lambda w: store._call("GET", key, lambda t: _open(t, w), permit=False),
+                      lambda w: _hedge(store, key, lambda t: _open(t, w), permit=False), _release)
+
+
+async def _hedge(store: DownloadingStore, key: str, fn: Callable[[Transport], Awaitable[T]], *, permit: bool) -> T:
+    """A hedge's one attempt: not retried (its primary is), not the breaker's (a hedge
+    cancelled is no failure of the store), on a connection of its own (the primary's is
+    busy, never shared)."""
+    transport = await store._get_transport()
+    store.stats.requests += 1
+    if not permit:
+        return await fn(transport)
+    async with store._lease("GET", key) as lease, lease.bounded():
+        return await fn(transport)
 
 
 class Download:
@@ -144,25 +168,39 @@ class Download:
 
     async def _range(self, start: int, end: int) -> None:
         """Bytes ``start`` to ``end - 1`` (or to the object's end, if sooner) into the
-        caller's buffer once it is placed; nothing when the object ends before ``start``."""
+        caller's buffer once it is placed; nothing when the object ends before ``start``.
+        A hedge reads into a buffer of its own, copied over the range only if it wins."""
         assert self._head is not None and self._out is not None
-        head, placed = self._head, self._out
+        head, placed, store = self._head, self._out, self._store
 
-        async def _get(t: Transport) -> None:
+        async def _get(t: Transport, watch: Stopwatch, own: bool) -> memoryview | None:
+            watch.start()
             etag = head.result()[0] if head.done() and strong_etag(head.result()[0]) else None
             async with t.open_range(self.key, start, end - 1, etag) as answer:
+                first_byte_s = watch.elapsed()
                 span = check_answer(answer.status, answer.headers, start, end - 1, self.key)
-                first_etag, size = await head
+                with watch.wait():
+                    first_etag, size = await head
                 if span.total != size:
                     raise ObjectChanged("GET", self.key, f"object is {span.total} bytes now, was {size}")
                 if answer.headers.get("ETag") != first_etag:  # strong: byte for byte
                     raise ObjectChanged("GET", self.key, f"a range has ETag {answer.headers.get('ETag')!r}, "
                                         f"the first {first_etag!r}")
-                out = await placed
-                await answer.read_into(out[start : start + (span.length or 0)])
+                n = span.length or 0
+                if own:
+                    into = memoryview(bytearray(n))
+                else:
+                    with watch.wait():
+                        into = (await placed)[start : start + n]
+                await answer.read_into(into)
+                store.hedging.record(first_byte_s, watch.elapsed() - first_byte_s, n)
+                return into if own else None
 
         try:
-            await self._store._call("GET", self.key, _get)
+            won = await race(store, end - start, lambda w: store._call("GET", self.key, lambda t: _get(t, w, False)),
+                             lambda w: _hedge(store, self.key, lambda t: _get(t, w, True), permit=True))
+            if won is not None:  # the hedge's answer, whole, over whatever the cancelled primary wrote
+                (await placed)[start : start + len(won)] = won
         except StoreRequestError as exc:
             if exc.status == 416 and start >= (await head)[1]:
                 return  # the object ends before this range: the expected size was too large
@@ -231,7 +269,10 @@ class Download:
                 if first.data is not None:
                     out[:] = first.data
                 else:
+                    began = self._store.hedging.clock.now()
                     await first.answer.read_into(out[: first.length])
+                    self._store.hedging.record(first.first_byte_s, self._store.hedging.clock.now() - began,
+                                               first.length)
         except Exception as exc:  # noqa: BLE001 - mapped; a cut body is asked again
             error = to_store_error("GET", self.key, exc)
             if error is None:

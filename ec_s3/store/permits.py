@@ -65,6 +65,10 @@ class RequestPermits:
         finally:
             self._sem.release()
 
+    def any_free(self) -> bool:
+        """Whether a permit is free now (a hedge takes one only then: it never queues)."""
+        return not self._sem.locked()
+
     @contextlib.asynccontextmanager
     async def hold(self, op: str, key: str) -> AsyncIterator[None]:
         """A permit for the body of the ``async with``, run in this task: waited for at

@@ -49,6 +49,8 @@ class StoreConfig:
     multipart_threshold_bytes: int
     multipart_part_bytes: int
     get_range_bytes: int
+    hedge_after_factor: float
+    max_hedges_in_flight: int
     max_blob_bytes: int
     breaker_threshold: int
     breaker_cooldown_s: float

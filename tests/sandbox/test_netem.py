@@ -105,6 +105,28 @@ def test_a_slow_tail_stalls_its_fraction_of_answers() -> None:
     assert all(0.295 <= first < 1.5 for first, _, _ in asyncio.run(run()))
 
 
+def test_a_stalled_answer_holds_up_its_own_connection_only() -> None:
+    """A stall is the server's (S3's slow tail), not the link's: while one answer waits,
+    another connection's answer goes at its own pace. The stalled first byte once booked
+    the shared NIC from its due time on, so every connection waited for the stall."""
+    profile = LinkProfile("t", first_byte_s=0.01, nic_bytes_per_s=100 * MB).with_tail(0.5, 1.5)
+
+    async def run() -> tuple[float, float]:
+        async with _server() as url:
+            # seed 1 draws 0.13 (stalled) then 0.85 (not): the first answer is the stalled one
+            with NetEm(url, profile, seed=1) as link:
+                stalled = asyncio.ensure_future(_exchanges(link.port, [1000]))
+                await asyncio.sleep(0.3)  # the stalled answer's first byte is due, not sent
+                (other, _, data), = await _exchanges(link.port, [1000])
+                assert data == (bytes(range(256)) * 4)[:1000]
+                (held, _, _), = await stalled
+                return held, other
+
+    held, other = asyncio.run(run())
+    assert held >= 1.45  # stalled
+    assert other < 0.6, f"a connection waited {other:.2f}s for another's stalled answer"
+
+
 def test_profiles_and_the_limit() -> None:
     standard = PROFILES["standard"]
     assert (standard.first_byte_s, standard.conn_bytes_per_s, standard.nic_bytes_per_s) == (0.020, 90e6, 1.25e9)

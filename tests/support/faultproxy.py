@@ -185,6 +185,7 @@ class FaultProxy:
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._rules: dict[str, _Rule] = {}
+        self._delays: list[tuple[frozenset[str] | None, float]] = []  # delay_next's, in turn
         self._down = False
         self._counts = dict.fromkeys((f.name for f in fields(FaultCounters)), 0)
         self._request_ids = itertools.count(1)
@@ -287,6 +288,12 @@ class FaultProxy:
         rule = _Rule(_methods(methods), seconds=seconds, target_contains=target_contains) if seconds > 0 else None
         self._set("latency", rule)
 
+    def delay_next(self, seconds: Iterable[float], methods: Iterable[str] | None = None) -> None:
+        """Delay the next matching requests before forwarding, one each, by ``seconds`` in
+        turn (e.g. a slow first request, then a slower second one)."""
+        with self._lock:
+            self._delays = [(_methods(methods), s) for s in seconds]
+
     def set_stall(self, enabled: bool, methods: Iterable[str] | None = None) -> None:
         """Hold matching requests unanswered; clearing it forwards the held ones."""
         self._set("stall", _Rule(_methods(methods)) if enabled else None)
@@ -354,6 +361,7 @@ class FaultProxy:
     def clear(self) -> None:
         with self._lock:
             self._rules.clear()
+            self._delays.clear()
             self._down = False
 
     @property
@@ -506,6 +514,11 @@ class FaultProxy:
                     await asyncio.sleep(_STALL_POLL_S)
             finally:
                 self._count("held_now", -1)
+        with self._lock:
+            once = self._delays.pop(0)[1] if self._delays and method in (self._delays[0][0] or {method}) else 0.0
+        if once:
+            self._count("latency")
+            await asyncio.sleep(once)
         rule = self._peek("latency", method, target)
         if rule is not None:
             self._count("latency")
