@@ -7,7 +7,6 @@ is never a blend of two answers.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable
@@ -23,12 +22,6 @@ from support.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.timeout(120)
 KiB, MiB = 1 << 10, 1 << 20
-
-
-@pytest.fixture(params=["direct", "botocore"])
-def make_config(request: pytest.FixtureRequest, make_config: Callable[..., ECS3Config]) -> Callable[..., ECS3Config]:
-    """Both data paths: each has its own pool, and a hedge must get a connection of its own on each."""
-    return functools.partial(make_config, data_path=request.param)
 
 
 class FakeClock(Clock):
